@@ -1,0 +1,37 @@
+# loom: `make demo` and `make test` set everything up on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo lint format bench clean
+
+setup: $(STAMP)
+
+# The stamp is rebuilt when the project's dependencies change; otherwise setup does nothing.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 11) else 1)" 2>/dev/null \
+		|| $(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check loom tests benchmarks examples
+	$(BIN)/ruff format --check loom tests benchmarks examples
+
+format: setup
+	$(BIN)/ruff format loom tests benchmarks examples
+	$(BIN)/ruff check --fix loom tests benchmarks examples
+
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+bench: setup
+	$(BIN)/python benchmarks/dp_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
