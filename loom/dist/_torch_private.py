@@ -1,0 +1,30 @@
+"""The one place where loom touches private PyTorch APIs.
+
+Each function wraps a private name; `tests/test_torch_private.py` calls every one of them so that an upgrade
+of PyTorch that moves or renames one fails loudly there instead of deep inside a layer.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def flatten_mesh_dims(mesh: DeviceMesh, dim_names: tuple[str, ...], name: str) -> DeviceMesh:
+    """A 1-D mesh over the given consecutive dims of `mesh`, registered with the root mesh.
+
+    DTensor's redistribution looks flattened meshes up on the root mesh and then merges consecutive
+    collectives of the same kind (two all-gathers over a 2 x 2 mesh become one all-gather over 4 ranks).
+    """
+    return mesh[dim_names]._flatten(name)
+
+
+def flattened_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    """The flattened meshes registered on `mesh`'s root, by name."""
+    return dict(mesh._get_root_mesh()._flatten_mapping)
+
+
+def queue_backward_callback(callback) -> None:  # noqa: ANN001
+    """Run `callback` when the current backward pass ends (how DDP finishes its gradient buckets)."""
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -1,0 +1,60 @@
+"""`loom.init` and the current mesh, held at the API surface only.
+
+Internal layers take a `Mesh` argument; only the public entry points (`loom.shard`, `loom.ops`,
+`loom.parallelize`) read the current mesh, so that a script can call `loom.init()` once and forget it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from loom.dist import env
+from loom.dist.mesh import Mesh, MeshShape
+
+_current: Mesh | None = None
+_built: dict[MeshShape, Mesh] = {}
+
+
+def init(mesh: dict[str, int] | None = None, backend: str | None = None) -> Mesh:
+    """Join the process group (under `loom.launch`, `loom run`, torchrun, or alone) and set the mesh.
+
+    `mesh` names the axes and their sizes, e.g. `{"dp": 2, "tp": 2}`; one size may be -1 to fill in; the
+    default puts every device on `"dp"`. Calling `init` again is cheap: the same mesh is returned, and a
+    different one becomes current (every rank must ask for the same mesh, in the same order).
+    """
+    global _current
+    env.ensure_process_group(backend)
+    shape = MeshShape.from_dict(mesh, dist.get_world_size())
+    if shape not in _built:
+        _built[shape] = Mesh.build(shape, env.device_type())
+    _current = _built[shape]
+    return _current
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh set by the last `loom.init`, or None before it."""
+    return _current
+
+
+def require_mesh(what: str) -> Mesh:
+    """The current mesh, or a clear error naming the caller."""
+    if _current is None:
+        raise RuntimeError(f"{what} needs a device mesh: call loom.init() (or loom.init(mesh={{...}})) first")
+    return _current
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a process group)."""
+    return env.rank()
+
+
+def world_size() -> int:
+    """The number of processes (1 outside a process group)."""
+    return env.world_size()
+
+
+def forget_meshes() -> None:
+    """Drop the current and cached meshes (before a process group is destroyed)."""
+    global _current
+    _current = None
+    _built.clear()

@@ -1,0 +1,173 @@
+"""The device mesh: named axes validated once, compiled onto one canonical mesh.
+
+A user names the mesh axes (`{"dp": 2, "tp": 2}`). loom keeps, besides those names, a *canonical* mesh in
+which every axis is cut into its prime factors (`dp` of 4 becomes two mesh dims of 2). Any device arrangement
+that MindSpore-style strategies ask for (`(4, 1)` for one operator, `(2, 2)` for the next) is then a set of
+consecutive canonical dims, so every layout of the same devices lives on one DTensor mesh and any two can be
+redistributed. Every run of consecutive canonical dims is also flattened once, so that DTensor merges
+collectives over several dims into one (one all-gather over 4 ranks, not two over 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from loom.dist._torch_private import flatten_mesh_dims
+
+AXIS_NAMES_HINT = 'e.g. {"dp": 2, "tp": 2}'
+
+
+def prime_factors(n: int) -> tuple[int, ...]:
+    """The prime factors of `n` in ascending order (`12 -> (2, 2, 3)`)."""
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return tuple(factors)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    """Validated sizes of named mesh axes (as torchtitan's ParallelDims): product check and `-1` fill."""
+
+    sizes: tuple[tuple[str, int], ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.sizes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axis names must be unique, got {names}")
+        for name, size in self.sizes:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} must be an identifier, {AXIS_NAMES_HINT}")
+            if size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size}; sizes are positive (or one -1 to fill)")
+        product = math.prod(size for _, size in self.sizes)
+        if product != self.world_size:
+            raise ValueError(
+                f"mesh {dict(self.sizes)} has {product} devices but the world size is {self.world_size}; "
+                f"make the axis sizes multiply to {self.world_size} (one axis may be -1 to fill in)"
+            )
+
+    @classmethod
+    def from_dict(cls, sizes: dict[str, int] | None, world_size: int) -> MeshShape:
+        """Validate a user's `{"axis": size}`; `None` puts every device on `"dp"`; one `-1` is filled in."""
+        if sizes is None:
+            return cls(sizes=(("dp", world_size),), world_size=world_size)
+        if not isinstance(sizes, dict) or not sizes:
+            raise ValueError(f"mesh must be a non-empty dict of axis sizes, {AXIS_NAMES_HINT}; got {sizes!r}")
+        items = [(name, int(size)) for name, size in sizes.items()]
+        fills = [name for name, size in items if size == -1]
+        if len(fills) > 1:
+            raise ValueError(f"mesh {sizes}: only one axis may be -1, got {fills}")
+        if fills:
+            known = math.prod(size for _, size in items if size != -1)
+            if known < 1 or world_size % known:
+                raise ValueError(
+                    f"mesh {sizes}: the other axes multiply to {known}, which does not divide the world size "
+                    f"{world_size}, so {fills[0]!r} cannot be filled in"
+                )
+            items = [(name, world_size // known if size == -1 else size) for name, size in items]
+        return cls(sizes=tuple(items), world_size=world_size)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.sizes)
+
+    def size(self, name: str) -> int:
+        """The size of axis `name` (a clear error for an unknown name)."""
+        for axis, size in self.sizes:
+            if axis == name:
+                return size
+        raise ValueError(f"unknown mesh axis {name!r}; this mesh has axes {list(self.names)}")
+
+    @cached_property
+    def canonical(self) -> tuple[tuple[str, int], ...]:
+        """Canonical mesh dims: each named axis cut into its prime factors, names `tp` or `tp_0, tp_1`."""
+        dims = []
+        for name, size in self.sizes:
+            factors = prime_factors(size)
+            if len(factors) == 1:
+                dims.append((name, size))
+            else:
+                dims.extend((f"{name}_{i}", f) for i, f in enumerate(factors))
+        return tuple(dims)
+
+    def canonical_dims_of(self, name: str) -> tuple[int, ...]:
+        """The canonical mesh dims that make up named axis `name` (empty for an axis of size 1)."""
+        self.size(name)
+        start = 0
+        for axis, size in self.sizes:
+            count = len(prime_factors(size))
+            if axis == name:
+                return tuple(range(start, start + count))
+            start += count
+        raise AssertionError("unreachable")
+
+
+@dataclass(eq=False, kw_only=True)
+class Mesh:
+    """A built mesh: the validated shape, the canonical DTensor `DeviceMesh` and its flattened sub-meshes."""
+
+    shape: MeshShape
+    device_mesh: DeviceMesh
+    _sub_meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, shape: MeshShape, device_type: str = "cpu") -> Mesh:
+        """Create the canonical mesh (a collective call: every rank builds the same mesh together)."""
+        canonical = shape.canonical or (("all", 1),)
+        ranks = torch.arange(shape.world_size).reshape([size for _, size in canonical])
+        device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(name for name, _ in canonical))
+        mesh = cls(shape=shape, device_mesh=device_mesh)
+        mesh._flatten_all_runs()
+        return mesh
+
+    def _flatten_all_runs(self) -> None:
+        names = self.device_mesh.mesh_dim_names
+        ndim = len(names)
+        for start in range(ndim):
+            self._sub_meshes[(start,)] = self.device_mesh[names[start]]
+            for stop in range(start + 2, ndim + 1):
+                run = names[start:stop]
+                self._sub_meshes[tuple(range(start, stop))] = flatten_mesh_dims(
+                    self.device_mesh, run, "+".join(run)
+                )
+
+    @property
+    def ndim(self) -> int:
+        """Number of canonical mesh dims."""
+        return self.device_mesh.ndim
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def canonical_shape(self) -> tuple[int, ...]:
+        return tuple(self.device_mesh.shape)
+
+    def sub_mesh(self, dims: tuple[int, ...]) -> DeviceMesh:
+        """The 1-D mesh over consecutive canonical dims `dims` (flattened when there are several)."""
+        if dims not in self._sub_meshes:
+            raise ValueError(f"canonical mesh dims {dims} are not a run of consecutive dims of {self}")
+        return self._sub_meshes[dims]
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of named axis `name` (`mesh["dp"]`), e.g. for its process group."""
+        dims = self.shape.canonical_dims_of(name)
+        if not dims:
+            raise ValueError(f"mesh axis {name!r} has size 1 and no sub-mesh")
+        return self.sub_mesh(dims)
+
+    def __repr__(self) -> str:
+        named = ", ".join(f"{n}={s}" for n, s in self.shape.sizes)
+        canonical = " x ".join(str(s) for s in self.canonical_shape)
+        return f"Mesh({named}; canonical {canonical})"

@@ -1,0 +1,114 @@
+"""MindSpore's `Layout(device_matrix, alias_name)`: tensor dims mapped to named device axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loom.layout.tensor_layout import ArrangementError, TensorLayout, align_device_matrix
+
+NONE = "None"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A device matrix with a name per axis; call it to map tensor dims to axes.
+
+    >>> layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+    >>> x_layout = layout("dp", ("sp", "mp"), "None")   # dim 0 on dp, dim 1 on sp and mp, dim 2 whole
+
+    The device matrix numbers the devices row-major (the last axis varies fastest) and its product must equal
+    the device count. A dim on several axes is cut by their product, outer axis first.
+    """
+
+    device_matrix: tuple[int, ...]
+    alias_name: tuple[str, ...]
+
+    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str]) -> None:
+        device_matrix, alias_name = tuple(device_matrix), tuple(alias_name)
+        if len(device_matrix) != len(alias_name):
+            raise ValueError(
+                f"Layout: device_matrix {device_matrix} has {len(device_matrix)} axes but alias_name "
+                f"{alias_name} names {len(alias_name)}; give one name per axis"
+            )
+        if any(not isinstance(s, int) or s < 1 for s in device_matrix):
+            raise ValueError(f"Layout: device_matrix {device_matrix} must hold positive ints")
+        if len(set(alias_name)) != len(alias_name) or NONE in alias_name:
+            raise ValueError(f"Layout: alias names {alias_name} must be distinct and not {NONE!r}")
+        object.__setattr__(self, "device_matrix", device_matrix)
+        object.__setattr__(self, "alias_name", alias_name)
+
+    def __call__(self, *tensor_map: str | Sequence[str]) -> TensorMap:
+        """Map each tensor dim to an axis name, a tuple of names, or `"None"` (not cut)."""
+        dims: list[tuple[str, ...]] = []
+        used: dict[str, int] = {}
+        for dim, entry in enumerate(tensor_map):
+            names = (entry,) if isinstance(entry, str) else tuple(entry)
+            names = tuple(n for n in names if n != NONE)
+            for name in names:
+                if name not in self.alias_name:
+                    raise ValueError(
+                        f"Layout: dim {dim} names the unknown axis {name!r}; "
+                        f"the axes are {list(self.alias_name)} (or 'None' for a dim that is not cut)"
+                    )
+                if name in used:
+                    raise ValueError(
+                        f"Layout: axis {name!r} cuts dim {used[name]} and dim {dim}; an axis cuts a tensor at "
+                        f"most once: map dim {dim} to another axis or to 'None'"
+                    )
+                used[name] = dim
+            dims.append(names)
+        return TensorMap(self, tuple(dims))
+
+    def size(self, name: str) -> int:
+        return self.device_matrix[self.alias_name.index(name)]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A `Layout` applied to one tensor: the axis names of each dim."""
+
+    layout: Layout
+    dims: tuple[tuple[str, ...], ...]
+
+    def cuts(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.layout.size(n) for n in names) for names in self.dims)
+
+    def compile(
+        self, op: str, name: str, shape: Sequence[int], canonical_shape: Sequence[int]
+    ) -> TensorLayout:
+        """The `TensorLayout` of input `name` (shape `shape`) on the canonical mesh."""
+        layout = self.layout
+        where = f"{op}: layout of input {name}"
+        if len(self.dims) != len(shape):
+            raise ValueError(
+                f"{where} maps {len(self.dims)} dims but {name} has {len(shape)} (shape {tuple(shape)}); "
+                f"give one entry per dim"
+            )
+        world = math.prod(canonical_shape)
+        if math.prod(layout.device_matrix) != world:
+            raise ValueError(
+                f"{where}: device_matrix {layout.device_matrix} has {math.prod(layout.device_matrix)} devices "
+                f"but there are {world}; make its product {world}"
+            )
+        for dim, (cut, size) in enumerate(zip(self.cuts(), shape, strict=True)):
+            if size % cut:
+                raise ValueError(
+                    f"{where}: dim {dim} has size {size}, which its axes {self.dims[dim]} (cut {cut}) do not "
+                    f"divide; uneven cuts are not supported: choose axes whose sizes multiply to a divisor"
+                )
+        try:
+            groups = dict(zip(layout.alias_name, align_device_matrix(layout.device_matrix, canonical_shape)))
+        except ArrangementError as error:
+            raise ValueError(f"{where}: {error}") from None
+        dim_axes = []
+        for dim, names in enumerate(self.dims):
+            order = [layout.alias_name.index(n) for n in names]
+            if order != sorted(order):
+                raise ValueError(
+                    f"{where}: dim {dim} lists axes {names} out of device-matrix order; loom cuts a dim over "
+                    f"several axes outer axis first: write them in the order of alias_name {layout.alias_name}"
+                )
+            dim_axes.append(tuple(axis for n in names for axis in groups[n]))
+        return TensorLayout(tuple(dim_axes))

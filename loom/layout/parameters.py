@@ -1,0 +1,47 @@
+"""Laying out a module's parameters as DTensors: each rank keeps only its shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from loom.dist.mesh import Mesh
+from loom.layout.tensor_layout import TensorLayout
+
+
+def lay_out_parameters(module: nn.Module, layouts: dict[str, TensorLayout], mesh: Mesh) -> None:
+    """Replace every parameter of `module` by a DTensor parameter: `layouts[name]`, or replicated.
+
+    Values come from rank 0 (as DDP broadcasts them), so every rank starts from the same model. A parameter
+    shared by several modules (tied weights) stays shared. Parameters on the meta device are laid out empty
+    (to be initialised afterwards).
+    """
+    unknown = sorted(set(layouts) - {name for name, _ in module.named_parameters(remove_duplicate=False)})
+    if unknown:
+        valid = [name for name, _ in module.named_parameters()]
+        raise ValueError(f"parameter_plan names unknown parameter(s) {unknown}; the parameters are {valid}")
+    done: dict[int, nn.Parameter] = {}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in done:
+            layout = layouts.get(name, TensorLayout.replicated(param.ndim))
+            done[id(param)] = nn.Parameter(
+                _distribute(param, layout, mesh), requires_grad=param.requires_grad
+            )
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, done[id(param)])
+
+
+def _distribute(param: torch.Tensor, layout: TensorLayout, mesh: Mesh) -> DTensor:
+    placements = layout.placements(mesh.ndim)
+    if isinstance(param, DTensor):
+        return param.redistribute(mesh.device_mesh, placements).detach()
+    if param.is_meta:
+        local_shape = [
+            size // cut for size, cut in zip(param.shape, layout.cuts(mesh.canonical_shape), strict=True)
+        ]
+        local = torch.empty(local_shape, dtype=param.dtype, device="meta")
+        return DTensor.from_local(
+            local, mesh.device_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return distribute_tensor(param.detach(), mesh.device_mesh, placements)

@@ -1,0 +1,46 @@
+"""Moving tensors between layouts on the canonical mesh (DTensor's redistribute does the collectives)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from loom.dist.mesh import Mesh
+from loom.layout.tensor_layout import TensorLayout
+
+
+def layout_of(x: DTensor) -> TensorLayout:
+    """The `TensorLayout` of a DTensor."""
+    return TensorLayout.from_placements(x.placements, x.ndim)
+
+
+def as_replicated(x: torch.Tensor, mesh: Mesh) -> DTensor:
+    """A plain tensor taken as the same global tensor on every rank (its gradient comes back whole)."""
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh.device_mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "tensor") -> DTensor:
+    """`x` (a DTensor on `mesh`, or a plain global tensor) redistributed to `layout`, differentiably.
+
+    DTensor merges collectives over consecutive mesh dims into one, since `Mesh` registers their flattened
+    meshes; its backward is the transposed collective.
+    """
+    x = as_replicated(x, mesh)
+    if x.device_mesh != mesh.device_mesh:
+        raise ValueError(
+            f"{what} is a DTensor on {x.device_mesh}, not on loom's mesh {mesh}; create it with loom "
+            f"(loom.shard / loom.parallelize) or pass the plain global tensor"
+        )
+    placements = layout.placements(mesh.ndim)
+    if tuple(x.placements) == placements:
+        return x
+    return x.redistribute(mesh.device_mesh, placements)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole global tensor on every rank, differentiably (a plain tensor is returned as it is)."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t

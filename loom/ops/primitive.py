@@ -1,0 +1,128 @@
+"""`Primitive`: the base of loom's MindSpore-style operators, with `.shard(in_strategy, out_strategy)`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Self
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from loom.dist.context import current_mesh
+from loom.dist.mesh import Mesh
+from loom.layout import compile_inputs, compile_operator, layout_of, to_layout
+from loom.layout.strategy import check_entry_count
+from loom.layout.tensor_layout import TensorLayout
+from loom.ops.trace import InputEvent, OpEvent, active_recording
+
+
+class Primitive:
+    """An operator with global semantics: sharded or not, it computes what the unsharded operator computes.
+
+    Subclasses name their tensor inputs, label the dims of those inputs (dims with one label are cut alike:
+    `ik`, `kj` for a matmul), and compute on (D)Tensors. Non-tensor arguments (an axis, a shape) follow the
+    tensors in the call and have no strategy entry, as in MindSpore.
+    """
+
+    input_names: tuple[str, ...] = ("x",)
+
+    def __init__(self) -> None:
+        self.in_strategy: tuple | None = None
+        self.out_strategy: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def shard(self, in_strategy: tuple, out_strategy: tuple | None = None) -> Self:
+        """Set how each input is cut (and, optionally, the output's layout); returns the primitive."""
+        check_entry_count(self.name, in_strategy, self.input_names)
+        self.in_strategy, self.out_strategy = tuple(in_strategy), out_strategy
+        return self
+
+    def labels(self, shapes: Sequence[torch.Size], *extra: object) -> list[str]:
+        """One label per dim of each input; paired dims share a label."""
+        raise NotImplementedError
+
+    def uncut(self, shapes: Sequence[torch.Size], *extra: object) -> dict[str, str]:
+        """Labels that must not be cut, with the reason (for the error message)."""
+        return {}
+
+    def compute(self, *args: object) -> torch.Tensor:
+        """The operator itself on (D)Tensors, tensors first, then the non-tensor arguments."""
+        raise NotImplementedError
+
+    def default_strategy(self, shapes: Sequence[torch.Size], mesh: Mesh, *extra: object) -> tuple:
+        """MindSpore's default for an operator without a strategy: data parallel, i.e. the first dim of the
+        first input cut over as many devices as divide it (and the inputs paired with it alike)."""
+        labels = self.labels(shapes, *extra)
+        first = labels[0][:1]
+        cut = math.gcd(mesh.world_size, shapes[0][0]) if shapes[0] else 1
+        return tuple(
+            tuple(cut if label == first and size != 1 else 1 for label, size in zip(lab, shape, strict=True))
+            for lab, shape in zip(labels, shapes, strict=True)
+        )
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        count = len(self.input_names)
+        tensors, extra = args[:count], args[count:]
+        if len(tensors) < count or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError(
+                f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first"
+            )
+        mesh = current_mesh()
+        recording = active_recording()
+        dry_run = recording is not None and any(t.is_meta for t in tensors)
+        sharded = self.in_strategy is not None or dry_run or any(isinstance(t, DTensor) for t in tensors)
+        if mesh is None or not sharded:
+            return self.compute(*tensors, *extra)
+        layouts = self.input_layouts(tensors, mesh, *extra)
+        event = OpEvent(op=self.name, inputs=[])
+        if recording is not None:
+            recording.events.append(event)
+            event.inputs = [
+                InputEvent(
+                    name=n, tensor=t, before=layout_of(t) if isinstance(t, DTensor) else None, after=lay
+                )
+                for n, t, lay in zip(self.input_names, tensors, layouts, strict=True)
+            ]
+        if dry_run:
+            return self.compute(*tensors, *extra)
+        inputs = [
+            to_layout(t, lay, mesh, f"{self.name} input {n}")
+            for t, lay, n in zip(tensors, layouts, self.input_names, strict=True)
+        ]
+        out = self.compute(*inputs, *extra)
+        if self.out_strategy is not None:
+            out = self._to_out_layout(out, mesh)
+        event.output = layout_of(out) if isinstance(out, DTensor) else None
+        return out
+
+    def input_layouts(
+        self, tensors: Sequence[torch.Tensor], mesh: Mesh, *extra: object
+    ) -> list[TensorLayout]:
+        """The validated layout of every input under this primitive's strategy (or the default one)."""
+        shapes = [t.shape for t in tensors]
+        strategy = self.in_strategy or self.default_strategy(shapes, mesh, *extra)
+        return compile_operator(
+            self.name,
+            self.input_names,
+            self.labels(shapes, *extra),
+            strategy,
+            shapes,
+            mesh.canonical_shape,
+            self.uncut(shapes, *extra),
+        )
+
+    def _to_out_layout(self, out: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        (layout,) = compile_inputs(
+            f"{self.name} (output)", ["output"], self.out_strategy, [out.shape], mesh.canonical_shape
+        )
+        return to_layout(out, layout, mesh, f"{self.name} output") if layout is not None else out
+
+    def __repr__(self) -> str:
+        text = f"{self.name}()"
+        if self.in_strategy is not None:
+            text += f".shard({self.in_strategy}" + (f", {self.out_strategy})" if self.out_strategy else ")")
+        return text

@@ -1,0 +1,209 @@
+"""loom's MindSpore-style primitives: each computes what the unsharded operator computes, on any strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from loom.ops.primitive import Primitive
+
+BATCH = "ABCDEFGH"  # labels of batch dims, aligned from the right as broadcasting aligns them
+DIMS = "abcdefgh"
+
+
+def _aligned(shapes: Sequence[torch.Size]) -> list[str]:
+    """Labels for broadcasting inputs: dims aligned from the right share a label."""
+    rank = max(len(s) for s in shapes)
+    return [DIMS[rank - len(s) : rank] for s in shapes]
+
+
+def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if axis is None or axis == ():
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(sorted(a % ndim for a in axes))
+
+
+class _Elementwise(Primitive):
+    """Broadcasting element-wise operators: dims aligned from the right are cut alike."""
+
+    input_names = ("x", "y")
+    function = staticmethod(torch.add)
+
+    def labels(self, shapes, *extra):
+        return _aligned(shapes)
+
+    def compute(self, x, y):
+        return self.function(x, y)
+
+
+class Add(_Elementwise):
+    """`x + y` with broadcasting."""
+
+    function = staticmethod(torch.add)
+
+
+class Sub(_Elementwise):
+    """`x - y` with broadcasting."""
+
+    function = staticmethod(torch.sub)
+
+
+class Mul(_Elementwise):
+    """`x * y` with broadcasting."""
+
+    function = staticmethod(torch.mul)
+
+
+class Div(_Elementwise):
+    """`x / y` with broadcasting."""
+
+    function = staticmethod(torch.div)
+
+
+class _Unary(Primitive):
+    input_names = ("x",)
+
+    def labels(self, shapes, *extra):
+        return [DIMS[: len(shapes[0])]]
+
+
+class ReLU(_Unary):
+    """`max(x, 0)`."""
+
+    def compute(self, x):
+        return torch.relu(x)
+
+
+class GELU(_Unary):
+    """GELU; `approximate="tanh"` gives MindSpore's default approximation, `"none"` the exact erf form."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def compute(self, x):
+        return F.gelu(x, approximate=self.approximate)
+
+
+class Softmax(_Unary):
+    """Softmax over `axis` (an int or a tuple); the softmax axes cannot be cut."""
+
+    def __init__(self, axis: int | Sequence[int] = -1) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def uncut(self, shapes, *extra):
+        labels = self.labels(shapes)[0]
+        return {labels[a]: f"dim {a} is a softmax axis" for a in _axes(self.axis, len(shapes[0]))}
+
+    def compute(self, x):
+        axes = _axes(self.axis, x.ndim)
+        if len(axes) == 1:
+            return torch.softmax(x, axes[0])
+        shifted = torch.exp(x - torch.amax(x, dim=axes, keepdim=True))
+        return shifted / shifted.sum(dim=axes, keepdim=True)
+
+
+class LayerNorm(Primitive):
+    """Layer normalisation of `x` over dims `begin_norm_axis..`, scaled by `gamma` and shifted by `beta`
+    (of shape `x.shape[begin_params_axis:]`). The normalised dims cannot be cut. Returns the output only."""
+
+    input_names = ("x", "gamma", "beta")
+
+    def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1, epsilon: float = 1e-7) -> None:
+        super().__init__()
+        self.begin_norm_axis, self.begin_params_axis, self.epsilon = (
+            begin_norm_axis,
+            begin_params_axis,
+            epsilon,
+        )
+
+    def labels(self, shapes, *extra):
+        x = DIMS[: len(shapes[0])]
+        params = x[self.begin_params_axis % len(x) :]
+        return [x, params, params]
+
+    def uncut(self, shapes, *extra):
+        x = self.labels(shapes)[0]
+        start = self.begin_norm_axis % len(x)
+        return {label: f"dim {d} is normalised by LayerNorm" for d, label in enumerate(x) if d >= start}
+
+    def compute(self, x, gamma, beta):
+        norm_shape = tuple(x.shape[self.begin_norm_axis % x.ndim :])
+        if self.begin_norm_axis % x.ndim == self.begin_params_axis % x.ndim:
+            return F.layer_norm(x, norm_shape, gamma, beta, self.epsilon)
+        return F.layer_norm(x, norm_shape, None, None, self.epsilon) * gamma + beta
+
+
+class MatMul(Primitive):
+    """2-D `x @ w` (optionally transposed); cutting the contracted dim makes the output a pending sum."""
+
+    input_names = ("x", "w")
+
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        super().__init__()
+        self.transpose_a, self.transpose_b = transpose_a, transpose_b
+
+    def labels(self, shapes, *extra):
+        for name, shape in zip(self.input_names, shapes, strict=True):
+            if len(shape) != 2:
+                raise ValueError(
+                    f"MatMul: input {name} has shape {tuple(shape)}, but MatMul takes 2-D inputs; "
+                    f"use BatchMatMul for batched or higher-rank inputs"
+                )
+        return ["ki" if self.transpose_a else "ik", "jk" if self.transpose_b else "kj"]
+
+    def compute(self, x, w):
+        return torch.matmul(x.mT if self.transpose_a else x, w.mT if self.transpose_b else w)
+
+
+class BatchMatMul(MatMul):
+    """Batched `x @ w` over the last two dims, with broadcasting batch dims."""
+
+    def labels(self, shapes, *extra):
+        x, w = shapes
+        if len(x) < 2 or len(w) < 2:
+            raise ValueError(f"BatchMatMul: inputs need at least 2 dims, got {tuple(x)} and {tuple(w)}")
+        batch = max(len(x), len(w)) - 2
+        batch_labels = BATCH[:batch]
+        x_tail = "ki" if self.transpose_a else "ik"
+        w_tail = "jk" if self.transpose_b else "kj"
+        return [batch_labels[batch - (len(x) - 2) :] + x_tail, batch_labels[batch - (len(w) - 2) :] + w_tail]
+
+
+class Transpose(_Unary):
+    """`x` with its dims permuted: called as `Transpose()(x, perm)`."""
+
+    def compute(self, x, perm):
+        return x.permute(*perm)
+
+
+class Reshape(_Unary):
+    """`x` reshaped: called as `Reshape()(x, shape)`. The input is laid out by the strategy; the output keeps
+    the cut when the reshape leaves the cut dim's leading part in place, else DTensor gathers it first."""
+
+    def compute(self, x, shape):
+        return x.reshape(shape)
+
+
+class _Reduce(_Unary):
+    def __init__(self, keep_dims: bool = False) -> None:
+        super().__init__()
+        self.keep_dims = keep_dims
+
+
+class ReduceSum(_Reduce):
+    """Sum over `axis` (all dims by default): `ReduceSum(keep_dims)(x, axis)`. Cut axes give a pending sum."""
+
+    def compute(self, x, axis=()):
+        return x.sum(dim=_axes(axis, x.ndim), keepdim=self.keep_dims)
+
+
+class ReduceMean(_Reduce):
+    """Mean over `axis` (all dims by default): `ReduceMean(keep_dims)(x, axis)`."""
+
+    def compute(self, x, axis=()):
+        return x.mean(dim=_axes(axis, x.ndim), keepdim=self.keep_dims)
