@@ -6,6 +6,9 @@ Internal layers take a `Mesh` argument; only the public entry points (`loom.shar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch.distributed as dist
 
 from loom.dist import env
@@ -58,3 +61,15 @@ def forget_meshes() -> None:
     global _current
     _current = None
     _built.clear()
+
+
+@contextmanager
+def unsharded() -> Iterator[None]:
+    """Inside the block there is no current mesh: loom operators compute on this process alone, ignoring
+    their strategies (for reference runs on one device)."""
+    global _current
+    saved, _current = _current, None
+    try:
+        yield
+    finally:
+        _current = saved

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from loom.layout import TensorLayout, layout_of
 from loom.ops.primitive import Primitive
 
 BATCH = "ABCDEFGH"  # labels of batch dims, aligned from the right as broadcasting aligns them
@@ -161,7 +163,36 @@ class MatMul(Primitive):
 
 
 class BatchMatMul(MatMul):
-    """Batched `x @ w` over the last two dims, with broadcasting batch dims."""
+    """Batched `x @ w` over the last two dims, with broadcasting batch dims.
+
+    Computed on the local shards, as MindSpore does: the output's layout follows from the labels (batch dims,
+    `i` and `j` keep their inputs' cuts; a cut `k` leaves a pending sum). DTensor's own rule for batched
+    matmuls of rank > 3 flattens the batch dims, which it cannot do when one is cut over several mesh dims.
+    """
+
+    def compute(self, x, w):
+        if not isinstance(x, DTensor):
+            return super().compute(x, w)
+        x_labels, w_labels = self.labels([x.shape, w.shape])
+        batch = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
+        i, j = x.shape[-1 if self.transpose_a else -2], w.shape[-2 if self.transpose_b else -1]
+        axes = {}
+        for labels, tensor in ((w_labels, w), (x_labels, x)):  # x's axes win where both have a label
+            for label, size, dim_axes in zip(labels, tensor.shape, layout_of(tensor).dim_axes, strict=True):
+                if size != 1 or label not in axes:
+                    axes[label] = dim_axes
+        out_labels = BATCH[: len(batch)] + "ij"
+        layout = TensorLayout(tuple(axes[label] for label in out_labels), partial=axes["k"])
+        used = {axis for dim_axes in axes.values() for axis in dim_axes}
+        local = super().compute(_local(x, used), _local(w, used))
+        return DTensor.from_local(
+            local,
+            x.device_mesh,
+            layout.placements(x.device_mesh.ndim),
+            run_check=False,
+            shape=torch.Size([*batch, i, j]),
+            stride=torch.empty(0).new_empty([*batch, i, j]).stride(),
+        )
 
     def labels(self, shapes, *extra):
         x, w = shapes
@@ -174,6 +205,14 @@ class BatchMatMul(MatMul):
         return [batch_labels[batch - (len(x) - 2) :] + x_tail, batch_labels[batch - (len(w) - 2) :] + w_tail]
 
 
+def _local(t: DTensor, used_axes: set[int]) -> torch.Tensor:
+    """`t`'s shard, whose gradient is a pending sum over the mesh dims that other operands are cut on."""
+    grad_placements = [
+        p if p.is_shard() or axis not in used_axes else Partial() for axis, p in enumerate(t.placements)
+    ]
+    return t.to_local(grad_placements=grad_placements)
+
+
 class Transpose(_Unary):
     """`x` with its dims permuted: called as `Transpose()(x, perm)`."""
 
@@ -182,11 +221,58 @@ class Transpose(_Unary):
 
 
 class Reshape(_Unary):
-    """`x` reshaped: called as `Reshape()(x, shape)`. The input is laid out by the strategy; the output keeps
-    the cut when the reshape leaves the cut dim's leading part in place, else DTensor gathers it first."""
+    """`x` reshaped: called as `Reshape()(x, shape)`. The input is laid out by the strategy; a cut survives
+    when its dim leads the group of dims that become one output dim (or is split with the cut dividing the
+    leading part); any other cut is gathered first, since no strategy could name the result."""
 
     def compute(self, x, shape):
+        if isinstance(x, DTensor):
+            x = _keep_reshapeable_cuts(x, tuple(torch.empty(0).new_empty(x.shape).reshape(shape).shape))
         return x.reshape(shape)
+
+
+def _reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input dims with runs of output dims of equal product (as a view maps them)."""
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        ins, outs = [], []
+        a = b = 1
+        while True:
+            if a <= b and i < len(in_shape):
+                a *= in_shape[i]
+                ins.append(i)
+                i += 1
+            elif j < len(out_shape):
+                b *= out_shape[j]
+                outs.append(j)
+                j += 1
+            else:
+                break
+            if (
+                a == b
+                and (i == len(in_shape) or in_shape[i] != 1)
+                and (j == len(out_shape) or out_shape[j] != 1)
+            ):
+                break
+        groups.append((ins, outs))
+    return groups
+
+
+def _keep_reshapeable_cuts(x: DTensor, out_shape: tuple[int, ...]) -> DTensor:
+    layout = layout_of(x)
+    cuts = layout.cuts(x.device_mesh.shape)
+    keep = [False] * x.ndim
+    for ins, outs in _reshape_groups(x.shape, out_shape):
+        lead_in = next((d for d in ins if x.shape[d] != 1), None)
+        lead_out = next((d for d in outs if out_shape[d] != 1), None)
+        if lead_in is not None and lead_out is not None and out_shape[lead_out] % cuts[lead_in] == 0:
+            keep[lead_in] = True
+    wanted = TensorLayout(
+        tuple(axes if keep[d] else () for d, axes in enumerate(layout.dim_axes)), layout.partial
+    )
+    if wanted == layout:
+        return x
+    return x.redistribute(x.device_mesh, wanted.placements(x.device_mesh.ndim))
 
 
 class _Reduce(_Unary):

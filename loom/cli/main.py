@@ -1,0 +1,68 @@
+"""The `loom` command: one entry point, one small module per subcommand.
+
+A subcommand module provides NAME, HELP (one line for `loom --help`), DESCRIPTION (its own `--help`
+text, with examples), `configure(parser)` to add its arguments and `execute(args) -> int` to run.
+Adding a subcommand is writing such a module and listing it in `_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from loom.cli import run
+
+_COMMANDS = (run,)
+
+DESCRIPTION = """\
+loom: train ordinary PyTorch models across many devices.
+
+examples:
+  loom run -n 2 train.py              run train.py on 2 local ranks, like torchrun
+  loom run -n 4 train.py --lr 3e-4    arguments after the script go to the script
+  loom run --help                     everything about one command
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `loom` with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="loom", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for module in _COMMANDS:
+        sub = commands.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.configure(sub)
+        sub.set_defaults(execute=module.execute)
+    return parser
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `loom` command with `argv` (default: sys.argv[1:]); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error: argparse printed it; report its status
+        return _exit_code(exc)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.execute(args)
+    except KeyboardInterrupt:
+        print("loom: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

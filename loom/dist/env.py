@@ -1,0 +1,139 @@
+"""Process-group set-up: one entry point that works wherever a loom program starts.
+
+`ensure_process_group` initialises the default `torch.distributed` process group from whatever the
+environment offers: loom's own launcher and `loom run` (which set torchrun's variables), plain `torchrun`,
+or a lone `python` process with none of those variables (then a 1-rank group on 127.0.0.1, so that code
+written for many ranks runs unchanged on one). No mesh logic lives here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "device_type",
+    "ensure_process_group",
+    "free_port",
+    "local_rank",
+    "rank",
+    "shutdown_process_group",
+    "world_size",
+]
+
+# The variables torchrun sets; loom's launcher sets the same ones so that user code reads them alike.
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Long enough for slow peers to reach the final barrier, short enough that exit never hangs for long.
+_SHUTDOWN_BARRIER_S = 30.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on `host` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def _default_backend(local: int) -> str:
+    # NCCL only when every rank on this machine has a GPU of its own (LOCAL_WORLD_SIZE, set by torchrun
+    # and loom, says how many ranks there are): all ranks must choose the same backend. Else gloo.
+    ranks_here = max(_env_int("LOCAL_WORLD_SIZE", 0), local + 1)
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here:
+        return "nccl"
+    return "gloo"
+
+
+def _rendezvous_from_env() -> bool:
+    """True when torchrun-style variables are set; ValueError when only some of them are."""
+    present = [name for name in _RENDEZVOUS_VARS if os.environ.get(name)]
+    if not present:
+        return False
+    missing = [name for name in _RENDEZVOUS_VARS if name not in present]
+    if missing:
+        raise ValueError(
+            f"found {', '.join(present)} but not {', '.join(missing)} in the environment; set all of "
+            f"{', '.join(_RENDEZVOUS_VARS)} (torchrun and `loom run` do), or none for a 1-process run"
+        )
+    return True
+
+
+def ensure_process_group(backend: str | None = None, timeout_s: float = 1800) -> None:
+    """Initialise the default process group unless it already is.
+
+    With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (torchrun, `loom run`,
+    `loom.launch` workers) the group is joined with ``init_method="env://"``. Without them this process
+    becomes a 1-rank group on 127.0.0.1 with a free port. When `backend` is None it is "nccl" if every
+    local rank has a GPU (this process's LOCAL_RANK then becomes the current device), else "gloo".
+    """
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; install a build that includes it")
+    if dist.is_initialized():
+        return
+    local = _env_int("LOCAL_RANK", 0)
+    backend = backend or _default_backend(local)
+    if "nccl" in backend:
+        torch.cuda.set_device(local)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _rendezvous_from_env():
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        init = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=timeout)
+
+
+def rank() -> int:
+    """This process's global rank (0 when no process group is initialised)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 when no process group is initialised)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (LOCAL_RANK; 0 when no process group is initialised)."""
+    return _env_int("LOCAL_RANK", 0) if dist.is_initialized() else 0
+
+
+def device_type() -> str:
+    """The device kind the process group's collectives run on: "cuda" with NCCL, else "cpu".
+
+    Before initialisation it is the kind `ensure_process_group()` would choose.
+    """
+    backend = str(dist.get_backend()) if dist.is_initialized() else _default_backend(local_rank())
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def shutdown_process_group() -> None:
+    """Wait for every rank (bounded), then destroy the default process group; a no-op when none exists.
+
+    The barrier is there because with torch 2.13 and gloo a rank that destroys its group while peers are
+    still tearing theirs down sometimes aborts at exit ("terminate called without an active
+    exception"). Barrier errors are swallowed: a peer that already died must not stop this one exiting.
+    """
+    if not dist.is_initialized():
+        return
+    # NCCL needs the device named, or it guesses one and warns.
+    device_ids = [torch.cuda.current_device()] if "nccl" in str(dist.get_backend()) else None
+    try:
+        work = dist.barrier(async_op=True, device_ids=device_ids)
+        work.wait(timeout=datetime.timedelta(seconds=_SHUTDOWN_BARRIER_S))
+    except Exception:
+        pass  # best effort by design, see the docstring
+    dist.destroy_process_group()

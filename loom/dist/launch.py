@@ -1,0 +1,539 @@
+"""Run a function on N local worker processes, each one rank of an initialised process group.
+
+`WorkerGroup` keeps its workers alive between tasks (the test pool and `loom run` build on it); `launch`
+is a group used once. Workers are started with "spawn", set torchrun's environment variables and join
+the group through `env.ensure_process_group`, so user code that calls it again (or reads RANK,
+WORLD_SIZE, LOCAL_RANK) sees what it would see under torchrun.
+
+Failures are reported as `LaunchError` subclasses and never leave a worker behind: a worker that raises
+(`WorkerError`), dies (`WorkerDiedError`, noticed at once through the process sentinels) or does not
+answer in time (`WorkerTimeoutError`). After a death, a timeout, or an error that leaves peers stuck, the
+group is torn down and marked broken.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from loom.dist import env
+
+__all__ = ["LaunchError", "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "launch"]
+
+# How long the other ranks may take to finish after one rank raised before the group counts as stuck.
+_ERROR_GRACE_S = 3.0
+# Seconds for workers to leave the process group and exit on close() before they are killed.
+_CLOSE_TIMEOUT_S = 30.0
+# Start attempts when the rendezvous port was taken between picking it and rank 0 binding it.
+_START_ATTEMPTS = 3
+# An empty message tells a worker to shut down; a pickled task is never empty.
+_STOP = b""
+
+
+class LaunchError(RuntimeError):
+    """Base class of every error that `launch` and `WorkerGroup` raise."""
+
+
+class WorkerError(LaunchError):
+    """A worker raised: `.rank` is the lowest failing rank, `.traceback` its formatted traceback."""
+
+    def __init__(
+        self, message: str, *, rank: int = -1, traceback: str = "", exc_type: str = "", failed_ranks=()
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.exc_type = exc_type
+        self.failed_ranks: list[int] = list(failed_ranks)
+
+
+class WorkerDiedError(LaunchError):
+    """A worker process ended without answering (a signal, `os._exit`, a crash)."""
+
+    def __init__(self, message: str, *, rank: int = -1, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class WorkerTimeoutError(LaunchError):
+    """Some workers did not answer within the task's timeout; `.ranks` lists them."""
+
+    def __init__(self, message: str, *, ranks=(), timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = list(ranks)
+        self.timeout = timeout
+
+
+@dataclass
+class _Failure:
+    """An exception raised in a worker, in a form that always pickles."""
+
+    type_name: str
+    message: str
+    traceback: str
+    exception: bytes | None = None  # the pickled exception, when it pickles
+
+    def original(self) -> BaseException | None:
+        """The worker's exception object, when it survives the trip; None otherwise."""
+        if self.exception is None:
+            return None
+        try:
+            return pickle.loads(self.exception)
+        except Exception:
+            return None
+
+
+def _type_name(obj: object) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    # A class from the caller's script lives in "__mp_main__" inside a spawned worker.
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{_type_name(exc)} whose str() failed>"
+
+
+def _failure(exc: BaseException, note: str = "", skip_frames: int = 0) -> _Failure:
+    """Describe `exc`; `skip_frames` drops loom's own outermost frames from the traceback."""
+    try:
+        blob = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    tb = exc.__traceback__
+    for _ in range(skip_frames):
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return _Failure(_type_name(exc), note or _safe_str(exc), text, blob)
+
+
+def _first_line(text: str, limit: int = 100) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def _send(conn: Connection, kind: str, value: Any) -> None:
+    """Send (kind, value) pickled; a value that does not pickle becomes an error the caller can read."""
+    try:
+        data = pickle.dumps((kind, value))
+    except Exception as exc:
+        note = (
+            f"the worker could not pickle its {'return value' if kind == 'ok' else kind} "
+            f"({_type_name(value)}) to send it to the caller: {_safe_str(exc)}; return plain data "
+            "(tensors, numbers, strings, lists, dicts) instead"
+        )
+        data = pickle.dumps(("error", _failure(exc, note)))
+    conn.send_bytes(data)
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the parent process is gone, so an orphaned worker never lingers."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="loom-parent-watch", daemon=True).start()
+
+
+def _set_worker_env(rank: int, nprocs: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # Inherited from a parent run by torchrun, this would make rank 0 wait for a store nobody hosts.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def _run_task(payload: bytes) -> tuple[str, Any]:
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        return "ok", fn(*args, **kwargs)
+    except BaseException as exc:  # SystemExit too: a task must never end the worker silently
+        return "error", _failure(exc, skip_frames=1)
+
+
+def _serve(conn: Connection) -> None:
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if payload == _STOP:
+            return
+        kind, value = _run_task(payload)
+        # Flush before answering, so the task's output is out before the caller moves on.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _send(conn, kind, value)
+
+
+def _worker_main(rank: int, nprocs: int, port: int, backend: str | None, conn: Connection) -> None:
+    """Entry point of a worker process: join the process group, then serve tasks until told to stop."""
+    # Ctrl-C reaches every process of the terminal; the parent owns it and tears the group down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Whole lines, promptly: ranks share the terminal, and a killed worker loses no buffered output.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+    _exit_with_parent()
+    _set_worker_env(rank, nprocs, port)
+    # Ranks share the machine's cores; without this 8 ranks on 2 cores oversubscribe badly.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    try:
+        env.ensure_process_group(backend)
+    except BaseException as exc:
+        _send(conn, "error", _failure(exc))
+        return
+    _send(conn, "ok", os.getpid())
+    try:
+        _serve(conn)
+    finally:
+        env.shutdown_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End a worker that has left its process group: atexit handlers, flushed streams, then `os._exit`.
+
+    Skipping interpreter finalization saves seconds per worker (tearing torch down is slow), and with it
+    the C++ static destructors, which is where gloo's abort at exit ("terminate called without an active
+    exception") happens.
+    """
+    atexit._run_exitfuncs()  # what a normal exit would run: user handlers, logging, multiprocessing
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------- caller
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "closed its pipe without an exit code"
+    if exitcode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with exit code {exitcode}"
+
+
+def _describe(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _port_was_taken(error: WorkerError) -> bool:
+    text = str(error).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+def _dump_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    try:
+        return pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {_describe(fn)} and its arguments to the workers: {_safe_str(exc)}. Workers "
+            "receive them pickled: define the function at module level (not a lambda or nested "
+            "function) and pass picklable arguments"
+        ) from exc
+
+
+def _worker_error(errors: dict[int, _Failure], missing: list[int], task: str, grace: float) -> WorkerError:
+    rank = min(errors)
+    first = errors[rank]
+    lines = [f"rank {rank} raised {first.type_name} while {task}: {first.message}"]
+    others = [r for r in sorted(errors) if r != rank]
+    if others:
+        also = ", ".join(
+            f"rank {r} ({errors[r].type_name}: {_first_line(errors[r].message)})" for r in others
+        )
+        lines.append(f"also raised: {also}")
+    if missing:
+        lines.append(
+            f"{_ranks(missing)} had not answered {grace:g} s later (probably waiting on a collective "
+            "the failing rank never joined), so the worker group was shut down"
+        )
+    lines.append(f"traceback from rank {rank}:\n{first.traceback.rstrip()}")
+    return WorkerError(
+        "\n".join(lines),
+        rank=rank,
+        traceback=first.traceback,
+        exc_type=first.type_name,
+        failed_ranks=sorted(errors),
+    )
+
+
+class WorkerGroup:
+    """`nprocs` local worker processes, each a rank of one process group, that run tasks on request.
+
+    The workers start (and join the process group) in the constructor and stay alive between `run`
+    calls. Use it as a context manager or call `close()`; an interpreter exit closes it too.
+    """
+
+    def __init__(
+        self,
+        nprocs: int,
+        backend: str | None = None,
+        *,
+        start_timeout: float | None = 300.0,
+        error_grace: float = _ERROR_GRACE_S,
+    ) -> None:
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+        self.nprocs = nprocs
+        self.backend = backend
+        self.error_grace = error_grace
+        self.start_timeout = start_timeout
+        self.pids: list[int] = []
+        self._problem: str | None = None  # why this group can no longer run tasks
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._start()
+                return
+            except WorkerError as exc:
+                # The port was free when picked, but another process may take it before rank 0 binds it.
+                if attempt == _START_ATTEMPTS or not _port_was_taken(exc):
+                    raise
+
+    def _start(self) -> None:
+        """Spawn the workers and wait until each has joined the process group; on failure stop them all."""
+        self._problem, self._procs, self._conns = None, [], []
+        _LIVE_GROUPS.add(self)
+        try:
+            self._spawn(env.free_port())
+            self.pids = self._gather(self.start_timeout, "joining the process group")
+        except BaseException:
+            self._stop_all("it failed to start")
+            raise
+
+    def _spawn(self, port: int) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.nprocs):
+            ours, theirs = ctx.Pipe()
+            args = (rank, self.nprocs, port, self.backend, theirs)
+            proc = ctx.Process(target=_worker_main, args=args, name=f"loom-rank{rank}")
+            proc.start()
+            theirs.close()  # only the worker holds its end, so its death reads as EOF here
+            self._procs.append(proc)
+            self._conns.append(ours)
+
+    @property
+    def broken(self) -> bool:
+        """True once the group was torn down (or closed) and cannot run tasks any more."""
+        return self._problem is not None
+
+    def run(self, fn: Callable, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Run `fn(*args, **kwargs)` on every rank; return the results, index = rank.
+
+        `timeout` is in seconds (None: no limit). Raises `WorkerError`, `WorkerDiedError` or
+        `WorkerTimeoutError`; see the module docstring for when the group survives them.
+        """
+        return self._run_payload(_dump_task(fn, args, kwargs), f"running {_describe(fn)}", timeout)
+
+    def _run_payload(self, payload: bytes, task: str, timeout: float | None) -> list:
+        if self._problem is not None:
+            raise LaunchError(f"this WorkerGroup cannot run tasks: {self._problem}; create a new one")
+        try:
+            for rank, conn in enumerate(self._conns):
+                self._send_task(rank, conn, payload)
+            return self._gather(timeout, task)
+        except LaunchError:
+            raise
+        except BaseException:  # KeyboardInterrupt included: never leave workers mid-task behind
+            self._stop_all("the caller was interrupted while a task ran")
+            raise
+
+    def _send_task(self, rank: int, conn: Connection, payload: bytes) -> None:
+        try:
+            conn.send_bytes(payload)
+        except OSError:
+            self._raise_died([rank], "receiving its task")
+
+    def _gather(self, timeout: float | None, task: str) -> list:
+        """Wait for one answer per rank and return the values, or raise the fitting LaunchError."""
+        answers: dict[int, tuple[str, Any]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        in_grace = False
+        while len(answers) < self.nprocs:
+            pending = [r for r in range(self.nprocs) if r not in answers]
+            handles = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            if not wait(handles, self._remaining(deadline)):
+                break  # the deadline (or the grace period after an error) has passed
+            self._read_answers(pending, answers, task)
+            if not in_grace and any(kind == "error" for kind, _ in answers.values()):
+                # Once a rank has raised, peers stuck in a collective with it would wait forever.
+                in_grace = True
+                grace_end = time.monotonic() + self.error_grace
+                deadline = grace_end if deadline is None else min(deadline, grace_end)
+        return self._conclude(answers, timeout, task)
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _read_answers(self, pending: list[int], answers: dict[int, tuple[str, Any]], task: str) -> None:
+        dead = []
+        for rank in pending:
+            conn = self._conns[rank]
+            if conn.poll():
+                try:
+                    answers[rank] = self._decode(rank, conn.recv_bytes())
+                    continue
+                except (EOFError, OSError):
+                    pass
+            elif self._procs[rank].is_alive():
+                continue
+            dead.append(rank)
+        if dead:
+            self._raise_died(dead, task)
+
+    @staticmethod
+    def _decode(rank: int, data: bytes) -> tuple[str, Any]:
+        try:
+            return pickle.loads(data)
+        except Exception as exc:
+            note = f"rank {rank}'s answer could not be unpickled in the caller: {_safe_str(exc)}"
+            return "error", _failure(exc, note)
+
+    def _raise_died(self, dead: list[int], task: str) -> None:
+        for rank in dead:
+            self._procs[rank].join(timeout=5)
+        rank = dead[0]
+        code = self._procs[rank].exitcode
+        message = f"rank {rank} {_exit_reason(code)} while {task}"
+        if len(dead) > 1:
+            message += f" ({_ranks(dead[1:])} died too)"
+        message += (
+            "; every worker was stopped. Check the worker's output above: SIGKILL often means the OS ran "
+            "out of memory, SIGSEGV or SIGABRT a crash in native code"
+        )
+        self._stop_all(f"{_ranks(dead)} died")
+        raise WorkerDiedError(message, rank=rank, exitcode=code)
+
+    def _conclude(self, answers: dict[int, tuple[str, Any]], timeout: float | None, task: str) -> list:
+        missing = [r for r in range(self.nprocs) if r not in answers]
+        errors = {r: value for r, (kind, value) in answers.items() if kind == "error"}
+        if errors:
+            if missing:
+                self._stop_all(f"{_ranks(missing)} were stuck after an error")
+            error = _worker_error(errors, missing, task, self.error_grace)
+            raise error from errors[error.rank].original()
+        if missing:
+            self._stop_all(f"{_ranks(missing)} timed out")
+            raise WorkerTimeoutError(
+                f"{_ranks(missing)} did not answer within the timeout of {timeout:g} s while {task}; every "
+                "worker was stopped. If the work is just slow, pass a larger timeout; if it hangs, look "
+                "for a rank waiting on a collective that the other ranks never issue",
+                ranks=missing,
+                timeout=timeout,
+            )
+        return [answers[r][1] for r in range(self.nprocs)]
+
+    def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
+        """Ask the workers to leave the process group and exit; kill those still alive after `timeout`."""
+        if self._problem is None:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(_STOP)
+                except OSError:
+                    pass  # already gone; _stop_all reaps it
+            deadline = time.monotonic() + timeout
+            for proc in self._procs:
+                proc.join(timeout=self._remaining(deadline))
+        self._stop_all("it was closed")
+
+    def _stop_all(self, reason: str) -> None:
+        """Terminate, kill and join every worker; afterwards the group cannot run tasks."""
+        if self._problem is None:
+            self._problem = reason
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        _LIVE_GROUPS.discard(self)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"broken: {self._problem}" if self._problem else "ready"
+        return f"WorkerGroup(nprocs={self.nprocs}, backend={self.backend!r}, {state})"
+
+
+# Groups not closed yet. multiprocessing's own exit hook joins live children, which would wait forever on
+# idle workers; ours is registered after it (multiprocessing.util is imported above), so it runs first.
+_LIVE_GROUPS: set[WorkerGroup] = set()
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    for group in list(_LIVE_GROUPS):
+        group.close(timeout=5)
+
+
+def launch(
+    fn: Callable,
+    nprocs: int,
+    /,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float | None = None,
+    **kwargs,
+) -> list:
+    """Run `fn(*args, **kwargs)` in `nprocs` local worker processes; return their results, index = rank.
+
+    Each worker is one rank of an initialised process group (`backend`: None picks nccl with a GPU per
+    rank, else gloo). `timeout` is in seconds for the task (None: no limit). A worker's exception is
+    re-raised as `WorkerError` naming its rank and carrying its traceback; a worker that dies raises
+    `WorkerDiedError`, a timeout `WorkerTimeoutError`. No worker outlives the call.
+    """
+    # Pickle first: a function that cannot reach the workers is reported before any process starts.
+    payload = _dump_task(fn, args, kwargs)
+    with WorkerGroup(nprocs, backend=backend) as group:
+        return group._run_payload(payload, f"running {_describe(fn)}", timeout)

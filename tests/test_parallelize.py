@@ -1,0 +1,145 @@
+"""Tier 2: loom.parallelize in data-parallel and semi-automatic modes equals one device; gradients are
+synchronised by bucketed all-reduce."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+import loom
+from loom import ops
+from loom.dist.context import unsharded
+from loom.models import MLP
+
+
+def _train(model, batches, steps_per_batch=1, local=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        xs, ys = (x, y) if local is None else (local(x), local(y))
+        loss = F.mse_loss(model(xs), ys)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    return losses
+
+
+def _batches(n=4, batch=16, d_in=12, d_out=5):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(batch, d_in, generator=generator), torch.randn(batch, d_out, generator=generator))
+            for _ in range(n)]  # fmt: skip
+
+
+def data_parallel_case(bucket_mb):
+    torch.manual_seed(0)
+    reference = MLP(12, 32, 5, depth=3)
+    model = copy.deepcopy(reference)
+    batches = _batches()
+    with unsharded():
+        expected = _train(reference, batches)
+    loom.init()
+    rank, world = loom.rank(), loom.world_size()
+    loom.parallelize(model, mode="data_parallel", bucket_mb=bucket_mb)
+    local = lambda t: t.chunk(world)[rank]  # noqa: E731
+    losses = _train(model, batches, local=local)
+    # per-rank losses are local; their mean is the global loss
+    mean_losses = [torch.tensor(v) for v in losses]
+    with CommDebugMode() as comm:
+        x, y = batches[0]
+        F.mse_loss(model(local(x)), local(y)).backward()
+    errors = [
+        (p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    return (
+        expected,
+        [t.item() for t in mean_losses],
+        max(errors),
+        comm.get_total_counts(),
+        len(model.loom.grad_sync.buckets),
+    )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_matches_one_device(dist_run, world):
+    results = dist_run(world, data_parallel_case, 25.0)
+    expected = results[0][0]
+    mean_losses = torch.tensor([r[1] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for _, _, param_error, collectives, buckets in results:
+        assert param_error < 1e-5
+        assert buckets == 1 and collectives == 1  # 1.4k parameters fit one 25 MB bucket: one all-reduce
+
+
+def test_data_parallel_small_buckets_overlap(dist_run):
+    results = dist_run(2, data_parallel_case, 0.001)  # ~1 KB buckets: one per gradient-ready group
+    for _, _, param_error, collectives, buckets in results:
+        assert param_error < 1e-5
+        assert buckets > 1 and collectives == buckets
+
+
+class TensorParallelMLP(nn.Module):
+    """Megatron's MLP in strategies: first weight cut by columns, second by rows, on `tp` devices,
+    with the batch cut over the rest."""
+
+    def __init__(self, dp, tp, d=16, hidden=32):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(d, hidden) / d**0.5)
+        self.b1 = nn.Parameter(torch.zeros(hidden))
+        self.w2 = nn.Parameter(torch.randn(hidden, d) / hidden**0.5)
+        self.up = ops.MatMul().shard(((dp, 1), (1, tp)))
+        self.bias = ops.Add().shard(((dp, tp), (tp,)))
+        self.act = ops.GELU().shard(((dp, tp),))
+        self.down = ops.MatMul().shard(((dp, tp), (tp, 1)))
+
+    def forward(self, x, y):
+        out = self.down(self.act(self.bias(self.up(x, self.w1), self.b1)), self.w2)
+        return ((out - y) ** 2).mean()
+
+
+def semi_auto_case(dp, tp):
+    torch.manual_seed(0)
+    reference = TensorParallelMLP(dp, tp)
+    model = copy.deepcopy(reference)
+    batches = [(x, y.repeat(1, 4)[:, :16]) for x, y in _batches(d_in=16)]
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for x, y in batches:
+        with unsharded():
+            loss = reference(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    loom.init({"dp": dp, "tp": tp})
+    rank = loom.rank()
+    local = lambda t: t.chunk(loom.world_size())[rank]  # noqa: E731
+    loom.parallelize(model, mode="semi_auto", example_inputs=(local(batches[0][0]), local(batches[0][1])))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches:
+        loss = model(local(x), local(y))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    errors = {name: (loom.full(p) - q).abs().max().item()
+              for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True)}  # fmt: skip
+    shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    return expected, losses, errors, shapes, model.loom.describe()
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 4), (2, 2), (4, 1)])
+def test_semi_auto_tensor_parallel_mlp_matches_one_device(dist_run, dp, tp):
+    for expected, losses, errors, shapes, plan in dist_run(4, semi_auto_case, dp, tp):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+        assert max(errors.values()) < 1e-5, errors
+        assert shapes == {"w1": (16, 32 // tp), "b1": (32 // tp,), "w2": (32 // tp, 16)}, plan
+
+
+def test_parallelize_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        loom.parallelize(nn.Linear(2, 2), mode="fast")
