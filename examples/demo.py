@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -20,7 +22,9 @@ from loom.dist.context import unsharded
 from loom.models import MatMulChain, ReluNet, SoftCrossEntropy, WithLoss, example_batches, train_sgd
 from loom.ops import record
 
-console = Console()
+console = Console(width=120)
+# CommDebugMode tracks modules with full backward hooks, which warn when no input needs a gradient.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
 def _describe(layout, mesh) -> str:
@@ -91,10 +95,10 @@ def relu_net() -> dict:
 
 def show(title: str, result: dict, tolerance: float) -> bool:
     console.rule(title)
-    console.print(result["plan"])
+    console.print(result["plan"], markup=False)
     table = Table("operator", "input", "arrives as", "laid out as", "redistributed")
     for row in result["rows"]:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))
     console.print(table)
     console.print(f"collectives in the forward pass: {result['collectives'] or 'none'}")
     ok = True

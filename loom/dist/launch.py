@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -51,7 +51,13 @@ class WorkerError(LaunchError):
     """A worker raised: `.rank` is the lowest failing rank, `.traceback` its formatted traceback."""
 
     def __init__(
-        self, message: str, *, rank: int = -1, traceback: str = "", exc_type: str = "", failed_ranks=()
+        self,
+        message: str,
+        *,
+        rank: int = -1,
+        traceback: str = "",
+        exc_type: str = "",
+        failed_ranks: Iterable[int] = (),
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -72,7 +78,7 @@ class WorkerDiedError(LaunchError):
 class WorkerTimeoutError(LaunchError):
     """Some workers did not answer within the task's timeout; `.ranks` lists them."""
 
-    def __init__(self, message: str, *, ranks=(), timeout: float | None = None) -> None:
+    def __init__(self, message: str, *, ranks: Iterable[int] = (), timeout: float | None = None) -> None:
         super().__init__(message)
         self.ranks: list[int] = list(ranks)
         self.timeout = timeout
@@ -285,8 +291,8 @@ def _worker_error(errors: dict[int, _Failure], missing: list[int], task: str, gr
         lines.append(f"also raised: {also}")
     if missing:
         lines.append(
-            f"{_ranks(missing)} had not answered {grace:g} s later (probably waiting on a collective "
-            "the failing rank never joined), so the worker group was shut down"
+            f"{_ranks(missing)} had not answered {grace:g} s later (probably waiting for the failing "
+            "rank, e.g. in a collective it never joined), so the worker group was shut down"
         )
     lines.append(f"traceback from rank {rank}:\n{first.traceback.rstrip()}")
     return WorkerError(

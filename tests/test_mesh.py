@@ -1,0 +1,58 @@
+"""Tier 2: loom.init builds the named, canonical and flattened meshes; the private-API adapter still works."""
+
+import pytest
+import torch.distributed as dist
+
+import loom
+from loom.dist import _torch_private
+
+
+def mesh_case():
+    mesh = loom.init({"dp": -1, "tp": 2})
+    again = loom.init({"dp": 2, "tp": 2})
+    flattened = sorted(_torch_private.flattened_meshes(mesh.device_mesh))
+    dp_ranks = dist.get_process_group_ranks(mesh["dp"].get_group())
+    tp_ranks = dist.get_process_group_ranks(mesh["tp"].get_group())
+    try:
+        loom.init({"dp": 3, "tp": 2})
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return mesh is again, repr(mesh), flattened, dp_ranks, tp_ranks, error, loom.current_mesh() is mesh
+
+
+def test_init_builds_named_mesh_and_is_idempotent(dist_run):
+    for rank, result in enumerate(dist_run(4, mesh_case)):
+        same, text, flattened, dp_ranks, tp_ranks, error, current = result
+        assert same and current
+        assert text == "Mesh(dp=2, tp=2; canonical 2 x 2)"
+        assert flattened == ["dp+tp"]  # the one run of consecutive canonical dims, registered for DTensor
+        assert dp_ranks == [rank % 2, rank % 2 + 2] and tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+        assert "mesh {'dp': 3, 'tp': 2} has 6 devices but the world size is 4" in error
+
+
+def eight_rank_flattening_case():
+    mesh = loom.init({"dp": 2, "tp": 4})
+    return sorted(_torch_private.flattened_meshes(mesh.device_mesh)), mesh["tp"].size()
+
+
+def test_every_run_of_canonical_dims_is_flattened(dist_run):
+    for flattened, tp_size in dist_run(8, eight_rank_flattening_case):
+        assert flattened == ["dp+tp_0", "dp+tp_0+tp_1", "tp_0+tp_1"]
+        assert tp_size == 4
+
+
+def test_private_torch_apis_exist():
+    """Fails loudly when PyTorch moves a private name loom relies on (see loom/dist/_torch_private.py)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert callable(DeviceMesh._flatten)
+    assert hasattr(DeviceMesh, "_get_root_mesh")
+    assert callable(torch.autograd.Variable._execution_engine.queue_callback)
+
+
+@pytest.mark.parametrize("bad", [{"dp": 0}, {"dp": -1, "tp": -1}])
+def test_bad_mesh_dicts_fail_before_any_process_group(bad):
+    with pytest.raises(ValueError):
+        loom.dist.MeshShape.from_dict(bad, 4)
