@@ -178,7 +178,8 @@ def check_case(case: OpCase) -> str | None:
             problems.append(f"grad of input {i} differs by {(got.grad - want.grad).abs().max():.3g}")
     if case.name != "Reshape":  # a reshape may have to gather a cut dim first
         laid_out = [
-            to_layout(t.detach(), lay, mesh) for t, lay in zip(inputs, primitive.input_layouts(inputs, mesh))
+            to_layout(t.detach(), lay, mesh)
+            for t, lay in zip(inputs, primitive.input_layouts(inputs, mesh), strict=True)
         ]
         with CommDebugMode() as comm:
             primitive.compute(*laid_out, *case.extra)

@@ -149,8 +149,11 @@ def test_layout_maps_names_to_canonical_dims():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda l: l("dp", "dp"), "axis 'dp' cuts dim 0 and dim 1; an axis cuts a tensor at most once"),
-        (lambda l: l("dp", "tp"), "dim 1 names the unknown axis 'tp'; the axes are \\['dp', 'sp', 'mp'\\]"),
+        (lambda lay: lay("dp", "dp"), "axis 'dp' cuts dim 0 and dim 1; an axis cuts a tensor at most once"),
+        (
+            lambda lay: lay("dp", "tp"),
+            "dim 1 names the unknown axis 'tp'; the axes are \\['dp', 'sp', 'mp'\\]",
+        ),
     ],
 )
 def test_layout_errors(make, message):

@@ -99,7 +99,11 @@ class TensorMap:
                     f"divide; uneven cuts are not supported: choose axes whose sizes multiply to a divisor"
                 )
         try:
-            groups = dict(zip(layout.alias_name, align_device_matrix(layout.device_matrix, canonical_shape)))
+            groups = dict(
+                zip(
+                    layout.alias_name, align_device_matrix(layout.device_matrix, canonical_shape), strict=True
+                )
+            )
         except ArrangementError as error:
             raise ValueError(f"{where}: {error}") from None
         dim_axes = []
