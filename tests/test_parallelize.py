@@ -54,12 +54,14 @@ def data_parallel_case(bucket_mb):
     errors = [
         (p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True)
     ]
+    sync = model.loom.grad_sync
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return (
         expected,
         [t.item() for t in mean_losses],
         max(errors),
         comm.get_total_counts(),
-        len(model.loom.grad_sync.buckets),
+        (len(sync.buckets), sync.collectives, sync.reduced_bytes == param_bytes),
     )
 
 
@@ -69,16 +71,17 @@ def test_data_parallel_matches_one_device(dist_run, world):
     expected = results[0][0]
     mean_losses = torch.tensor([r[1] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(expected), rtol=1e-5, atol=1e-6)
-    for _, _, param_error, collectives, buckets in results:
+    for _, _, param_error, collectives, (buckets, issued, all_bytes) in results:
         assert param_error < 1e-5
-        assert buckets == 1 and collectives == 1  # 1.4k parameters fit one 25 MB bucket: one all-reduce
+        assert buckets == 1 and collectives == issued == 1  # 1.4k parameters fit one 25 MB bucket
+        assert all_bytes  # one all-reduce volume of the parameters per step
 
 
 def test_data_parallel_small_buckets_overlap(dist_run):
     results = dist_run(2, data_parallel_case, 0.001)  # ~1 KB buckets: one per gradient-ready group
-    for _, _, param_error, collectives, buckets in results:
+    for _, _, param_error, collectives, (buckets, issued, all_bytes) in results:
         assert param_error < 1e-5
-        assert buckets > 1 and collectives == buckets
+        assert buckets > 1 and collectives == issued == buckets and all_bytes
 
 
 class TensorParallelMLP(nn.Module):

@@ -41,6 +41,7 @@ class Bucket:
     offsets: list[int]
     ready: set[int] = field(default_factory=set)
     work: dist.Work | None = None
+    launched: bool = False
 
     def __post_init__(self) -> None:
         self.index = {param: i for i, param in enumerate(self.params)}
@@ -58,6 +59,7 @@ class Bucket:
         for i in set(range(len(self.params))) - self.ready:
             self.buffer[self.offsets[i] : self.offsets[i + 1]].zero_()  # unused this step
         self.work = dist.all_reduce(self.buffer, group=self.route.group, async_op=True)
+        self.launched = True
 
     def wait_and_unpack(self) -> None:
         assert self.work is not None
@@ -99,6 +101,8 @@ class GradSync:
         self._stale = False  # a gradient did not fit the buckets this pass: relearn them at its end
         self._next_launch = 0
         self._queued = False
+        self.reduced_bytes = 0  # bytes all-reduced by the last backward pass (for tests and benchmarks)
+        self.collectives = 0  # all-reduces issued by the last backward pass
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     @contextmanager
@@ -142,6 +146,11 @@ class GradSync:
             if bucket.ready:
                 bucket.launch()
         self._wait(self.buckets)
+        issued = [bucket for bucket in dict.fromkeys(launched + self.buckets) if bucket.launched]
+        self.collectives = len(issued)
+        self.reduced_bytes = sum(bucket.buffer.nbytes for bucket in issued)
+        for bucket in issued:
+            bucket.launched = False
         self._seen, self._stale, self._next_launch, self._queued = [], False, 0, False
         if self.after_sync is not None:
             self.after_sync()
