@@ -1,0 +1,67 @@
+"""Shared fixtures: a session-wide pool of initialised worker groups, one per world size.
+
+Starting workers costs seconds (a torch import and a rendezvous per rank), so multi-rank tests send
+their bodies to long-lived groups instead of spawning per test. Bodies are module-level functions of
+the test files: they pickle by reference, and the workers import the test modules by name because
+spawn hands them the parent's sys.path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from loom.dist.launch import WorkerGroup
+
+
+class WorkerPool:
+    """One `WorkerGroup` per world size, started on first use and replaced once broken."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, WorkerGroup] = {}
+
+    def group(self, world_size: int) -> WorkerGroup:
+        """The live group of `world_size` ranks (a fresh one when the last one broke)."""
+        # Imported here, so that collecting the pure-Python tests never depends on the launcher.
+        from loom.dist.launch import WorkerGroup
+
+        group = self._groups.get(world_size)
+        if group is None or group.broken:
+            group = self._groups[world_size] = WorkerGroup(world_size)
+        return group
+
+    def run(self, world_size: int, fn: Callable, /, *args: Any, timeout: float = 300, **kwargs: Any) -> list:
+        """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results, index = rank."""
+        return self.group(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        """Stop every group."""
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: long multi-rank or end-to-end test; deselect with -m 'not slow'"
+    )
+
+
+@pytest.fixture(scope="session")
+def worker_pool() -> Iterator[WorkerPool]:
+    """The session's pool of worker groups (closed at the end of the session)."""
+    pool = WorkerPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist_run(worker_pool: WorkerPool) -> Callable[..., list]:
+    """`dist_run(world_size, fn, *args, timeout=300, **kwargs) -> list`: fn's result on every rank.
+
+    Generous default timeout: 8 ranks share 2 cores here.
+    """
+    return worker_pool.run
