@@ -12,6 +12,7 @@ import pytest
 
 from loom.cli import run as run_command
 from loom.cli.main import main
+from loom.dist.env import free_port
 
 # Each rank all-reduces its rank id and prints one line; "--fail R" makes rank R raise, "--exit R C"
 # makes rank R call sys.exit(C).
@@ -93,3 +94,16 @@ def test_module_entry_point_runs():
     )
     assert done.returncode == 0, done.stderr
     assert "usage: loom run" in done.stdout
+
+
+def test_loom_init_under_plain_torchrun(script):
+    """The same script under torchrun's own launcher and rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(script), "--tag", "t"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rank in range(2):
+        assert f"rank {rank}/2 sum=1 argv=['--tag', 't']" in done.stdout

@@ -8,6 +8,7 @@ written for many ranks runs unchanged on one). No mesh logic lives here.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -94,6 +95,8 @@ def ensure_process_group(backend: str | None = None, timeout_s: float = 1800) ->
     else:
         init = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=timeout)
+    # A script under torchrun rarely tears its group down; leaving together avoids gloo's abort at exit.
+    atexit.register(shutdown_process_group)
 
 
 def rank() -> int:
