@@ -11,9 +11,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from loom.cli import run
+from loom.cli import bench, run, simulate
 
-_COMMANDS = (run,)
+_COMMANDS = (run, simulate, bench)
 
 DESCRIPTION = """\
 loom: train ordinary PyTorch models across many devices.
@@ -21,6 +21,9 @@ loom: train ordinary PyTorch models across many devices.
 examples:
   loom run -n 2 train.py              run train.py on 2 local ranks, like torchrun
   loom run -n 4 train.py --lr 3e-4    arguments after the script go to the script
+  loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --global-batch 1536
+                                      predict step time, MFU and memory of a plan
+  loom bench --out this-machine.json  measure this machine into a hardware profile
   loom run --help                     everything about one command
 """
 

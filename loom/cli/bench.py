@@ -1,0 +1,103 @@
+"""`loom bench`: measure this machine (matmul FLOP/s, memory bandwidth, collectives) into a hardware profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from loom.cost.calibrate import DEFAULT_SIZES, Calibration, calibrate
+from loom.cost.hardware import save_cluster
+
+NAME = "bench"
+HELP = "measure this machine into a hardware profile for `loom simulate`"
+DESCRIPTION = """\
+Measure this machine on N local ranks, all at once as training runs them: matmul FLOP/s at two sizes (a
+peak and a shape knee are fitted), memory bandwidth, kernel launch overhead, and the time of every
+collective (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, reduce, send/recv) over gloo on
+CPUs or NCCL on GPUs, reported as algorithm and bus bandwidth the way nccl-tests does. With --out, write a
+hardware profile that `loom simulate --hardware FILE` loads.
+
+examples:
+  loom bench                                  measure on 2 ranks and print the tables
+  loom bench --out this-machine.json          also write the profile
+  loom bench -n 4 --sizes 65536 4194304 --repeats 10
+  loom simulate --model-config tiny.toml --hardware this-machine.json --gpus 2
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `loom bench`'s arguments to `parser`."""
+    parser.add_argument("-n", "--nprocs", type=int, default=2, metavar="N", help="local ranks (default 2)")
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs, else gloo"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        metavar="BYTES",
+        help="collective buffer sizes",
+    )
+    parser.add_argument("--matmul-sizes", type=int, nargs=2, default=[128, 512], metavar=("SMALL", "LARGE"))
+    parser.add_argument(
+        "--repeats", type=int, default=5, metavar="R", help="timed runs per measurement (median)"
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the hardware profile (JSON) here")
+    parser.add_argument("--json", action="store_true", help="print the measurements and profile as JSON")
+
+
+def _print(console: Console, result: Calibration) -> None:
+    device, link = result.cluster.device, result.cluster.intra
+    matmul = Table(title="matmul (fp32, n x n @ n x n, slowest rank)")
+    for column in ("n", "seconds", "GFLOP/s"):
+        matmul.add_column(column, justify="right")
+    for row in result.matmul:
+        matmul.add_row(str(row["size"]), f"{row['seconds']:.2e}", f"{row['flops_per_s'] / 1e9:.1f}")
+    console.print(matmul)
+    console.print(
+        f"fitted: peak {device.peak('fp32') / 1e9:.1f} GFLOP/s, shape knee {device.matmul_knee:.0f}; memory bandwidth "
+        f"{device.memory_bandwidth / 1e9:.1f} GB/s; kernel overhead {device.kernel_overhead_s * 1e6:.1f} us"
+    )
+    if result.collectives:
+        table = Table(title=f"collectives over {result.cluster.gpus} ranks (rank 0)")
+        for column in ("collective", "bytes", "time us", "algbw GB/s", "busbw GB/s"):
+            table.add_column(column, justify="left" if column == "collective" else "right")
+        for row in result.collectives:
+            table.add_row(
+                row["kind"], f"{row['bytes']:,}", f"{row['seconds'] * 1e6:.1f}", f"{row['algbw'] / 1e9:.3f}",
+                f"{row['busbw'] / 1e9:.3f}",
+            )  # fmt: skip
+        console.print(table)
+        console.print(
+            f"link fitted to all-reduce: bus bandwidth {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency_s * 1e6:.1f} us per step"
+        )
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Measure, print, and write the profile; return the exit status."""
+    if args.nprocs < 1 or args.repeats < 1 or min(args.sizes) < 4:
+        print("loom bench: error: --nprocs and --repeats must be >= 1 and sizes >= 4 bytes", file=sys.stderr)
+        return 2
+    result = calibrate(
+        args.nprocs, matmul_sizes=args.matmul_sizes, collective_sizes=args.sizes, repeats=args.repeats,
+        backend=args.backend,
+    )  # fmt: skip
+    if args.json:
+        data = {
+            "profile": result.cluster.to_dict(),
+            "matmul": result.matmul,
+            "collectives": result.collectives,
+        }
+        print(json.dumps(data))
+    else:
+        _print(Console(), result)
+    if args.out:
+        save_cluster(result.cluster, args.out)
+        if not args.json:
+            print(f"wrote {args.out}; use it with: loom simulate --hardware {args.out} ...")
+    return 0

@@ -1,0 +1,224 @@
+"""`loom simulate`: predict step time, throughput, utilisation and memory of a plan on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from loom.cost.hardware import PROFILES, get_cluster
+from loom.cost.plan import RECOMPUTE, SCHEDULES, ParallelPlan
+from loom.cost.transformer import TransformerConfig
+from loom.sim.presets import PRESETS, get_model, load_model_config
+from loom.sim.simulator import PlanError, SimResult, simulate
+from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
+
+NAME = "simulate"
+HELP = "predict step time, MFU and memory of a parallel plan (no GPU needed)"
+DESCRIPTION = f"""\
+Simulate one training iteration of a transformer under a parallel plan on a modelled cluster: the pipeline
+schedule played as events, tensor/expert/data-parallel communication, recomputation and the optimizer step.
+
+examples:
+  loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --interleave 3 \\
+      --global-batch 1536 --recompute selective --sequence-parallel
+  loom simulate --model llama3-70b --hardware h200 --gpus 64 --tp 8 --pp 2 --global-batch 256 --seq 8192 \\
+      --recompute full --optimizer-level 1 --json
+  loom simulate --layers 24 --hidden 2048 --heads 16 --vocab 32000 --gpus 8 --tp 2 --global-batch 64
+  loom simulate --model gpt3-175b --gpus 64 --tp 8 --pp 8 --interleave 3 --global-batch 64 --timeline t.png
+  loom simulate --model-config config.json --hardware this-machine.json --gpus 2
+
+models: {", ".join(PRESETS)}
+hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`
+
+dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined).
+exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
+2 for usage errors.
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `loom simulate`'s arguments to `parser`."""
+    model = parser.add_argument_group("model (a preset, a file, or the shape)")
+    model.add_argument(
+        "--model", choices=sorted(PRESETS), metavar="NAME", help="a preset (see the list below)"
+    )
+    model.add_argument(
+        "--model-config", metavar="FILE", help="TOML/JSON of model fields, or a Hugging Face config.json"
+    )
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "experts", "top-k", "vocab"):
+        model.add_argument(f"--{flag}", type=int, metavar="N")
+    model.add_argument("--swiglu", action="store_true", help="gated (SwiGLU) MLP, Llama-style")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--hardware", default="a100-80gb", help="profile name or file (default a100-80gb)")
+    hardware.add_argument("--gpus", type=int, help="devices (default dp * tp * pp)")
+    hardware.add_argument("--gpus-per-node", type=int, help="devices per node (default: the profile's)")
+    plan = parser.add_argument_group("plan")
+    for axis in ("dp", "tp", "pp", "interleave", "ep", "micro-batch", "global-batch"):
+        plan.add_argument(f"--{axis}", type=int, metavar="N")
+    plan.add_argument("--seq", type=int, default=2048, metavar="N", help="sequence length (default 2048)")
+    plan.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    plan.add_argument("--sequence-parallel", action="store_true")
+    plan.add_argument("--optimizer-level", type=int, choices=(0, 1, 2, 3), default=0)
+    plan.add_argument(
+        "--schedule", choices=SCHEDULES, help="default: interleaved when --interleave > 1, else 1f1b"
+    )
+    plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
+    plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp8", "fp32"), default="bf16")
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    output.add_argument(
+        "--timeline", metavar="PNG", help="draw the simulated pipeline schedule (needs matplotlib)"
+    )
+
+
+def _model(args: argparse.Namespace) -> TransformerConfig:
+    shape = {
+        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+        "ffn_hidden": args.ffn_hidden, "experts": args.experts, "top_k": args.top_k, "vocab": args.vocab,
+    }  # fmt: skip
+    given = {name: value for name, value in shape.items() if value is not None}
+    if args.model and args.model_config:
+        raise ValueError("give --model or --model-config, not both")
+    if args.model or args.model_config:
+        base = get_model(args.model) if args.model else load_model_config(args.model_config)
+        return base.replace(**given, **({"gated_mlp": True} if args.swiglu else {}))
+    missing = [f"--{name}" for name in ("layers", "hidden", "heads", "vocab") if name not in given]
+    if missing:
+        raise ValueError(
+            f"no model: give --model NAME, --model-config FILE, or the shape (missing {' '.join(missing)})"
+        )
+    return TransformerConfig(name="custom", gated_mlp=args.swiglu, **given)
+
+
+def _plan(args: argparse.Namespace) -> tuple[ParallelPlan, int]:
+    tp, pp = args.tp or 1, args.pp or 1
+    if args.dp is None:
+        gpus = args.gpus or tp * pp
+        if gpus % (tp * pp):
+            raise PlanError(
+                [f"--gpus {gpus} is not a multiple of tp*pp = {tp * pp}; choose degrees that multiply to it"]
+            )
+        dp = gpus // (tp * pp)
+    else:
+        dp, gpus = args.dp, args.gpus or args.dp * tp * pp
+    micro = args.micro_batch or 1
+    batch = args.global_batch or dp * micro * (4 * pp if pp > 1 else 1)
+    try:
+        plan = ParallelPlan(
+        dp=dp, tp=tp, pp=pp, interleave=args.interleave or 1, ep=args.ep or 1, micro_batch=micro,
+        global_batch=batch, seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+        optimizer_level=args.optimizer_level, schedule=args.schedule, overlap_grad_sync=not args.no_overlap_grad_sync,
+        flash_attention=args.flash_attention, dtype=args.dtype,
+    )  # fmt: skip
+    except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
+        raise PlanError([str(exc)]) from exc
+    return plan, gpus
+
+
+def _json(
+    model: TransformerConfig, plan: ParallelPlan | None, result: SimResult | None, reasons: list[str]
+) -> dict:
+    data: dict = {
+        "model": model.name,
+        "parameters": model.parameter_count(),
+        "plan": plan.to_dict() if plan else None,
+    }
+    if result is not None:
+        data |= result.to_dict()
+    if reasons:
+        data |= {"fits": False, "reasons": reasons}
+        for key in (
+            "iteration_s",
+            "tokens_per_s",
+            "tflops_per_device",
+            "model_tflops_per_device",
+            "mfu",
+            "hfu",
+        ):
+            data[key] = None  # no number for a plan that cannot run
+        data |= {"bubble_fraction": None, "breakdown": None}
+        data.setdefault("memory_per_device_gib", None)
+    return data
+
+
+def _print(
+    console: Console, model: TransformerConfig, plan: ParallelPlan, cluster, result: SimResult
+) -> None:
+    p = plan
+    console.print(
+        f"[bold]{model.name}[/] ({model.parameter_count() / 1e9:.1f}B parameters) on {cluster.gpus} x {cluster.name} "
+        f"({cluster.gpus_per_node} per node): dp {p.dp} tp {p.tp} pp {p.pp} interleave {p.interleave} ep {p.ep}, "
+        f"micro-batch {p.micro_batch} x {p.micro_batches}, global batch {p.global_batch} x {p.seq} tokens, "
+        f"recompute {p.recompute}{', sequence parallel' if p.sequence_parallel else ''}, "
+        f"optimizer level {p.optimizer_level}, {p.schedule}"
+    )
+    summary = Table(title="predicted iteration", show_header=False)
+    rows = [
+        ("iteration", f"{result.iteration_s:.3f} s"),
+        ("tokens/s", f"{result.tokens_per_s:,.0f}"),
+        (
+            "TFLOP/s per device",
+            f"{result.tflops_per_device:.1f} (model FLOPs only: {result.model_tflops_per_device:.1f})",
+        ),
+        ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%}"),
+        ("pipeline bubble", f"{result.bubble_fraction:.1%}"),
+        ("memory per device", f"{result.memory_per_device_gib:.1f} of {result.memory_capacity_gib:g} GiB"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+    parts = Table(title="time on the slowest device", show_header=True)
+    parts.add_column("part")
+    parts.add_column("seconds", justify="right")
+    parts.add_column("share", justify="right")
+    for name, seconds in result.breakdown.items():
+        parts.add_row(name, f"{seconds:.3f}", f"{seconds / result.iteration_s:.1%}")
+    memory = ", ".join(f"{name} {gib:.1f} GiB" for name, gib in result.memory_breakdown_gib.items())
+    console.print(parts)
+    console.print(f"memory: {memory}")
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Simulate and print; return the exit status."""
+    console = Console(stderr=False)
+    try:
+        if args.timeline:
+            require_matplotlib()
+        model = _model(args)
+    except (ValueError, MissingDependency) as exc:
+        print(f"loom simulate: error: {exc}", file=sys.stderr)
+        return 2
+    plan = None
+    try:
+        plan, gpus = _plan(args)
+        cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
+        result = simulate(model, plan, cluster, record=bool(args.timeline))
+    except PlanError as exc:
+        if args.json:
+            print(json.dumps(_json(model, plan, None, exc.reasons)))
+        else:
+            print("loom simulate: impossible plan:\n  " + "\n  ".join(exc.reasons), file=sys.stderr)
+        return 1
+    except ValueError as exc:  # an unknown hardware profile or a broken profile file
+        print(f"loom simulate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_json(model, plan, result, [] if result.fits else [result.reason])))
+    elif not result.fits:
+        print(f"loom simulate: the plan does not fit: {result.reason}", file=sys.stderr)
+    else:
+        _print(console, model, plan, cluster, result)
+    if args.timeline:
+        try:
+            draw_timeline(
+                result.timeline, plan.pp, args.timeline, title=f"{model.name}: {result.iteration_s:.2f} s"
+            )
+        except MissingDependency as exc:
+            print(f"loom simulate: error: {exc}", file=sys.stderr)
+            return 2
+    return 0 if result.fits else 1

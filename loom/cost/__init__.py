@@ -1,0 +1,32 @@
+"""The cost model: hardware, collectives, compute and memory, in pure Python (dataclasses in, numbers out).
+
+The planner ranks plans with it, the simulator (`loom.sim`) reports with it, `loom bench` calibrates it.
+"""
+
+from loom.cost.collectives import GroupSpan, bus_factor, collective_time, group_span
+from loom.cost.compute import matmul_efficiency, matmul_time, memory_time
+from loom.cost.hardware import PROFILES, Cluster, Device, Link, get_cluster, save_cluster
+from loom.cost.memory import korthikanti_activation_bytes, layer_activation_bytes, model_state_bytes
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+
+__all__ = [
+    "PROFILES",
+    "Cluster",
+    "Device",
+    "GroupSpan",
+    "Link",
+    "ParallelPlan",
+    "TransformerConfig",
+    "bus_factor",
+    "collective_time",
+    "get_cluster",
+    "group_span",
+    "korthikanti_activation_bytes",
+    "layer_activation_bytes",
+    "matmul_efficiency",
+    "matmul_time",
+    "memory_time",
+    "model_state_bytes",
+    "save_cluster",
+]

@@ -1,0 +1,44 @@
+"""Compute time of kernels: matmuls (FLOPs over an efficiency-scaled peak) and memory-bound elementwise ops.
+
+A matmul is priced as a roofline: the larger of its FLOP time at `peak * efficiency(shape)` and its memory
+time. Elementwise kernels (norms, activations, softmax, dropout) move bytes, so they cost bytes over the
+achieved memory bandwidth. Both add the device's per-kernel launch overhead.
+"""
+
+from __future__ import annotations
+
+from loom.cost.hardware import Device
+
+__all__ = ["DTYPE_BYTES", "matmul_efficiency", "matmul_time", "memory_time"]
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def matmul_efficiency(device: Device, m: float, k: float, n: float) -> float:
+    """Fraction of peak that an (m x k) @ (k x n) matmul reaches: smaller dims fill the machine less."""
+    knee = device.matmul_knee
+    return device.matmul_efficiency * (m / (m + knee)) * (k / (k + knee)) * (n / (n + knee))
+
+
+def matmul_time(
+    device: Device, m: float, k: float, n: float, *, dtype: str = "bf16", batch: float = 1
+) -> float:
+    """Seconds for `batch` independent (m x k) @ (k x n) matmuls in `dtype`."""
+    if min(m, k, n, batch) <= 0:
+        return 0.0
+    flops = 2.0 * m * k * n * batch
+    compute = flops / (device.peak(dtype) * matmul_efficiency(device, m, k, n))
+    memory = (
+        (m * k + k * n + m * n)
+        * batch
+        * DTYPE_BYTES[dtype]
+        / (device.memory_bandwidth * device.memory_efficiency)
+    )
+    return max(compute, memory) + device.kernel_overhead_s
+
+
+def memory_time(device: Device, nbytes: float, kernels: int = 1) -> float:
+    """Seconds for memory-bound kernels moving `nbytes` in all (reads plus writes)."""
+    if nbytes <= 0:
+        return kernels * device.kernel_overhead_s
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency) + kernels * device.kernel_overhead_s

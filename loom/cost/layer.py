@@ -1,0 +1,162 @@
+"""Time of one transformer layer, the embedding and the output head, per micro-batch, on one device.
+
+Each piece is a dict of named components in seconds, so that the simulator can report where time goes:
+"matmul" (GEMMs), "elementwise" (memory-bound kernels: norms, activations, softmax, dropout, residuals),
+"tp_comm" (tensor/sequence-parallel collectives, not overlapped, as in Megatron) and "ep_comm"
+(expert-parallel all-to-alls). Backward runs two GEMMs per forward GEMM (input and weight gradients) and
+moves about twice the bytes of each elementwise kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.cost.collectives import collective_time, group_span
+from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
+from loom.cost.hardware import Cluster
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+
+__all__ = ["Costs", "PieceCosts", "piece_costs"]
+
+Costs = dict[str, float]
+BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
+
+
+@dataclass(frozen=True, kw_only=True)
+class PieceCosts:
+    """Per-micro-batch costs of the pieces a pipeline stage is made of."""
+
+    layer_fwd: Costs
+    layer_bwd: Costs
+    layer_recompute: Costs  # extra forward work in backward, per the plan's recompute policy
+    embed_fwd: Costs
+    embed_bwd: Costs
+    head_fwd: Costs
+    head_bwd: Costs
+    p2p_s: float  # sending one micro-batch's activations to the next stage
+    p2p_bytes: float
+
+
+def _scaled(costs: Costs, factor: float) -> Costs:
+    return {name: value * factor for name, value in costs.items()}
+
+
+def _tp_comm(plan: ParallelPlan, cluster: Cluster, nbytes: float, sites: int) -> float:
+    """`sites` all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) of `nbytes`."""
+    span = group_span(plan.tp, 1, cluster.gpus_per_node)
+    if plan.sequence_parallel:
+        one = collective_time("all_gather", nbytes, span, cluster) + collective_time(
+            "reduce_scatter", nbytes, span, cluster
+        )
+    else:
+        one = collective_time("all_reduce", nbytes, span, cluster)
+    return sites * one
+
+
+def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    """Scores, softmax, dropout and context of one layer's forward (what selective recomputation redoes)."""
+    dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
+    s, b, d = plan.seq, plan.micro_batch, model.head_dim
+    heads = b * model.heads / plan.tp
+    matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
+    if plan.flash_attention:
+        return {"matmul": matmul, "elementwise": 0.0}
+    scores = heads * s * s
+    # scale+mask+softmax reads and writes the scores; dropout reads, writes and stores a byte mask
+    moved = 2 * e * scores + ((2 * e + 1) * scores if model.dropout else 0.0)
+    return {"matmul": matmul, "elementwise": memory_time(dev, moved, kernels=2)}
+
+
+def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, float]:
+    dev, dt, e, t = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.tp
+    h, d, tokens = model.hidden, model.head_dim, plan.seq * plan.micro_batch
+    replicated = tokens / t if plan.sequence_parallel else tokens
+    q, kv, f = model.heads * d, model.kv * d, model.ffn
+    routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
+    mats = 2 if model.gated_mlp else 1
+    experts_here = model.experts / plan.ep if model.is_moe else 1
+    per_expert = routed / experts_here if model.is_moe else tokens
+    matmul = matmul_time(dev, tokens, h, (q + 2 * kv) / t, dtype=dt) + matmul_time(
+        dev, tokens, q / t, h, dtype=dt
+    )
+    matmul += matmul_time(dev, per_expert, h, mats * f / t, dtype=dt, batch=experts_here)
+    matmul += matmul_time(dev, per_expert, f / t, h, dtype=dt, batch=experts_here)
+    if model.is_moe:
+        matmul += matmul_time(dev, tokens, h, model.experts, dtype=dt)
+    residual = (3 * e + (1 if model.dropout else 0)) * replicated * h * 2  # (dropout +) residual add, twice
+    norms = 2 * e * replicated * h * 2
+    activation = (3 if model.gated_mlp else 2) * e * routed * f / t
+    permute = 4 * e * routed * h if model.is_moe else 0.0
+    elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
+    core = _attention_core(model, plan, cluster)
+    ep_comm = 0.0
+    if model.is_moe and plan.ep > 1:
+        span = group_span(plan.ep, plan.tp, cluster.gpus_per_node)
+        ep_comm = 2 * collective_time(
+            "all_to_all", e * routed * h / (t if plan.sequence_parallel else 1), span, cluster
+        )
+    costs = {
+        "matmul": matmul + core["matmul"],
+        "elementwise": elementwise + core["elementwise"],
+        "tp_comm": _tp_comm(plan, cluster, e * tokens * h, sites=2),
+        "ep_comm": ep_comm,
+    }
+    return costs, core["matmul"] + core["elementwise"]
+
+
+def _embedding(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    e, tokens = DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
+    replicated = tokens / plan.tp if plan.sequence_parallel else tokens
+    moved = 2 * e * tokens * model.hidden + (3 * e + 1) * replicated * model.hidden * model.dropout
+    return {
+        "elementwise": memory_time(cluster.device, moved, kernels=2),
+        "tp_comm": _tp_comm(plan, cluster, e * tokens * model.hidden, sites=1)
+        / (2 if plan.sequence_parallel else 1),
+    }
+
+
+def _head(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    dev, e, tokens = cluster.device, DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
+    replicated = tokens / plan.tp if plan.sequence_parallel else tokens
+    logits = tokens * model.vocab / plan.tp
+    # final norm; cross entropy upcasts the vocabulary-parallel logits to fp32 and writes fp32 softmax
+    moved = 2 * e * replicated * model.hidden + (e + 4 + 4) * logits
+    return {
+        "matmul": matmul_time(dev, tokens, model.hidden, model.vocab / plan.tp, dtype=plan.dtype),
+        "elementwise": memory_time(dev, moved, kernels=3),
+        "tp_comm": _tp_comm(plan, cluster, e * tokens * model.hidden, sites=1)
+        / (2 if plan.sequence_parallel else 1),
+    }
+
+
+def _backward(forward: Costs) -> Costs:
+    factors = {"matmul": 2.0, "elementwise": BACKWARD_BYTES}
+    return {name: value * factors.get(name, 1.0) for name, value in forward.items()}
+
+
+def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> PieceCosts:
+    """Per-micro-batch forward, backward and recomputation costs of every piece of the model under `plan`."""
+    fwd, core = _layer_forward(model, plan, cluster)
+    if plan.recompute == "full":
+        recompute = dict(fwd)
+    elif plan.recompute == "selective":
+        recompute = {"matmul": 0.0, "elementwise": core}  # attention core; priced as one lump
+    else:
+        recompute = {}
+    e, tokens = DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
+    # Megatron's scatter/gather: each tensor-parallel rank sends 1/t of the activations between stages
+    p2p_bytes = e * tokens * model.hidden / plan.tp
+    span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
+    embed, head = _embedding(model, plan, cluster), _head(model, plan, cluster)
+    return PieceCosts(
+        layer_fwd=fwd,
+        layer_bwd=_backward(fwd),
+        layer_recompute=recompute,
+        embed_fwd=embed,
+        embed_bwd=_backward(embed),
+        head_fwd=head,
+        head_bwd=_backward(head),
+        p2p_s=collective_time("send_recv", p2p_bytes, span, cluster) if plan.pp > 1 else 0.0,
+        p2p_bytes=p2p_bytes,
+    )

@@ -1,0 +1,87 @@
+"""Memory per device: model states per optimizer level (ZeRO) and activations per layer (Korthikanti et al.).
+
+Model states, mixed-precision Adam (Rajbhandari et al., "ZeRO", 2020, Section 5.1): with Ψ parameters,
+2Ψ bytes of fp16/bf16 parameters, 2Ψ of gradients and KΨ of optimizer states (K = 12: fp32 master copy,
+momentum and variance), sharded over Nd data-parallel replicas from optimizer level 1 (states), 2 (plus
+gradients) and 3 (plus parameters).
+
+Activations of one layer, in bytes, for sequence s, micro-batch b, hidden h, heads a, tensor parallel t
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Section 4):
+no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); plus sequence parallel
+sbh/t·(34 + 5as/h); tensor parallel + selective recomputation sbh(10 + 24/t); plus sequence parallel
+34sbh/t; full recomputation 2sbh (2sbh/t with sequence parallelism). `layer_activation_bytes` derives these
+from the tensors a layer keeps, so it also covers GQA, SwiGLU, MoE, no dropout and fused attention.
+"""
+
+from __future__ import annotations
+
+from loom.cost.transformer import TransformerConfig
+
+__all__ = [
+    "OPTIMIZER_BYTES",
+    "korthikanti_activation_bytes",
+    "layer_activation_bytes",
+    "model_state_bytes",
+]
+
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # mixed-precision Adam, the ZeRO paper's K = 12
+
+
+def model_state_bytes(
+    params: float, level: int, dp: int, *, param_bytes: int = PARAM_BYTES, grad_bytes: int = GRAD_BYTES,
+    optimizer_bytes: int = OPTIMIZER_BYTES,
+) -> float:  # fmt: skip
+    """Bytes of parameters, gradients and optimizer states on one device at optimizer `level` over `dp` replicas.
+
+    Level 0: (2 + 2 + K)Ψ; 1: (2 + 2)Ψ + KΨ/Nd; 2: 2Ψ + (2 + K)Ψ/Nd; 3: (2 + 2 + K)Ψ/Nd.
+    """
+    if level not in (0, 1, 2, 3) or dp < 1:
+        raise ValueError(f"model_state_bytes: level must be 0-3 and dp >= 1, got level={level}, dp={dp}")
+    p = params * param_bytes / (dp if level >= 3 else 1)
+    g = params * grad_bytes / (dp if level >= 2 else 1)
+    o = params * optimizer_bytes / (dp if level >= 1 else 1)
+    return p + g + o
+
+
+def korthikanti_activation_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none", sequence_parallel: bool = False
+) -> float:
+    """Bytes of activations one GPT layer stores, by the closed forms of Korthikanti et al. (Table 2)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if sequence_parallel:
+        return sbh / t * (34 + attention)
+    return sbh * (10 + 24 / t + attention / t)
+
+
+def layer_activation_bytes(
+    model: TransformerConfig, s: int, b: int, t: int = 1, *, recompute: str = "none",
+    sequence_parallel: bool = False, flash_attention: bool = False, dtype_bytes: int = 2,
+) -> float:  # fmt: skip
+    """Bytes of activations one layer keeps for backward on one tensor-parallel rank, tensor by tensor."""
+    e, h, d = dtype_bytes, model.hidden, model.head_dim
+    tokens = s * b
+    local = tokens / t  # tensor-parallel-sharded regions
+    replicated = tokens / t if sequence_parallel else tokens  # norms, dropouts: sharded only with SP
+    if recompute == "full":
+        return e * replicated * h  # only the layer's input
+    q, kv = model.heads * d, model.kv * d
+    mask = 1 if model.dropout else 0  # one byte per element
+    outside = (
+        e * h * 4  # norm 1 input, QKV input, norm 2 input, MLP input
+        + mask * h * 2  # dropout masks after attention and after the MLP
+    ) * replicated
+    attention = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
+    attention += e * local * q  # input of the output projection
+    scores = 0.0
+    if recompute == "none" and not flash_attention:
+        # softmax output (and with dropout its mask and the dropped-out probabilities), a·s·s per sequence
+        scores = (e + (mask + e if model.dropout else 0)) * model.heads * s * s * b / t
+    f = model.ffn
+    # GELU keeps its input and the down projection's input; SwiGLU keeps gate and up outputs and their product
+    mlp = e * local * f * (3 if model.gated_mlp else 2) * model.top_k
+    return outside + attention + scores + mlp

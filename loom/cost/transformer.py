@@ -1,0 +1,177 @@
+"""The shape of a decoder-only transformer (GPT and Llama families, GQA, SwiGLU, MoE): parameters and FLOPs.
+
+FLOPs follow Megatron's convention, which both validation papers use: only matrix multiplications count,
+2 FLOPs per multiply-add, attention scores over the full (not causal-halved) s x s square, backward twice the
+forward. For a GPT layer this gives exactly 72·B·s·l·h²·(1 + s/(6h) + V/(12hl)) per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = [
+    "TransformerConfig",
+    "megatron_model_flops",
+    "megatron_parameter_count",
+    "megatron_recompute_flops",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """A decoder-only transformer. `experts > 1` makes every MLP a mixture of `experts` routed `top_k`."""
+
+    name: str = "custom"
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None  # grouped-query attention; None: as many as `heads`
+    ffn_hidden: int | None = None  # None: 4 * hidden
+    gated_mlp: bool = False  # SwiGLU: three matrices (gate, up, down) instead of two
+    experts: int = 1
+    top_k: int = 1
+    norm: str = "layernorm"  # or "rmsnorm" (no bias)
+    biases: bool = True
+    dropout: bool = True  # dropout masks are stored for backward (GPT); Llama trains without dropout
+    learned_positions: int = 0  # rows of a learned position embedding (GPT: the sequence length)
+    tied_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransformerConfig {self.name!r}: {name} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"TransformerConfig {self.name!r}: hidden {self.hidden} not divisible by heads {self.heads}"
+            )
+        if self.heads % self.kv:
+            raise ValueError(
+                f"TransformerConfig {self.name!r}: heads {self.heads} not divisible by kv_heads {self.kv}"
+            )
+        if self.top_k > self.experts:
+            raise ValueError(f"TransformerConfig {self.name!r}: top_k {self.top_k} > experts {self.experts}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"TransformerConfig {self.name!r}: norm must be 'layernorm' or 'rmsnorm'")
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        """Hidden size of the MLP (of each expert)."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the MLPs are mixtures of experts."""
+        return self.experts > 1
+
+    def replace(self, **changes) -> TransformerConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- parameters ----
+    def attention_parameters(self) -> int:
+        """Weights (and biases) of one attention block, without its norm."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, 2 * self.kv * self.head_dim
+        return h * (q + kv) + q * h + ((q + kv + h) if self.biases else 0)
+
+    def mlp_parameters(self) -> int:
+        """Weights (and biases) of one expert's (or the dense) MLP."""
+        h, f, mats = self.hidden, self.ffn, 3 if self.gated_mlp else 2
+        return mats * h * f + (((mats - 1) * f + h) if self.biases else 0)
+
+    def norm_parameters(self) -> int:
+        """Parameters of one norm."""
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer layer (all experts, the router, two norms)."""
+        router = self.hidden * self.experts if self.is_moe else 0
+        return (
+            self.attention_parameters()
+            + self.experts * self.mlp_parameters()
+            + router
+            + 2 * self.norm_parameters()
+        )
+
+    def embedding_parameters(self) -> int:
+        """Token (and learned position) embedding."""
+        return (self.vocab + self.learned_positions) * self.hidden
+
+    def output_parameters(self) -> int:
+        """Final norm and, when not tied to the embedding, the output projection."""
+        return self.norm_parameters() + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def parameter_count(self) -> int:
+        """All parameters of the model."""
+        return self.layers * self.layer_parameters() + self.embedding_parameters() + self.output_parameters()
+
+    def active_parameter_count(self) -> int:
+        """Parameters one token uses (MoE: only `top_k` experts)."""
+        inactive = (self.experts - self.top_k) * self.mlp_parameters() * self.layers
+        return self.parameter_count() - inactive
+
+    # ---- FLOPs ----
+    def layer_forward_flops_per_token(self, seq: int) -> dict[str, float]:
+        """Forward matmul FLOPs of one layer for one token: 'dense' (projections, MLP) and 'attention' (core)."""
+        h, d = self.hidden, self.head_dim
+        q, kv = self.heads * d, 2 * self.kv * d
+        mats = 3 if self.gated_mlp else 2
+        mlp = 2 * mats * h * self.ffn * self.top_k + (2 * h * self.experts if self.is_moe else 0)
+        dense = 2 * h * (q + kv) + 2 * q * h + mlp
+        attention = 2 * 2 * seq * q  # Q·K^T and softmax·V over the whole s x s square
+        return {"dense": float(dense), "attention": float(attention)}
+
+    def logits_forward_flops_per_token(self) -> float:
+        """Forward FLOPs of the output projection for one token."""
+        return 2.0 * self.hidden * self.vocab
+
+    def model_flops(self, batch: int, seq: int) -> float:
+        """Model FLOPs of one training iteration (forward + backward, no recomputation) on batch x seq tokens."""
+        layer = self.layer_forward_flops_per_token(seq)
+        per_token = (
+            self.layers * (layer["dense"] + layer["attention"]) + self.logits_forward_flops_per_token()
+        )
+        return 3.0 * per_token * batch * seq
+
+    def recompute_flops(self, batch: int, seq: int, recompute: str) -> float:
+        """Extra forward FLOPs that recomputation adds: the whole layers ('full') or attention cores ('selective')."""
+        if recompute == "none":
+            return 0.0
+        layer = self.layer_forward_flops_per_token(seq)
+        per_layer = layer["dense"] + layer["attention"] if recompute == "full" else layer["attention"]
+        if recompute not in ("full", "selective"):
+            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+        return per_layer * self.layers * batch * seq
+
+    def hardware_flops(self, batch: int, seq: int, recompute: str) -> float:
+        """FLOPs the devices execute, recomputation included."""
+        return self.model_flops(batch, seq) + self.recompute_flops(batch, seq, recompute)
+
+
+def megatron_model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l)): model FLOPs per iteration (Narayanan et al. 2021)."""
+    b, s, ll, h, v = batch, seq, layers, hidden, vocab
+    return 72 * b * s * ll * h**2 * (1 + s / (6 * h) + v / (12 * h * ll))
+
+
+def megatron_recompute_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)): FLOPs with full recomputation (Narayanan et al. 2021, Eq. 3)."""
+    b, s, ll, h, v = batch, seq, layers, hidden, vocab
+    return 96 * b * s * ll * h**2 * (1 + s / (6 * h) + v / (16 * ll * h))
+
+
+def megatron_parameter_count(seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)): GPT parameters (Narayanan et al. 2021; omits the final norm)."""
+    s, ll, h, v = seq, layers, hidden, vocab
+    return 12 * ll * h**2 * (1 + 13 / (12 * h) + (v + s) / (12 * ll * h))

@@ -1,0 +1,60 @@
+"""Peak memory of each pipeline stage's devices under a plan: model states plus in-flight activations."""
+
+from __future__ import annotations
+
+from loom.cost.compute import DTYPE_BYTES
+from loom.cost.hardware import GIB, Cluster
+from loom.cost.memory import layer_activation_bytes, model_state_bytes
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+
+__all__ = ["stage_memory", "stage_parameters"]
+
+
+def stage_parameters(model: TransformerConfig, plan: ParallelPlan, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of pipeline rank `rank`."""
+    t, layers = plan.tp, model.layers // plan.pp
+    norms = 2 * model.norm_parameters()
+    experts = model.experts * model.mlp_parameters() if model.is_moe else 0
+    sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
+    dense = layers * (sharded / t + norms)
+    expert = layers * experts / (t * plan.ep)
+    embedding = model.embedding_parameters() / t
+    if rank == 0:
+        dense += embedding
+    if rank == plan.pp - 1:
+        dense += model.output_parameters() - model.norm_parameters() * (1 - 1 / t)
+        if model.tied_embeddings and plan.pp > 1:
+            dense += model.vocab * model.hidden / t  # the last stage keeps its own copy of the tied embedding
+    return dense, expert
+
+
+def stage_memory(
+    model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, rank: int, in_flight: int
+) -> dict[str, float]:
+    """Bytes per device on pipeline rank `rank` by kind; `in_flight` is its peak count of live chunk forwards."""
+    dense, expert = stage_parameters(model, plan, rank)
+    states = model_state_bytes(dense, plan.optimizer_level, plan.dp)
+    states += model_state_bytes(expert, plan.optimizer_level, plan.dp // plan.ep)
+    s, b, t, e = plan.seq, plan.micro_batch, plan.tp, DTYPE_BYTES[plan.dtype]
+    options = {
+        "sequence_parallel": plan.sequence_parallel,
+        "flash_attention": plan.flash_attention,
+        "dtype_bytes": e,
+    }
+    per_layer = layer_activation_bytes(model, s, b, t, recompute=plan.recompute, **options)
+    layers_per_chunk = model.layers // plan.virtual_stages
+    activations = in_flight * layers_per_chunk * per_layer
+    if plan.recompute == "full":  # backward rebuilds one layer's activations at a time
+        activations += layer_activation_bytes(model, s, b, t, recompute="none", **options)
+    tokens = s * b / (t if plan.sequence_parallel else 1)
+    if rank == 0 and model.dropout:
+        activations += in_flight * tokens * model.hidden  # embedding dropout masks, one byte each
+    if rank == plan.pp - 1:
+        # final norm and output projection inputs, and the fp32 logits of the micro-batch in backward
+        activations += 2 * e * tokens * model.hidden + 4 * s * b * model.vocab / t
+    return {
+        "model_states": states,
+        "activations": activations,
+        "reserved": cluster.device.reserved_gib * GIB,
+    }

@@ -1,0 +1,224 @@
+"""The whole-step simulator: one training iteration of a transformer under a plan on a cluster.
+
+Order of a simulated step, the way Megatron-LM runs one:
+1. the pipeline schedule plays as events (per-stage forward/backward with tensor-parallel collectives
+   inside, recomputation inside backward, point-to-point transfers between stages);
+2. data-parallel gradient synchronisation: each chunk's gradients are reduced when its last backward ends
+   (overlapped) or after the whole pipeline (not overlapped), one collective at a time;
+3. the optimizer step (memory-bound) and, from optimizer level 1, the all-gather of updated parameters.
+The iteration time is the slowest device's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from loom.cost.collectives import collective_time, group_span
+from loom.cost.compute import DTYPE_BYTES, memory_time
+from loom.cost.hardware import GIB, Cluster
+from loom.cost.layer import Costs, PieceCosts, piece_costs
+from loom.cost.memory import OPTIMIZER_BYTES
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+from loom.sim.engine import Playback, play
+from loom.sim.memory import stage_memory, stage_parameters
+from loom.sim.schedule import device_orders, peak_in_flight
+
+__all__ = ["PlanError", "SimResult", "check_plan", "simulate"]
+
+
+class PlanError(ValueError):
+    """A plan that cannot run at all; `.reasons` says why, one line each."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """What one simulated iteration costs. Times in seconds, memory in GiB per device (the fullest stage)."""
+
+    iteration_s: float
+    tokens_per_s: float
+    tflops_per_device: float  # hardware FLOPs (recomputation included), as Megatron-LM reports
+    model_tflops_per_device: float
+    mfu: float
+    hfu: float
+    bubble_fraction: float
+    memory_per_device_gib: float
+    memory_capacity_gib: float
+    fits: bool
+    reason: str = ""
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds on the slowest device
+    memory_breakdown_gib: dict[str, float] = field(default_factory=dict)
+    timeline: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        """Plain data for JSON (without the timeline)."""
+        data = asdict(self)
+        data.pop("timeline")
+        return data
+
+
+def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[str]:
+    """Why `plan` cannot run `model` on `cluster` (empty when it can, memory aside)."""
+    reasons = []
+    if plan.devices != cluster.gpus:
+        reasons.append(
+            f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {plan.devices} devices, but the cluster has {cluster.gpus}"
+        )
+    if model.layers % plan.virtual_stages:
+        reasons.append(
+            f"{model.layers} layers do not split into pp*interleave = {plan.virtual_stages} equal stages"
+        )
+    if model.heads % plan.tp:
+        reasons.append(f"{model.heads} attention heads do not split over tp={plan.tp}")
+    if model.kv % plan.tp and plan.tp % model.kv:
+        reasons.append(f"{model.kv} key/value heads neither split over nor replicate evenly on tp={plan.tp}")
+    if model.ffn % plan.tp:
+        reasons.append(f"MLP size {model.ffn} does not split over tp={plan.tp}")
+    if plan.ep > 1 and model.experts % plan.ep:
+        reasons.append(f"{model.experts} experts do not split over ep={plan.ep}")
+    if plan.ep > 1 and not model.is_moe:
+        reasons.append(f"ep={plan.ep} needs a mixture-of-experts model (--experts)")
+    if plan.schedule == "interleaved" and plan.interleave > 1 and plan.micro_batches % plan.pp:
+        reasons.append(
+            f"the interleaved schedule needs micro-batches ({plan.micro_batches}) to be a multiple of pp={plan.pp}"
+        )
+    return reasons
+
+
+def _total(costs: Costs) -> float:
+    return sum(costs.values())
+
+
+def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, pieces: PieceCosts):
+    per_chunk = model.layers // plan.virtual_stages
+    layer_f, layer_b = _total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute)
+    forward, backward = (
+        [per_chunk * layer_f] * plan.virtual_stages,
+        [per_chunk * layer_b] * plan.virtual_stages,
+    )
+    forward[0] += _total(pieces.embed_fwd)
+    backward[0] += _total(pieces.embed_bwd)
+    forward[-1] += _total(pieces.head_fwd)
+    backward[-1] += _total(pieces.head_bwd)
+    if plan.optimizer_level == 3 and plan.dp > 1:
+        # parameters are gathered before each chunk's forward and backward, gradients reduce-scattered after
+        # backward; prefetching overlaps this with compute, so a task costs the longer of the two
+        span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
+        for stage in range(plan.virtual_stages):
+            chunk_bytes = (
+                DTYPE_BYTES[plan.dtype]
+                * sum(stage_parameters(model, plan, stage % plan.pp))
+                / plan.interleave
+            )
+            gather = collective_time("all_gather", chunk_bytes, span, cluster)
+            scatter = collective_time("reduce_scatter", chunk_bytes, span, cluster)
+            forward[stage] = max(forward[stage], gather)
+            backward[stage] = max(backward[stage], gather + scatter)
+    return forward, backward
+
+
+def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple[float, float]:
+    """(end of gradient synchronisation, end of the optimizer step) on pipeline rank `rank`."""
+    e, end = DTYPE_BYTES[plan.dtype], playback.end[rank]
+    dense, expert = stage_parameters(model, plan, rank)
+    dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
+    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
+    kind = "all_reduce" if plan.optimizer_level == 0 else "reduce_scatter"
+    comm_free = 0.0
+    if plan.optimizer_level < 3:
+        for chunk in sorted(range(plan.interleave), key=lambda c: playback.chunk_done[rank][c]):
+            ready = playback.chunk_done[rank][chunk] if plan.overlap_grad_sync else end
+            cost = collective_time(kind, e * dense / plan.interleave, dp_span, cluster)
+            cost += collective_time(kind, e * expert / plan.interleave, edp_span, cluster)
+            comm_free = max(comm_free, ready) + cost
+    synced = max(end, comm_free)
+    if model.tied_embeddings and plan.pp > 1 and rank in (0, plan.pp - 1):
+        span = group_span(2, plan.tp * plan.dp * (plan.pp - 1), cluster.gpus_per_node)
+        synced += collective_time("all_reduce", e * model.vocab * model.hidden / plan.tp, span, cluster)
+    shard = plan.dp if plan.optimizer_level >= 1 else 1
+    # Adam reads gradients, reads and writes fp32 master weights and both moments, writes the parameters
+    step_bytes = (dense + expert) * (2 * e + 2 * OPTIMIZER_BYTES / shard)
+    done = synced + memory_time(cluster.device, step_bytes, kernels=4)
+    if plan.optimizer_level in (1, 2) and plan.dp > 1:
+        done += collective_time("all_gather", e * dense, dp_span, cluster)
+        done += collective_time("all_gather", e * expert, edp_span, cluster)
+    return synced, done
+
+
+def _breakdown(
+    plan: ParallelPlan, pieces: PieceCosts, per_chunk: int, rank: int, times: tuple
+) -> dict[str, float]:
+    tasks = plan.micro_batches * plan.interleave * per_chunk  # layer-passes of one kind on this device
+    parts: dict[str, float] = {}
+    for costs in (pieces.layer_fwd, pieces.layer_bwd):
+        for name, value in costs.items():
+            parts[name] = parts.get(name, 0.0) + tasks * value
+    extras = []
+    if rank == 0:
+        extras += [pieces.embed_fwd, pieces.embed_bwd]
+    if rank == plan.pp - 1:
+        extras += [pieces.head_fwd, pieces.head_bwd]
+    for costs in extras:
+        for name, value in costs.items():
+            parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
+    parts["recompute"] = tasks * _total(pieces.layer_recompute)
+    end, busy, synced, done = times
+    parts["pipeline_bubble"] = max(0.0, end - busy)
+    parts["dp_comm"] = synced - end
+    parts["optimizer"] = done - synced
+    return parts
+
+
+def simulate(
+    model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, *, record: bool = False
+) -> SimResult:
+    """Simulate one iteration; raises `PlanError` when the plan cannot run (memory overflow is reported in
+    the result as `fits=False` with the reason instead)."""
+    reasons = check_plan(model, plan, cluster)
+    if reasons:
+        raise PlanError(reasons)
+    pieces = piece_costs(model, plan, cluster)
+    forward, backward = _stage_durations(model, plan, cluster, pieces)
+    orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
+    playback = play(
+        orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
+    )
+    per_chunk = model.layers // plan.virtual_stages
+    ends = [_grad_sync_end(model, plan, cluster, rank, playback) for rank in range(plan.pp)]
+    slowest = max(range(plan.pp), key=lambda r: ends[r][1])
+    iteration = ends[slowest][1]
+    times = (playback.end[slowest], playback.busy[slowest], *ends[slowest])
+    memory = [
+        stage_memory(model, plan, cluster, r, peak_in_flight(orders[r], plan.interleave))
+        for r in range(plan.pp)
+    ]
+    fullest = max(memory, key=lambda m: sum(m.values()))
+    peak_gib, capacity = sum(fullest.values()) / GIB, cluster.device.memory_gib
+    tokens = plan.global_batch * plan.seq
+    model_flops = model.model_flops(plan.global_batch, plan.seq)
+    hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
+    peak_flops = cluster.device.peak(plan.dtype) * plan.devices
+    fits = peak_gib <= capacity
+    makespan = playback.makespan
+    return SimResult(
+        iteration_s=iteration,
+        tokens_per_s=tokens / iteration,
+        tflops_per_device=hardware_flops / iteration / plan.devices / 1e12,
+        model_tflops_per_device=model_flops / iteration / plan.devices / 1e12,
+        mfu=model_flops / iteration / peak_flops,
+        hfu=hardware_flops / iteration / peak_flops,
+        bubble_fraction=sum(makespan - busy for busy in playback.busy) / (plan.pp * makespan),
+        memory_per_device_gib=peak_gib,
+        memory_capacity_gib=capacity,
+        fits=fits,
+        reason=""
+        if fits
+        else f"needs {peak_gib:.1f} GiB per device, more than the {capacity:g} GiB of {cluster.name}",
+        breakdown=_breakdown(plan, pieces, per_chunk, slowest, times),
+        memory_breakdown_gib={name: value / GIB for name, value in fullest.items()},
+        timeline=playback.intervals,
+    )

@@ -1,0 +1,121 @@
+"""Published runs (Korthikanti et al. 2022 Table 5, Narayanan et al. 2021 Table 1) as simulator cases.
+
+Both papers train GPT models (sequence 2048, vocabulary 51200, fp16) with Megatron-LM on DGX A100 80GB
+nodes, so every case runs on the built-in "a100-80gb" profile with no per-row change. Megatron-LM of that
+time reduced gradients after backward, so gradient synchronisation is not overlapped.
+
+Narayanan's Table 1 does not give micro-batch size or chunks per stage; one fixed rule is applied to every
+row: micro-batch 1; with pp > 1, the interleaved schedule with the smallest number of chunks above 1 that
+divides the layers of a stage (2 for most rows, 3 for the 105-layer model); data parallelism fills the rest,
+dp = gpus / (tp * pp). Its metric is TFLOP/s per GPU with recomputation counted (its Eq. 3).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.cost.hardware import PROFILES, Cluster
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+
+__all__ = ["Case", "cases", "gpt", "narayanan_interleave", "read_rows"]
+
+HERE = Path(__file__).parent
+TABLES = {"korthikanti2022": "korthikanti2022_table5.csv", "narayanan2021": "narayanan2021_table1.csv"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One published run: what to simulate and the value to compare (`metric`: "iteration_s" or
+    "tflops_per_device")."""
+
+    source: str
+    label: str
+    model: TransformerConfig
+    plan: ParallelPlan
+    cluster: Cluster
+    metric: str
+    published: float
+
+
+def read_rows(table: str) -> list[dict[str, str]]:
+    """The rows of one table ("korthikanti2022" or "narayanan2021") as dicts of strings."""
+    with open(HERE / TABLES[table], newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def gpt(
+    name: str, layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200
+) -> TransformerConfig:
+    """A GPT-3-style model as both papers train it (learned positions, biases, LayerNorm, dropout, tied)."""
+    return TransformerConfig(
+        name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, learned_positions=seq
+    )
+
+
+def narayanan_interleave(layers_per_stage: int) -> int:
+    """Chunks per stage for a Narayanan row: the smallest divisor above 1 of the stage's layers."""
+    return next(v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0)
+
+
+def _korthikanti() -> list[Case]:
+    out = []
+    for row in read_rows("korthikanti2022"):
+        gpus, selective = int(row["gpus"]), row["recompute"] == "selective_sp"
+        plan = ParallelPlan(
+            dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=int(row["interleave"]),
+            micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
+            recompute="selective" if selective else "full", sequence_parallel=selective, dtype="fp16",
+            overlap_grad_sync=False,
+        )  # fmt: skip
+        model = gpt(
+            row["model"],
+            int(row["layers"]),
+            int(row["hidden"]),
+            int(row["heads"]),
+            plan.seq,
+            int(row["vocab"]),
+        )
+        out.append(
+            Case(
+                source="korthikanti2022",
+                label=f"{row['model']} {row['recompute']}",
+                model=model,
+                plan=plan,
+                cluster=PROFILES["a100-80gb"].with_size(gpus),
+                metric="iteration_s",
+                published=float(row["iteration_s"]),
+            )  # fmt: skip
+        )
+    return out
+
+
+def _narayanan() -> list[Case]:
+    out = []
+    for row in read_rows("narayanan2021"):
+        tp, pp, gpus, layers = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["layers"])
+        plan = ParallelPlan(
+            dp=gpus // (tp * pp), tp=tp, pp=pp, interleave=narayanan_interleave(layers // pp) if pp > 1 else 1,
+            micro_batch=1, global_batch=int(row["global_batch"]), seq=2048, recompute="full", dtype="fp16",
+            overlap_grad_sync=False,
+        )  # fmt: skip
+        model = gpt(f"{row['params_b']}B", layers, int(row["hidden"]), int(row["heads"]))
+        out.append(
+            Case(
+                source="narayanan2021",
+                label=f"{row['params_b']}B",
+                model=model,
+                plan=plan,
+                cluster=PROFILES["a100-80gb"].with_size(gpus),
+                metric="tflops_per_device",
+                published=float(row["tflops_per_gpu"]),
+            )  # fmt: skip
+        )
+    return out
+
+
+def cases() -> list[Case]:
+    """Every row of both tables as a simulator case (Korthikanti first)."""
+    return _korthikanti() + _narayanan()

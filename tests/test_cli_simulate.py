@@ -1,0 +1,142 @@
+"""Tier 3: `loom simulate` and `loom bench` end to end through `loom.cli.main.main`."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from loom.cli.main import main
+
+GPT3 = [
+    "--model",
+    "gpt3-175b",
+    "--gpus",
+    "64",
+    "--tp",
+    "8",
+    "--pp",
+    "8",
+    "--interleave",
+    "3",
+    "--global-batch",
+    "64",
+]
+GPT3 += ["--recompute", "selective", "--sequence-parallel"]
+KEYS = (
+    "iteration_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "hfu",
+    "bubble_fraction",
+    "memory_per_device_gib",
+    "fits",
+)
+
+
+def test_console_table(capsys):
+    assert main(["simulate", *GPT3]) == 0
+    out = capsys.readouterr().out
+    for text in ("iteration", "tokens/s", "MFU / HFU", "pipeline bubble", "memory per device", "tp_comm"):
+        assert text in out
+
+
+def test_json_has_the_documented_keys(capsys):
+    assert main(["simulate", *GPT3, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(data[key] is not None for key in KEYS)
+    assert data["fits"] is True and 10 < data["iteration_s"] < 20
+
+
+def test_shape_flags_build_a_model(capsys):
+    args = [
+        "simulate",
+        "--layers",
+        "8",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--vocab",
+        "32000",
+    ]
+    assert main([*args, "--swiglu", "--ffn-hidden", "2816", "--gpus", "8", "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["dp"] == 4 and data["fits"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--gpus", "100", "--tp", "8", "--pp", "7"], "not a multiple of tp*pp"),
+        (["--gpus", "64", "--dp", "2", "--tp", "8", "--pp", "8"], "devices"),
+        (["--gpus", "64", "--tp", "8", "--pp", "8", "--interleave", "5"], "layers do not split"),
+        (["--gpus", "8", "--tp", "8"], "does not fit"),
+    ],
+)
+def test_impossible_plans_print_the_reason_not_a_number(flags, reason, capsys):
+    assert main(["simulate", "--model", "gpt3-175b", *flags]) == 1
+    captured = capsys.readouterr()
+    assert reason in captured.err and "iteration" not in captured.out
+
+
+def test_impossible_plan_in_json_has_no_numbers(capsys):
+    assert main(["simulate", "--model", "gpt3-175b", "--gpus", "8", "--tp", "8", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False and data["iteration_s"] is None and "GiB" in data["reasons"][0]
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["simulate", "--tp", "2"]) == 2
+    assert "give --model" in capsys.readouterr().err
+    assert main(["simulate", "--model", "gpt3-175b", "--hardware", "abacus"]) == 2
+
+
+def test_timeline_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["simulate", *GPT3, "--timeline", str(tmp_path / "t.png")]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_timeline_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "t.png"
+    assert main(["simulate", *GPT3, "--timeline", str(path)]) == 0
+    assert path.stat().st_size > 1000
+
+
+def test_bench_writes_a_profile_that_simulate_loads(tmp_path, capsys):
+    profile = tmp_path / "me.json"
+    assert main(["bench", "--sizes", "4096", "65536", "--repeats", "2", "--out", str(profile)]) == 0
+    assert "busbw" in capsys.readouterr().out
+    shape = [
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--vocab",
+        "1024",
+        "--seq",
+        "128",
+        "--dtype",
+        "fp32",
+    ]
+    assert (
+        main(["simulate", "--hardware", str(profile), *shape, "--gpus", "2", "--micro-batch", "8", "--json"])
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["iteration_s"] > 0
