@@ -117,9 +117,8 @@ def semi_auto_case(dp, tp):
         loss.backward()
         optimizer.step()
         expected.append(loss.item())
-    loom.init({"dp": dp, "tp": tp})
-    rank = loom.rank()
-    local = lambda t: t.chunk(loom.world_size())[rank]  # noqa: E731
+    mesh = loom.init({"dp": dp, "tp": tp})
+    local = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731  (tensor-parallel peers read the same rows)
     loom.parallelize(model, mode="semi_auto", example_inputs=(local(batches[0][0]), local(batches[0][1])))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []

@@ -160,6 +160,23 @@ class Mesh:
             raise ValueError(f"canonical mesh dims {dims} are not a run of consecutive dims of {self}")
         return self._sub_meshes[dims]
 
+    @property
+    def batch_dims(self) -> tuple[int, ...]:
+        """Canonical dims of the data-parallel axis `"dp"` (none without one): the batch is split over them,
+        the other axes see the same data."""
+        return self.shape.canonical_dims_of("dp") if "dp" in self.shape.names else ()
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (size of the `"dp"` axis, 1 without one)."""
+        return self.shape.size("dp") if "dp" in self.shape.names else 1
+
+    def dp_rank(self) -> int:
+        """This rank's index along the `"dp"` axis (0 without one)."""
+        if not self.batch_dims:
+            return 0
+        return self.sub_mesh(self.batch_dims).get_local_rank()
+
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of named axis `name` (`mesh["dp"]`), e.g. for its process group."""
         dims = self.shape.canonical_dims_of(name)

@@ -82,6 +82,11 @@ def parallelize(
     if mode == "data_parallel":
         if parameter_plan:
             raise ValueError("parallelize: parameter_plan needs mode='semi_auto'")
+        if mesh.dp_size != mesh.world_size:
+            raise ValueError(
+                f"parallelize(mode='data_parallel') replicates the whole model on every rank, so every device "
+                f"must be on the 'dp' axis; the mesh is {mesh}: call loom.init() or loom.init(mesh={{'dp': -1}})"
+            )
         _broadcast_from_rank0(model)
         sync = GradSync(model, data_parallel_route(), bucket_mb)
         model.loom = ParallelState(mode=mode, mesh=mesh, full_batch=full_batch, grad_sync=sync)
@@ -131,7 +136,7 @@ def _dry_run(
             nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
         )
     meta_model = copy.deepcopy(model, memo)
-    batch_factor = 1 if full_batch else mesh.world_size
+    batch_factor = 1 if full_batch else mesh.dp_size
     inputs = [_global_meta(x, batch_factor) for x in example_inputs]
     with torch.no_grad(), record() as recording:
         meta_model(*inputs)
@@ -179,12 +184,14 @@ def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, Te
 
 
 def _distribute_inputs(args: tuple, mesh: Mesh, full_batch: bool) -> tuple:
-    """Plain tensor inputs become global DTensors: local batches stacked on dim 0, or the full batch."""
+    """Plain tensor inputs become global DTensors: the local batches of the `"dp"` ranks stacked on dim 0
+    (ranks along other axes read the same batch), or the full batch on every rank."""
+    batch_dims = () if full_batch else mesh.batch_dims
 
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
-        placement = Replicate() if full_batch or x.ndim == 0 else Shard(0)
-        return DTensor.from_local(x, mesh.device_mesh, [placement] * mesh.ndim, run_check=False)
+        placements = [Shard(0) if d in batch_dims and x.ndim else Replicate() for d in range(mesh.ndim)]
+        return DTensor.from_local(x, mesh.device_mesh, placements, run_check=False)
 
     return tuple(convert(x) for x in args)
