@@ -72,6 +72,14 @@ class _Unary(Primitive):
         return [DIMS[: len(shapes[0])]]
 
 
+class Identity(_Unary):
+    """Its input, laid out as its strategy says: a point where a network asks for a layout change (e.g. the
+    residual stream entering sequence parallelism) without an operator to carry the strategy."""
+
+    def compute(self, x):
+        return x
+
+
 class ReLU(_Unary):
     """`max(x, 0)`."""
 
@@ -211,6 +219,50 @@ def _local(t: DTensor, used_axes: set[int]) -> torch.Tensor:
         p if p.is_shard() or axis not in used_axes else Partial() for axis, p in enumerate(t.placements)
     ]
     return t.to_local(grad_placements=grad_placements)
+
+
+class Gather(Primitive):
+    """Rows of a 2-D `params` picked by integer `indices` (an embedding lookup): `Gather()(params, indices)`.
+
+    Cutting the rows of `params` (a vocabulary-parallel embedding) leaves a pending sum in which each rank
+    fills the rows it holds; cutting its columns cuts the output's last dim.
+    """
+
+    input_names = ("params", "indices")
+
+    def labels(self, shapes, *extra):
+        if len(shapes[0]) != 2:
+            raise ValueError(f"Gather: params has shape {tuple(shapes[0])}; Gather takes a 2-D table of rows")
+        return ["yz", DIMS[: len(shapes[1])]]
+
+    def compute(self, params, indices):
+        if not isinstance(params, DTensor):
+            return F.embedding(indices, params)
+        # Computed on the local shards, as MindSpore does: DTensor's own rule cannot cut the rows over
+        # several mesh dims. Each rank looks up the ids that fall in its rows and zeroes the others.
+        table, ids = layout_of(params), layout_of(indices)
+        mesh = params.device_mesh
+        rows = table.dim_axes[0]
+        block = params.shape[0] // table.cuts(mesh.shape)[0]
+        coordinate = mesh.get_coordinate()
+        index = 0
+        for axis in rows:
+            index = index * mesh.shape[axis] + coordinate[axis]
+        used = {axis for axes in table.dim_axes + ids.dim_axes for axis in axes}
+        local_ids = indices.to_local() - index * block
+        outside = (local_ids < 0) | (local_ids >= block)
+        out = F.embedding(local_ids.masked_fill(outside, 0), _local(params, used))
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        layout = TensorLayout(ids.dim_axes + (table.dim_axes[1],), partial=rows)
+        shape = torch.Size([*indices.shape, params.shape[1]])
+        return DTensor.from_local(
+            out,
+            mesh,
+            layout.placements(mesh.ndim),
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(0).new_empty(shape).stride(),
+        )
 
 
 class Transpose(_Unary):

@@ -1,0 +1,346 @@
+"""A GPT / Llama-style decoder written with loom.ops, carrying Megatron's tensor-parallel strategies.
+
+Every operator's strategy is a map of one named `Layout((dp, tp), ("dp", "tp"))`, so the same code runs on
+one device (strategies ignored) and on a dp x tp mesh:
+- column-parallel projections (Q, K, V, MLP up/gate: weight columns cut over `tp`) and row-parallel ones
+  (attention output, MLP down: weight rows cut over `tp`, output a pending sum), so each block issues one
+  reduction after attention and one after the MLP;
+- attention heads cut over `tp` (so `tp` must divide the number of heads, and of key/value heads);
+- a vocabulary-parallel embedding (table rows cut over `tp`) and a vocabulary-parallel cross-entropy on
+  logits whose vocabulary dim is cut over `tp` (computed from max, log-sum-exp and the target's logit, each
+  a reduction over the cut dim);
+- sequence parallelism (optional): norms and residual additions work on the sequence cut over `tp`; the
+  pending sums become reduce-scatters and the column-parallel inputs all-gathers, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from loom import ops
+from loom.layout import Layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
+    swiglu, grouped-query attention with `n_kv_heads < n_heads`)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 64
+    norm: str = "layernorm"
+    positions: str = "learned"
+    mlp: str = "gelu"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads {self.kv_heads} must divide n_heads {self.n_heads}")
+        for name, value, choices in (
+            ("norm", self.norm, ("layernorm", "rmsnorm")),
+            ("positions", self.positions, ("learned", "rotary")),
+            ("mlp", self.mlp, ("gelu", "swiglu")),
+        ):
+            if value not in choices:
+                raise ValueError(f"model.{name} = {value!r}; choose one of {choices}")
+        if self.dropout:
+            raise ValueError(
+                "model.dropout > 0 is not supported yet (the parallel run would draw other masks)"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """The tensor maps the model's operators use, for a `dp` x `tp` arrangement of the devices."""
+
+    dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"dp {self.dp} and tp {self.tp} must be positive")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout((self.dp, self.tp), ("dp", "tp"))
+
+    def map(self, *dims: str) -> object:
+        return self.layout(*dims)
+
+    @property
+    def stream(self):
+        """The residual stream (batch, seq, hidden): batch over dp, and seq over tp with sequence parallelism."""
+        return self.map("dp", "tp" if self.sequence_parallel else "None", "None")
+
+    @property
+    def replicated_rows(self):
+        """Activations entering column-parallel projections: batch over dp, whole on every tp rank."""
+        return self.map("dp", "None", "None")
+
+    @property
+    def columns(self):
+        """Outputs of column-parallel projections: last dim cut over tp."""
+        return self.map("dp", "None", "tp")
+
+    @property
+    def heads(self):
+        """(batch, heads, seq, head_dim) with the heads cut over tp."""
+        return self.map("dp", "tp", "None", "None")
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim, on the residual stream's layout."""
+
+    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+        super().__init__()
+        self.kind, d = config.norm, config.d_model
+        self.weight = nn.Parameter(torch.ones(d))
+        whole = s.map("None")
+        if self.kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(d))
+            self.op = ops.LayerNorm(-1, -1, config.norm_eps).shard((s.stream, whole, whole))
+        else:
+            self.eps = config.norm_eps
+            self.square = ops.Mul().shard((s.stream, s.stream))
+            self.mean = ops.ReduceMean(keep_dims=True).shard((s.stream,))
+            self.scale = ops.Mul().shard((s.stream, s.stream))
+            self.gain = ops.Mul().shard((s.stream, whole))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return self.op(x, self.weight, self.bias)
+        inv_rms = torch.rsqrt(self.mean(self.square(x, x), -1) + self.eps)
+        return self.gain(self.scale(x, inv_rms), self.weight)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with heads cut over tp."""
+
+    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+        super().__init__()
+        self.config = config
+        d, kv = config.d_model, config.kv_heads * config.head_dim
+        self.wq = nn.Parameter(torch.empty(d, d))
+        self.wk = nn.Parameter(torch.empty(d, kv))
+        self.wv = nn.Parameter(torch.empty(d, kv))
+        self.wo = nn.Parameter(torch.empty(d, d))
+        column = (s.replicated_rows, s.map("None", "tp"))
+        self.q_proj, self.k_proj, self.v_proj = (ops.BatchMatMul().shard(column) for _ in range(3))
+        self.split = ops.Reshape().shard((s.columns,))
+        self.to_heads = ops.Transpose().shard((s.map("dp", "None", "tp", "None"),))
+        self.scores = ops.BatchMatMul(transpose_b=True).shard((s.heads, s.heads))
+        self.mask = ops.Add().shard((s.heads, s.map("None", "None")))
+        self.softmax = ops.Softmax(-1).shard((s.heads,))
+        self.mix = ops.BatchMatMul().shard((s.heads, s.heads))
+        self.from_heads = ops.Transpose().shard((s.heads,))
+        self.merge = ops.Reshape().shard((s.map("dp", "None", "tp", "None"),))
+        self.out_proj = ops.BatchMatMul().shard((s.columns, s.map("tp", "None")))
+        if config.positions == "rotary":
+            self.rotate = ops.Mul().shard((s.heads, s.map("None", "None")))
+            self.rotate_sin = ops.Mul().shard((s.heads, s.map("None", "None")))
+            self.rotate_add = ops.Add().shard((s.heads, s.heads))
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        return self.to_heads(self.split(x, (batch, seq, heads, self.config.head_dim)), (0, 2, 1, 3))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return self.rotate_add(self.rotate(x, cos), self.rotate_sin(torch.cat((-second, first), dim=-1), sin))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        c = self.config
+        q = self._heads(self.q_proj(x, self.wq), c.n_heads)
+        k = self._heads(self.k_proj(x, self.wk), c.kv_heads)
+        v = self._heads(self.v_proj(x, self.wv), c.kv_heads)
+        if rope is not None:
+            q, k = self._rope(q, *rope), self._rope(k, *rope)
+        if c.kv_heads != c.n_heads:  # each key/value head serves a group of query heads
+            k, v = (_repeat_heads(t, c.n_heads // c.kv_heads) for t in (k, v))
+        scores = self.mask(self.scores(q, k) * (1.0 / math.sqrt(c.head_dim)), mask)
+        out = self.from_heads(self.mix(self.softmax(scores), v), (0, 2, 1, 3))
+        batch, seq = out.shape[:2]
+        return self.out_proj(self.merge(out, (batch, seq, c.d_model)), self.wo)
+
+
+def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    batch, heads, seq, dim = t.shape
+    return t[:, :, None].expand(batch, heads, groups, seq, dim).reshape(batch, heads * groups, seq, dim)
+
+
+class MLP(nn.Module):
+    """GELU or SwiGLU feed-forward: column-parallel up (and gate), row-parallel down."""
+
+    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        d, f = config.d_model, config.ff_dim
+        self.w_up = nn.Parameter(torch.empty(d, f))
+        self.w_down = nn.Parameter(torch.empty(f, d))
+        self.up = ops.BatchMatMul().shard((s.replicated_rows, s.map("None", "tp")))
+        self.down = ops.BatchMatMul().shard((s.columns, s.map("tp", "None")))
+        if self.swiglu:
+            self.w_gate = nn.Parameter(torch.empty(d, f))
+            self.gate = ops.BatchMatMul().shard((s.replicated_rows, s.map("None", "tp")))
+            self.glu = ops.Mul().shard((s.columns, s.columns))
+        else:
+            self.act = ops.GELU(approximate="tanh").shard((s.columns,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            hidden = self.glu(F.silu(self.gate(x, self.w_gate)), self.up(x, self.w_up))
+        else:
+            hidden = self.act(self.up(x, self.w_up))
+        return self.down(hidden, self.w_down)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = Norm(config, s), Norm(config, s)
+        self.attention = Attention(config, s)
+        self.mlp = MLP(config, s)
+        self.residual1 = ops.Add().shard((s.stream, s.stream))
+        self.residual2 = ops.Add().shard((s.stream, s.stream))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        x = self.residual1(x, self.attention(self.norm1(x), mask, rope))
+        return self.residual2(x, self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """The decoder: `model(ids)` gives logits (vocab dim cut over tp); `model(ids, targets)` the mean loss."""
+
+    def __init__(self, config: GPTConfig, strategies: Strategies | None = None) -> None:
+        super().__init__()
+        s = strategies or Strategies()
+        if config.n_heads % s.tp or config.kv_heads % s.tp:
+            raise ValueError(
+                f"tp {s.tp} must divide n_heads {config.n_heads} and n_kv_heads {config.kv_heads} "
+                f"(attention heads are cut over tp)"
+            )
+        self.config, self.strategies = config, s
+        self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        self.lookup = ops.Gather().shard((s.map("tp", "None"), s.map("dp", "None")))
+        self.enter = ops.Identity().shard((s.stream,))
+        if config.positions == "learned":
+            self.positions = nn.Parameter(torch.empty(config.max_seq_len, config.d_model))
+            self.add_positions = ops.Add().shard(
+                (s.stream, s.map("tp" if s.sequence_parallel else "None", "None"))
+            )
+        self.blocks = nn.ModuleList(Block(config, s) for _ in range(config.n_layers))
+        self.norm = Norm(config, s)
+        if not config.tie_embeddings:
+            self.head = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        self.logits = ops.BatchMatMul(transpose_b=True).shard((s.replicated_rows, s.map("tp", "None")))
+        self.register_buffer("causal_mask", _causal_mask(config.max_seq_len), persistent=False)
+        if config.positions == "rotary":
+            cos, sin = _rotary_tables(config.max_seq_len, config.head_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        seq = ids.shape[1]
+        x = self.lookup(self.embedding, ids)
+        if self.config.positions == "learned":
+            x = self.add_positions(x, self.positions[:seq])
+        else:
+            x = self.enter(x)
+        mask = self.causal_mask[:seq, :seq]
+        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.config.positions == "rotary" else None
+        for block in self.blocks:
+            x = block(x, mask, rope)
+        logits = self.logits(self.norm(x), self.embedding if self.config.tie_embeddings else self.head)
+        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from (seed, its name), whole-tensor values identical on one device and
+        on any mesh (a DTensor keeps the slice of the full draw that it holds)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if param.is_meta:
+                continue
+            generator = torch.Generator().manual_seed(_name_seed(seed, name))
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("weight", "bias") and param.ndim == 1:
+                full = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
+            else:
+                std = residual_std if leaf in ("wo", "w_down") else 0.02
+                full = torch.randn(param.shape, generator=generator) * std
+            _assign(param, full.to(param.dtype))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count of the whole (global) model."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embedding.numel() + (self.positions.numel() if hasattr(self, "positions") else 0)
+        return total
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `logits` (batch, seq, vocab) against integer `targets` (batch, seq).
+
+    Written with reductions over the vocab dim only, so that with that dim cut over tp each rank works on
+    its slice: the max and the sum of exponentials are reduced across tp, and the target's logit is picked
+    with a one-hot mask that each rank builds for its own slice.
+    """
+    shift = logits.detach().amax(dim=-1, keepdim=True)
+    log_sum_exp = torch.log(torch.exp(logits - shift).sum(dim=-1)) + shift.squeeze(-1)
+    picked = (logits * F.one_hot(targets, logits.shape[-1]).to(logits.dtype)).sum(dim=-1)
+    return (log_sum_exp - picked).mean()
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
+
+
+def _causal_mask(size: int) -> torch.Tensor:
+    return torch.full((size, size), float("-inf")).triu(1)
+
+
+def _rotary_tables(seq: int, dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
