@@ -18,7 +18,7 @@ from loom.layout import to_layout
 
 PRIMITIVES = [
     "MatMul", "BatchMatMul", "Add", "Sub", "Mul", "Div", "ReLU", "GELU", "Softmax", "LayerNorm", "Transpose",
-    "Reshape", "ReduceSum", "ReduceMean",
+    "Reshape", "ReduceSum", "ReduceMean", "Gather", "Identity",
 ]  # fmt: skip
 ATOL = RTOL = 1e-5  # fp32; sharded reductions sum in another order than the single-device kernel
 
@@ -142,10 +142,17 @@ def _reduce(draw, name, world, seed):
     return _case(name, [labels], cuts, _sizes(draw, cuts), seed, {"keep_dims": draw(st.booleans())}, (axis,))
 
 
+def _gather(draw, name, world, seed):
+    ids = "ab"[: draw(st.integers(1, 2))]
+    cuts = draw(cuts_for("yz" + ids, world))
+    return _case(name, ["yz", ids], cuts, _sizes(draw, cuts), seed)
+
+
 _DRAW = {
     "MatMul": _matmul, "BatchMatMul": _matmul, "Add": _elementwise, "Sub": _elementwise, "Mul": _elementwise,
     "Div": _elementwise, "ReLU": _unary, "GELU": _unary, "Softmax": _softmax, "LayerNorm": _layernorm,
     "Transpose": _transpose, "Reshape": _reshape, "ReduceSum": _reduce, "ReduceMean": _reduce,
+    "Gather": _gather, "Identity": _unary,
 }  # fmt: skip
 
 
@@ -154,19 +161,21 @@ def _inputs(case: OpCase) -> list[torch.Tensor]:
     tensors = [torch.randn(shape, generator=generator) for shape in case.shapes]
     if case.name == "Div":
         tensors[1] = tensors[1].abs() + 0.5  # keep the quotient well conditioned
-    return tensors
+    if case.name == "Gather":
+        tensors[1] = torch.randint(0, case.shapes[0][0], case.shapes[1], generator=generator)
+    return [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
 
 
 def check_case(case: OpCase) -> str | None:
     """Run `case` sharded on this rank's mesh; None when it matches the single-device run, else why not."""
     mesh = loom.init()
     primitive = getattr(loom.ops, case.name)(**case.kwargs)
-    reference_inputs = [t.requires_grad_() for t in _inputs(case)]
+    reference_inputs = _inputs(case)
     reference = primitive.compute(*reference_inputs, *case.extra)
     grad_out = torch.randn(reference.shape, generator=torch.Generator().manual_seed(case.seed + 1))
     reference.backward(grad_out)
 
-    inputs = [t.requires_grad_() for t in _inputs(case)]
+    inputs = _inputs(case)
     primitive.shard(case.strategy)
     output = loom.full(primitive(*inputs, *case.extra))
     output.backward(grad_out)
@@ -174,7 +183,7 @@ def check_case(case: OpCase) -> str | None:
     if not torch.allclose(output, reference, atol=ATOL, rtol=RTOL):
         problems.append(f"output differs by {(output - reference).abs().max():.3g}")
     for i, (got, want) in enumerate(zip(inputs, reference_inputs, strict=True)):
-        if not torch.allclose(got.grad, want.grad, atol=ATOL, rtol=RTOL):
+        if got.requires_grad and not torch.allclose(got.grad, want.grad, atol=ATOL, rtol=RTOL):
             problems.append(f"grad of input {i} differs by {(got.grad - want.grad).abs().max():.3g}")
     if case.name != "Reshape":  # a reshape may have to gather a cut dim first
         laid_out = [

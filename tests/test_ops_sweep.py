@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from op_cases import PRIMITIVES, check_case, op_case
 
 NO_SHRINK = [Phase.explicit, Phase.generate]  # shrinking re-runs multi-rank cases for minutes
-EXAMPLES = {2: 5, 4: 6, 8: 5}  # per primitive: 14 x (5 + 6 + 5) = 224 (primitive, strategy, world size) cases
+EXAMPLES = {2: 5, 4: 6, 8: 5}  # per primitive: 16 x (5 + 6 + 5) = 256 (primitive, strategy, world size) cases
 
 
 @pytest.mark.parametrize("world", sorted(EXAMPLES))
