@@ -186,7 +186,7 @@ class MetricsLogger:
             )
             line = f"eval step {step} | {text}"
             if self._progress is not None:
-                self._progress.console.print(line)
+                self._progress.console.print(line, markup=False, highlight=False)
             else:
                 print(line, file=self.stream, flush=True)
 

@@ -1,0 +1,156 @@
+"""`loom.Trainer`: the training loop, readable top to bottom.
+
+One step: split the rank's batch into micro-batches; for each, forward under autocast and backward of the
+(scaled) loss, letting gradients synchronise only on the last one; then, on the whole step's gradients:
+check finiteness (fp16), unscale, clip to a global norm taken across every shard and rank, update (unless
+skipped), adjust the loss scale and the learning rate, and tell the callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.dist import env
+from loom.train.grads import all_finite, clip_grads_, global_grad_norm, scale_grads_
+from loom.train.precision import DynamicLossScaler, autocast
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one optimizer step did (the loss is the global loss, the same on every rank)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    loss_scale: float | None
+    step_time_s: float
+
+
+class Trainer:
+    """Trains a model made parallel by `loom.parallelize` (or a plain one) with an optimizer.
+
+    The model's forward takes one micro-batch (a tuple of tensors) and returns the mean loss over it.
+    `grad_accum` micro-batches make a step; `clip_grad_norm` clips the global gradient norm; `precision`
+    is "fp32", "bf16" or "fp16" (with dynamic loss scaling); callbacks get `on_train_begin(trainer)`,
+    `on_step_end(trainer, result)`, `on_eval_end(trainer, loss)` and `on_train_end(trainer)`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        grad_accum: int = 1,
+        clip_grad_norm: float | None = None,
+        precision: str = "fp32",
+        loss_scaler: DynamicLossScaler | None = None,
+        callbacks: Sequence[object] = (),
+    ) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum {grad_accum} must be >= 1")
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm {clip_grad_norm} must be > 0 (or None for no clipping)")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.grad_accum, self.clip_grad_norm, self.precision = grad_accum, clip_grad_norm, precision
+        self.scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else None)
+        self.callbacks = list(callbacks)
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.step = 0
+        self.is_main = env.rank() == 0
+        autocast(precision)  # validates the name now rather than at the first step
+
+    def train_step(self, micro_batches: Sequence[tuple]) -> StepResult:
+        """One optimizer step over `micro_batches` (this rank's parts of the global batch)."""
+        start = time.perf_counter()
+        count = len(micro_batches)
+        losses = []
+        for index, batch in enumerate(micro_batches):
+            with self._sync_gradients(index == count - 1), autocast(self.precision, env.device_type()):
+                loss = self.model(*batch)
+            scale = self.scaler.scale if self.scaler else 1.0
+            (loss * (scale / count)).backward()
+            losses.append(loss.detach())
+        finite = all_finite(self.params) if self.scaler else True
+        if self.scaler:
+            scale_grads_(self.params, 1.0 / self.scaler.scale)
+        if self.clip_grad_norm is not None and finite:
+            norm = clip_grads_(self.params, self.clip_grad_norm).item()
+        else:
+            norm = global_grad_norm(self.params).item() if finite else float("nan")
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler:
+            self.scaler.update(finite)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step += 1
+        return StepResult(
+            step=self.step,
+            loss=global_mean(losses),
+            grad_norm=norm,
+            lr=lr,
+            skipped=not finite,
+            loss_scale=self.scaler.scale if self.scaler else None,
+            step_time_s=time.perf_counter() - start,
+        )
+
+    def fit(self, batches: Iterator[Sequence[tuple]], steps: int) -> list[StepResult]:
+        """Run `steps` steps; `batches` yields, per step, the list of micro-batches."""
+        self._call("on_train_begin", self)
+        results = []
+        for _ in range(steps):
+            result = self.train_step(next(batches))
+            results.append(result)
+            self._call("on_step_end", self, result)
+        self._call("on_train_end", self)
+        return results
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple]) -> float:
+        """The mean loss over `batches` (no gradients)."""
+        losses = []
+        for batch in batches:
+            with autocast(self.precision, env.device_type()):
+                losses.append(self.model(*batch))
+        loss = global_mean(losses)
+        self._call("on_eval_end", self, loss)
+        return loss
+
+    def _sync_gradients(self, last: bool):
+        state = getattr(self.model, "loom", None)
+        if last or state is None:
+            return contextlib.nullcontext()
+        return state.no_sync()
+
+    def _call(self, hook: str, *args: object) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(*args)
+
+
+def global_mean(losses: Sequence[torch.Tensor]) -> float:
+    """The mean of per-micro-batch losses as one global number: DTensor losses are global already; plain
+    (data-parallel) losses are local and averaged over the ranks."""
+    if not losses:
+        return float("nan")
+    if isinstance(losses[0], DTensor):
+        return torch.stack([loss.full_tensor() for loss in losses]).float().mean().item()
+    mean = torch.stack(losses).float().mean()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return mean.item()
