@@ -181,3 +181,8 @@ def test_parse_overrides_types():
         "train": {"eval_every": 0},
         "checkpoint": {"every_minutes": 2.0},
     }
+
+
+def test_sections_must_be_section_objects():
+    with pytest.raises(ValueError, match="TrainConfig.train must be a TrainingConfig, got dict"):
+        TrainConfig(train={"steps": 3})

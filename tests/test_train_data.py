@@ -1,5 +1,6 @@
 """Tier 1: datasets (shapes, shift, determinism, errors), the arithmetic corpus, and DistributedBatches."""
 
+import pickle
 import re
 
 import numpy as np
@@ -229,4 +230,8 @@ def test_micro_batches_split_rows():
 def test_token_file_with_numpy_memmap_is_not_copied(tmp_path):
     path = tmp_path / "t.bin"
     write_token_file(path, np.arange(1000), "uint16")
-    assert isinstance(TokenFileDataset(path, 10).tokens, np.memmap)
+    ds = TokenFileDataset(path, 10)
+    assert isinstance(ds.tokens, np.memmap)
+    copy = pickle.loads(pickle.dumps(ds))  # as sent to a worker process: re-opened, not copied
+    assert len(pickle.dumps(ds)) < 1000 and isinstance(copy.tokens, np.memmap)
+    assert torch.equal(copy[3][0], ds[3][0])

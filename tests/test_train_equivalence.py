@@ -6,6 +6,7 @@ import torch
 import loom
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
 from loom.recompute import recompute
 from loom.train import Trainer
 
@@ -19,8 +20,8 @@ def _batches():
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def _train(model, batches, accum, rows):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+def _train(model, batches, accum, rows, level=0):
+    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=3e-3, weight_decay=0.1)
     trainer = Trainer(model, optimizer, grad_accum=accum, clip_grad_norm=0.5)
     results = []
     for ids, targets in batches:
@@ -30,7 +31,7 @@ def _train(model, batches, accum, rows):
     return [r.loss for r in results], [r.grad_norm for r in results]
 
 
-def train_case(dp, tp, sequence_parallel, policy, accum, config=CONFIG):
+def train_case(dp, tp, sequence_parallel, policy, accum, level, config=CONFIG):
     batches = _batches()
     reference = GPT(config)
     for block in reference.blocks:
@@ -43,7 +44,7 @@ def train_case(dp, tp, sequence_parallel, policy, accum, config=CONFIG):
         recompute(block, policy)
     rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
     loom.parallelize(model, mode="semi_auto", example_inputs=(rows(batches[0][0]), rows(batches[0][1])))
-    losses, norms = _train(model, batches, accum, rows)
+    losses, norms = _train(model, batches, accum, rows, level)
     errors = {
         name: (loom.full(p) - q).abs().max().item()
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True)
@@ -51,21 +52,30 @@ def train_case(dp, tp, sequence_parallel, policy, accum, config=CONFIG):
     return expected, losses, expected_norms, norms, errors
 
 
-CASES = [  # (dp, tp, sequence parallel, recompute, accumulation)
-    (4, 1, False, "none", 1),
-    (1, 4, False, "none", 1),
-    (2, 2, False, "none", 1),
-    (2, 2, True, "none", 2),
-    (1, 4, True, "full", 1),
-    (4, 1, False, "selective", 2),
-    (2, 2, True, "selective", 1),
-    (2, 2, False, "full", 2),
+CASES = [  # (dp, tp, sequence parallel, recompute, accumulation, optimizer level)
+    (4, 1, False, "none", 1, 0),
+    (1, 4, False, "none", 1, 0),
+    (2, 2, False, "none", 1, 0),
+    (2, 2, True, "none", 2, 0),
+    (1, 4, True, "full", 1, 0),
+    (4, 1, False, "selective", 2, 0),
+    (2, 2, True, "selective", 1, 0),
+    (2, 2, False, "full", 2, 0),
+    (4, 1, False, "none", 1, 1),
+    (4, 1, False, "full", 2, 2),
+    (2, 2, False, "none", 1, 1),
+    (2, 2, True, "selective", 2, 1),
+    (2, 2, False, "none", 2, 2),
+    (2, 2, True, "full", 1, 2),
+    (1, 4, False, "selective", 2, 1),
+    (1, 4, True, "none", 1, 2),
 ]
 
 
-@pytest.mark.parametrize(("dp", "tp", "sp", "policy", "accum"), CASES)
-def test_gpt_training_matches_one_device(dist_run, dp, tp, sp, policy, accum):
-    for expected, losses, expected_norms, norms, errors in dist_run(4, train_case, dp, tp, sp, policy, accum):
+@pytest.mark.parametrize(("dp", "tp", "sp", "policy", "accum", "level"), CASES)
+def test_gpt_training_matches_one_device(dist_run, dp, tp, sp, policy, accum, level):
+    args = (dp, tp, sp, policy, accum, level)
+    for expected, losses, expected_norms, norms, errors in dist_run(4, train_case, *args):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-4, atol=0)
         # Adam moves every entry by up to lr = 3e-3 a step: 1.5e-2 in 5 steps; the runs agree to 0.1% of that

@@ -29,6 +29,7 @@ class Route:
     group: dist.ProcessGroup | None
     scale: float
     finish: Callable[[nn.Parameter, torch.Tensor], None]  # writes the reduced local gradient back
+    copies: int = 1  # ranks outside the group that hold the same values (replicas over other mesh dims)
 
 
 @dataclass(eq=False)
@@ -42,9 +43,22 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     work: dist.Work | None = None
     launched: bool = False
+    shard_grad: torch.Tensor | None = None  # with sharded gradients: this rank's reduced chunk
 
     def __post_init__(self) -> None:
         self.index = {param: i for i, param in enumerate(self.params)}
+        self.group_size = dist.get_world_size(self.route.group)
+        self.group_rank = dist.get_rank(self.route.group)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the gradients (the buffer may be padded beyond, to split evenly)."""
+        return self.offsets[-1]
+
+    @property
+    def chunk(self) -> int:
+        """Elements each rank of the group owns when the bucket is split evenly (the last chunk padded)."""
+        return -(-self.numel // self.group_size)
 
     def pack(self, param: nn.Parameter, local_grad: torch.Tensor) -> None:
         i = self.index[param]
@@ -55,15 +69,28 @@ class Bucket:
     def complete(self) -> bool:
         return len(self.ready) == len(self.params)
 
-    def launch(self) -> None:
+    def launch(self, scatter: bool = False) -> None:
+        """All-reduce the buffer, or with `scatter` reduce-scatter it: each rank keeps its own chunk."""
         for i in set(range(len(self.params))) - self.ready:
             self.buffer[self.offsets[i] : self.offsets[i + 1]].zero_()  # unused this step
-        self.work = dist.all_reduce(self.buffer, group=self.route.group, async_op=True)
+        if scatter:
+            self.shard_grad = torch.empty(self.chunk, dtype=self.buffer.dtype, device=self.buffer.device)
+            self.work = dist.reduce_scatter_tensor(
+                self.shard_grad, self.buffer, group=self.route.group, async_op=True
+            )
+        else:
+            self.work = dist.all_reduce(self.buffer[: self.numel], group=self.route.group, async_op=True)
         self.launched = True
 
     def wait_and_unpack(self) -> None:
+        """Wait for the collective; scale; write full gradients back (not when only a chunk came back)."""
         assert self.work is not None
         self.work.wait()
+        self.work = None
+        if self.shard_grad is not None:
+            self.shard_grad.mul_(self.route.scale)
+            self.ready.clear()
+            return
         if self.route.scale != 1:
             self.buffer.mul_(self.route.scale)
         for i in sorted(self.ready):
@@ -71,7 +98,6 @@ class Bucket:
             chunk = self.buffer[self.offsets[i] : self.offsets[i + 1]]
             self.route.finish(param, chunk)
         self.ready.clear()
-        self.work = None
 
 
 class GradSync:
@@ -90,6 +116,7 @@ class GradSync:
         bucket_mb: float = 25.0,
         after_sync: Callable[[], None] | None = None,
     ) -> None:
+        self.shard_gradients = False  # ZeRO level 2: reduce-scatter, keep only this rank's chunk
         self.route = route
         self.after_sync = after_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -129,26 +156,35 @@ class GradSync:
             self._stale = True
             return
         bucket.pack(param, local_grad)
+        if self.shard_gradients:
+            param.grad = None  # packed: the full gradient is no longer kept (ZeRO level 2)
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
-            self.buckets[self._next_launch].launch()
+            self.buckets[self._next_launch].launch(self.shard_gradients)
             self._next_launch += 1
 
     def _finish(self) -> None:
         launched = self.buckets[: self._next_launch]
         if self._stale:
+            if self.shard_gradients and launched:
+                raise RuntimeError(
+                    "a gradient's reduction group changed between steps while gradients are sharded "
+                    "(optimizer level 2); keep the model's layouts fixed after the first step"
+                )
             reduced = {p for bucket in launched for p in bucket.params}
             self._wait(launched)
             self._rebuild()
             for param, _ in self._seen:
                 if param not in reduced:
                     self.bucket_of[param].pack(param, self.route(param)[1])
+                    if self.shard_gradients:
+                        param.grad = None
         for bucket in self.buckets[self._next_launch if not self._stale else 0 :]:
             if bucket.ready:
-                bucket.launch()
+                bucket.launch(self.shard_gradients)
         self._wait(self.buckets)
         issued = [bucket for bucket in dict.fromkeys(launched + self.buckets) if bucket.launched]
         self.collectives = len(issued)
-        self.reduced_bytes = sum(bucket.buffer.nbytes for bucket in issued)
+        self.reduced_bytes = sum(bucket.numel * bucket.buffer.element_size() for bucket in issued)
         for bucket in issued:
             bucket.launched = False
         self._seen, self._stale, self._next_launch, self._queued = [], False, 0, False
@@ -177,7 +213,9 @@ class GradSync:
         for items in groups:
             sizes = [g.numel() for *_, g in items]
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            buffer = torch.empty(offsets[-1], dtype=items[0][2].dtype, device=items[0][2].device)
+            size = dist.get_world_size(items[0][1].group)
+            padded = -(-offsets[-1] // size) * size  # a multiple of the group size, to split evenly
+            buffer = torch.zeros(padded, dtype=items[0][2].dtype, device=items[0][2].device)
             bucket = Bucket(route=items[0][1], params=[p for p, *_ in items], buffer=buffer, offsets=offsets)
             self.buckets.append(bucket)
             self.bucket_of.update((p, bucket) for p, *_ in items)

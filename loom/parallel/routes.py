@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,12 +42,17 @@ def dtensor_route(mesh: Mesh):
         consecutive = dims == tuple(range(dims[0], dims[0] + len(dims))) if dims else False
         if not consecutive or len(ops) != 1 or ops - {"sum", "avg"}:
             return None, grad.to_local()
-        key = (dims, ops.pop())
+        # Buckets also group by how many ranks hold each value (replication over the other mesh dims), so
+        # that a bucket's elements are counted alike when norms are summed over sharded gradients.
+        copies = math.prod(
+            grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate()
+        )
+        key = (dims, ops.pop(), copies)
         if key not in routes:
             sub_mesh = mesh.sub_mesh(dims)
             scale = 1.0 / sub_mesh.size() if key[1] == "avg" else 1.0
             routes[key] = Route(
-                key=key, group=sub_mesh.get_group(), scale=scale, finish=_replicate_dims(dims)
+                key=key, group=sub_mesh.get_group(), scale=scale, finish=_replicate_dims(dims), copies=copies
             )
         return routes[key], grad.to_local()
 

@@ -191,7 +191,7 @@ class DataConfig(_Section):
     dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int = 32
     seed: int = 0
-    max_operand: int = 99
+    max_operand: int = 9  # single digits: learnable in a few hundred steps (see ArithmeticCorpus)
 
     def check(self) -> None:
         self._at_least(1, "seq_len", "max_operand")
@@ -345,6 +345,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(
+                    f"TrainConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}; "
+                    "use TrainConfig.from_dict for plain data"
+                )
         self.validate()
 
     @classmethod

@@ -116,7 +116,14 @@ class TokenFileDataset(_WindowDataset):
             )
         tokens = np.memmap(path, dtype=np_dtype, mode="r") if size else np.zeros(0, dtype=np_dtype)
         super().__init__(tokens, seq_len, f"token file {str(path)!r}")
-        self.path = path
+        self.path, self.dtype = path, dtype
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling a memmap copies the whole file; a worker process re-opens the file instead.
+        return {"path": self.path, "seq_len": self.seq_len, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["seq_len"], state["dtype"])
 
 
 class ByteTokenizer:
@@ -184,15 +191,19 @@ class ArithmeticCorpus:
     `seq_len + 1` bytes of a run of fresh lines drawn from a generator seeded with `(seed, i)` only, so it
     never depends on what was read before, on the rank or on the process; each window starts at a line.
     The question digits are random (unlearnable), the answer digits after `=` are a function of the
-    question: that is what a model learns, and what `accuracy` measures by exact match on held-out prompts.
-    With the defaults (operands up to 99) a 2-layer, d_model=128 byte-level GPT reaches most of the answers
-    within a few hundred steps of 32 sequences of 32 tokens on a CPU.
+    question: that is what a model learns, and what `accuracy` measures by exact match on prompts drawn
+    from another seed (with small operands every fact also occurs in training: this tests learning, not
+    generalisation).
+    The default, single-digit operands, is what a small model learns in a few hundred CPU steps: with 32
+    sequences of 32 tokens per step and AdamW at 3e-3 (cosine), a byte-level GPT with d_model=128 answered
+    about 55% of 200 prompts exactly after 300 steps with 2 layers (0.44M parameters) and about 80%
+    with 4 layers (0.83M). Operands up to 19 or 99 stayed under 15% after 300 steps: they need longer runs.
 
     Token ids are bytes (vocab 256): use `ByteTokenizer` to encode prompts and decode generations.
     """
 
     def __init__(
-        self, seq_len: int, seed: int = 0, *, max_operand: int = 99, ops: str = "+-", size: int = 1_000_000
+        self, seq_len: int, seed: int = 0, *, max_operand: int = 9, ops: str = "+-", size: int = 1_000_000
     ) -> None:
         _check_seq_len(seq_len)
         if not isinstance(max_operand, int) or max_operand < 1:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.dist import env
-from loom.train.grads import all_finite, clip_grads_, global_grad_norm, scale_grads_
+from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, grad_views, scale_grads_
 from loom.train.precision import DynamicLossScaler, autocast
 
 
@@ -75,19 +75,22 @@ class Trainer:
         start = time.perf_counter()
         count = len(micro_batches)
         losses = []
+        scale = self.scaler.scale if self.scaler else 1.0
         for index, batch in enumerate(micro_batches):
-            with self._sync_gradients(index == count - 1), autocast(self.precision, env.device_type()):
-                loss = self.model(*batch)
-            scale = self.scaler.scale if self.scaler else 1.0
-            (loss * (scale / count)).backward()
+            # gradients accumulate locally and are reduced once, in the last micro-batch's backward
+            with self._sync_gradients(index == count - 1):
+                with autocast(self.precision, env.device_type()):
+                    loss = self.model(*batch)
+                (loss * (scale / count)).backward()
             losses.append(loss.detach())
-        finite = all_finite(self.params) if self.scaler else True
+        views = self._grad_views()
+        finite = all_finite(views) if self.scaler else True
         if self.scaler:
-            scale_grads_(self.params, 1.0 / self.scaler.scale)
+            scale_grads_(views, 1.0 / self.scaler.scale)
         if self.clip_grad_norm is not None and finite:
-            norm = clip_grads_(self.params, self.clip_grad_norm).item()
+            norm = clip_grads_(views, self.clip_grad_norm).item()
         else:
-            norm = global_grad_norm(self.params).item() if finite else float("nan")
+            norm = global_grad_norm(views).item() if finite else float("nan")
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -128,6 +131,11 @@ class Trainer:
         loss = global_mean(losses)
         self._call("on_eval_end", self, loss)
         return loss
+
+    def _grad_views(self) -> list[GradView]:
+        """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""
+        own = getattr(self.optimizer, "grad_views", None)
+        return own() if own is not None else grad_views(self.params)
 
     def _sync_gradients(self, last: bool):
         state = getattr(self.model, "loom", None)

@@ -1,0 +1,81 @@
+"""Gradient arithmetic across shards and ranks: global norm, clipping, finiteness, unscaling.
+
+Gradients are plain tensors (data parallel: the same on every rank after synchronisation), DTensors
+(semi-auto: each rank holds shards) or chunks of reduce-scattered buckets (optimizer level 2). Each is seen
+as a `GradView`: a rank's share of a global sum counts each element once, so an element held by k ranks
+contributes 1/k from each of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+@dataclass(frozen=True)
+class GradView:
+    """A rank's piece of a gradient and how many ranks hold the same values."""
+
+    local: torch.Tensor
+    copies: int
+
+
+def grad_views(params: Iterable[torch.Tensor]) -> list[GradView]:
+    """The gradients of `params` as this rank holds them (plain gradients are the same on every rank)."""
+    views = []
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor):
+            views.append(GradView(grad, world))
+            continue
+        copies = 1
+        for axis, placement in enumerate(grad.placements):
+            assert not placement.is_partial(), "gradients are synchronised before they are measured"
+            if isinstance(placement, Replicate):
+                copies *= grad.device_mesh.size(axis)
+        views.append(GradView(grad.to_local(), copies))
+    return views
+
+
+def global_grad_norm(views: Iterable[GradView]) -> torch.Tensor:
+    """The 2-norm of all gradients together, as `clip_grad_norm_` computes it on one device (fp32)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for view in views:
+        total += view.local.detach().double().pow(2).sum() / view.copies
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def clip_grads_(views: list[GradView], max_norm: float) -> torch.Tensor:
+    """Scale every gradient so that their global norm is at most `max_norm`; returns the norm before."""
+    norm = global_grad_norm(views)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scale_grads_(views, coefficient.item())
+    return norm
+
+
+def scale_grads_(views: Iterable[GradView], factor: float) -> None:
+    """Multiply every gradient by `factor` in place."""
+    if factor != 1.0:
+        for view in views:
+            view.local.mul_(factor)
+
+
+def all_finite(views: Iterable[GradView]) -> bool:
+    """True when no gradient on any rank holds an inf or a NaN (every rank gets the same answer)."""
+    bad = torch.zeros((), dtype=torch.float32)
+    for view in views:
+        if not torch.isfinite(view.local).all():
+            bad.fill_(1.0)
+            break
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0

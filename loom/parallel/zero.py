@@ -1,0 +1,165 @@
+"""Optimizer parallelism (MindSpore's optimizer levels, ZeRO's stages 1 and 2), on loom's gradient buckets.
+
+Every gradient bucket is split evenly over the ranks that reduce it (its data-parallel replicas): each rank
+keeps an fp32 copy of its chunk of the bucket's parameters and runs the optimizer on that chunk alone, so the
+optimizer states are sharded (level 1). At level 2 the bucket is reduce-scattered instead of all-reduced, so
+each rank also keeps only its chunk of the gradients (the full gradients are dropped as soon as they are
+packed). After the update, one all-gather per bucket brings every rank the new parameters.
+
+This composes with tensor parallelism: a bucket holds a rank's local shards of DTensor parameters, and its
+group is the data-parallel group that shares them. Parameters whose gradients need no reduction are updated
+whole, by a second optimizer of the same kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.parallel.grad_sync import Bucket
+from loom.parallel.grads import GradView, grad_views
+
+LEVELS = (0, 1, 2)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class BucketShard:
+    """This rank's chunk of one bucket: fp32 parameters the optimizer updates, and how to publish them."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        start = bucket.group_rank * bucket.chunk
+        self.master = torch.zeros(bucket.chunk, dtype=torch.float32)
+        self.pieces = []  # (param, first element in param, last, first element in master)
+        for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+            lo, hi = max(offset, start), min(end, start + bucket.chunk)
+            if lo < hi:
+                self.pieces.append((param, lo - offset, hi - offset, lo - start))
+        self.gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=torch.float32)
+        with torch.no_grad():
+            for param, lo, hi, at in self.pieces:
+                self.master[at : at + hi - lo].copy_(_local(param).reshape(-1)[lo:hi])
+
+    def load_full_grads(self) -> None:
+        """Level 1: this rank's chunk of the all-reduced gradients."""
+        grad = torch.zeros_like(self.master)
+        for param, lo, hi, at in self.pieces:
+            if param.grad is not None:
+                grad[at : at + hi - lo].copy_(_local(param.grad).reshape(-1)[lo:hi])
+        self.master.grad = grad
+
+    def load_shard_grad(self) -> None:
+        """Level 2: the chunk the reduce-scatter left on this rank."""
+        shard = self.bucket.shard_grad
+        self.master.grad = None if shard is None else shard.to(torch.float32)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """All-gather the updated chunks and write the parameters of the bucket."""
+        bucket = self.bucket
+        dist.all_gather_into_tensor(self.gathered, self.master, group=bucket.route.group)
+        for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+            local = _local(param)
+            local.copy_(self.gathered[offset:end].view_as(local))
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """`optimizer_class` (e.g. `torch.optim.AdamW`) with its states sharded over data-parallel replicas.
+
+    Holds the model's parameters in `param_groups` (so learning-rate schedulers work as usual) and builds the
+    sharded optimizer at the first step, when the gradient buckets are known.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], level: int = 1, **hyper
+    ) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"ZeroOptimizer takes level 1 or 2, got {level} (level 0: a plain optimizer)")
+        state = getattr(model, "loom", None)
+        if state is None:
+            raise ValueError("ZeroOptimizer needs a model made parallel by loom.parallelize")
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        super().__init__(params, hyper)
+        self.sync = state.grad_sync
+        self.sync.shard_gradients = level == 2
+        self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
+        self.shards: list[BucketShard] = []
+        self.whole: list[nn.Parameter] = []
+        self.inner: list[torch.optim.Optimizer] = []
+        self._buckets: list[Bucket] = []
+
+    def _build(self) -> None:
+        self._buckets = list(self.sync.buckets)
+        self.shards = [BucketShard(bucket) for bucket in self._buckets]
+        self.whole = self._unbucketed()
+        self.inner = []
+        if self.shards:
+            self.inner.append(self.optimizer_class([shard.master for shard in self.shards], **self.hyper))
+        if self.whole:
+            self.inner.append(self.optimizer_class(self.whole, **self.hyper))
+
+    def grad_views(self) -> list[GradView]:
+        """The step's gradients as this rank holds them: at level 2, its bucket chunks."""
+        if self.level == 1:
+            return grad_views(self.param_groups[0]["params"])
+        chunks = [
+            GradView(bucket.shard_grad, bucket.route.copies)
+            for bucket in self.sync.buckets
+            if bucket.shard_grad is not None
+        ]
+        return chunks + grad_views(self._unbucketed())
+
+    def _unbucketed(self) -> list[nn.Parameter]:
+        in_buckets = {param for bucket in self.sync.buckets for param in bucket.params}
+        return [p for p in self.param_groups[0]["params"] if p not in in_buckets]
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        if len(self.param_groups) != 1:
+            raise ValueError("ZeroOptimizer supports one parameter group")
+        if not self.inner:
+            self._build()
+        elif self.sync.buckets != self._buckets:
+            raise RuntimeError(
+                "gradient buckets changed after the first step; optimizer states would be lost"
+            )
+        for shard in self.shards:
+            shard.load_full_grads() if self.level == 1 else shard.load_shard_grad()
+        settings = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        for optimizer in self.inner:
+            optimizer.param_groups[0].update(settings)
+            optimizer.step()
+        for shard in self.shards:
+            shard.master.grad = None
+            shard.publish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for bucket in self.sync.buckets:
+            bucket.shard_grad = None
+
+    def state_dict(self) -> dict:
+        return {"level": self.level, "inner": [optimizer.state_dict() for optimizer in self.inner]}
+
+
+def make_optimizer(
+    model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], level: int = 0, **hyper
+) -> torch.optim.Optimizer:
+    """The optimizer for `model` at optimizer level `level` (0: `optimizer_class` itself; 1, 2: sharded)."""
+    if level not in LEVELS:
+        raise ValueError(f"optimizer level {level}; loom supports {LEVELS} (level 3 is not built yet)")
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    return (
+        optimizer_class(params, **hyper)
+        if level == 0
+        else ZeroOptimizer(model, optimizer_class, level, **hyper)
+    )
