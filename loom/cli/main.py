@@ -11,14 +11,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from loom.cli import bench, run, simulate
+from loom.cli import bench, run, simulate, train
 
-_COMMANDS = (run, simulate, bench)
+_COMMANDS = (run, train, simulate, bench)
 
 DESCRIPTION = """\
 loom: train ordinary PyTorch models across many devices.
 
 examples:
+  loom train configs/demo.toml        train a GPT as the config says (dp x tp, optimizer level, ...)
   loom run -n 2 train.py              run train.py on 2 local ranks, like torchrun
   loom run -n 4 train.py --lr 3e-4    arguments after the script go to the script
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --global-batch 1536

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loom.cost.collectives import bus_factor
 from loom.cost.hardware import GIB, Cluster, Device, Link
+from loom.dist.collectives import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["Calibration", "calibrate", "fit_knee", "fit_link", "measure_rank"]
 
@@ -63,13 +64,12 @@ def _collective(kind: str, nbytes: int) -> Callable[[], object]:
     n, rank = dist.get_world_size(), dist.get_rank()
     elements = max(n, nbytes // 4 // n * n)  # fp32, divisible by the group size
     full, part = torch.ones(elements), torch.ones(elements // n)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part)
+        return lambda: all_gather_flat(full, part)
     if kind == "reduce_scatter":
-        return lambda: reduce_scatter(part, full)
+        return lambda: reduce_scatter_flat(part, full)
     if kind == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full)

@@ -21,13 +21,38 @@ def lay_out_parameters(module: nn.Module, layouts: dict[str, TensorLayout], mesh
     if unknown:
         valid = [name for name, _ in module.named_parameters()]
         raise ValueError(f"parameter_plan names unknown parameter(s) {unknown}; the parameters are {valid}")
+    _replace_parameters(
+        module,
+        lambda name, param: _distribute(param, layouts.get(name, TensorLayout.replicated(param.ndim)), mesh),
+    )
+
+
+def materialize(module: nn.Module, device: str | torch.device = "cpu") -> None:
+    """Allocate (uninitialised) every meta parameter and buffer of `module` on `device`: for a DTensor,
+    only this rank's shard. Parameters become new objects: hook them afterwards."""
+    device = torch.device(device)
+
+    def allocate(_: str, param: torch.Tensor) -> torch.Tensor:
+        if isinstance(param, DTensor):
+            local = torch.empty_like(param.to_local(), device=device)
+            return DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                stride=param.stride(),
+            )  # fmt: skip
+        return torch.empty_like(param, device=device)
+
+    _replace_parameters(module, allocate)
+    for name, buffer in list(module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
+
+
+def _replace_parameters(module: nn.Module, make) -> None:  # noqa: ANN001
+    """Swap every parameter for `nn.Parameter(make(name, old))`, keeping shared (tied) parameters shared."""
     done: dict[int, nn.Parameter] = {}
     for name, param in list(module.named_parameters(remove_duplicate=False)):
         if id(param) not in done:
-            layout = layouts.get(name, TensorLayout.replicated(param.ndim))
-            done[id(param)] = nn.Parameter(
-                _distribute(param, layout, mesh), requires_grad=param.requires_grad
-            )
+            done[id(param)] = nn.Parameter(make(name, param), requires_grad=param.requires_grad)
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, done[id(param)])
 

@@ -264,11 +264,12 @@ class GPT(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
         self.logits = ops.BatchMatMul(transpose_b=True).shard((s.replicated_rows, s.map("tp", "None")))
-        self.register_buffer("causal_mask", _causal_mask(config.max_seq_len), persistent=False)
+        size = (config.max_seq_len, config.max_seq_len)
+        self.register_buffer("causal_mask", torch.empty(size), persistent=False)
         if config.positions == "rotary":
-            cos, sin = _rotary_tables(config.max_seq_len, config.head_dim)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            tables = (config.max_seq_len, config.head_dim)
+            self.register_buffer("rope_cos", torch.empty(tables), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(tables), persistent=False)
         self.init_weights()
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,6 +290,12 @@ class GPT(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter from (seed, its name), whole-tensor values identical on one device and
         on any mesh (a DTensor keeps the slice of the full draw that it holds)."""
+        if not self.causal_mask.is_meta:  # constant tables, recomputed after `to_empty`
+            self.causal_mask.copy_(_causal_mask(self.config.max_seq_len))
+            if self.config.positions == "rotary":
+                cos, sin = _rotary_tables(self.config.max_seq_len, self.config.head_dim)
+                self.rope_cos.copy_(cos)
+                self.rope_sin.copy_(sin)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
             if param.is_meta:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.dist._torch_private import queue_backward_callback
+from loom.dist.collectives import reduce_scatter_flat
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Bucket:
             self.buffer[self.offsets[i] : self.offsets[i + 1]].zero_()  # unused this step
         if scatter:
             self.shard_grad = torch.empty(self.chunk, dtype=self.buffer.dtype, device=self.buffer.device)
-            self.work = dist.reduce_scatter_tensor(
+            self.work = reduce_scatter_flat(
                 self.shard_grad, self.buffer, group=self.route.group, async_op=True
             )
         else:
@@ -120,7 +121,6 @@ class GradSync:
         self.route = route
         self.after_sync = after_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
         self.enabled = True
@@ -130,7 +130,16 @@ class GradSync:
         self._queued = False
         self.reduced_bytes = 0  # bytes all-reduced by the last backward pass (for tests and benchmarks)
         self.collectives = 0  # all-reduces issued by the last backward pass
+        self.handles: list = []
+        self.attach(module)
+
+    def attach(self, module: nn.Module) -> None:
+        """Hook the parameters `module` has now (again after `to_empty` replaced them); forget the buckets."""
+        for handle in self.handles:
+            handle.remove()
+        self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.buckets, self.bucket_of = [], {}
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

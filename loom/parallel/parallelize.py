@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
-from loom.layout.parameters import lay_out_parameters
+from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import Recording, record
 from loom.parallel.grad_sync import GradSync
@@ -43,6 +43,14 @@ class ParallelState:
     grad_sync: GradSync
     parameter_layouts: dict[str, TensorLayout] = field(default_factory=dict)
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
+
+    def materialize(self, module: nn.Module, device: str | torch.device = "cpu") -> None:
+        """Allocate a model parallelised on the meta device (this rank's shards only, uninitialised) and
+        hook its new parameters; initialise them afterwards."""
+        materialize(module, device)
+        self.grad_sync.attach(module)
+        if self.mode == "semi_auto":
+            self.grad_sync.after_sync = fix_placements([p for p in module.parameters() if p.requires_grad])
 
     def no_sync(self):
         """Skip gradient synchronisation inside the block (for gradient accumulation)."""

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loom.dist.collectives import all_gather_flat
 from loom.parallel.grad_sync import Bucket
 from loom.parallel.grads import GradView, grad_views
 
@@ -64,7 +64,7 @@ class BucketShard:
     def publish(self) -> None:
         """All-gather the updated chunks and write the parameters of the bucket."""
         bucket = self.bucket
-        dist.all_gather_into_tensor(self.gathered, self.master, group=bucket.route.group)
+        all_gather_flat(self.gathered, self.master, group=bucket.route.group)
         for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
             local = _local(param)
             local.copy_(self.gathered[offset:end].view_as(local))
