@@ -27,7 +27,10 @@ format: setup
 test: setup lint
 	$(BIN)/python -m pytest -q
 
+# The main job (a small GPT learning arithmetic on 4 workers, dp=2 x tp=2, optimizer level 1), then the two
+# MindSpore layout examples checked against one device.
 demo: setup
+	$(BIN)/loom train configs/demo.toml
 	$(BIN)/python examples/demo.py
 
 bench: setup

@@ -70,18 +70,25 @@ def _train_and_calibrate(steps: int, warmup: int) -> dict:
     ids = torch.randint(
         0, SHAPE["vocab"], (LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(loom.rank())
     )
-    times = []
-    for step in range(warmup + steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, SHAPE["vocab"]), ids[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        optimizer.step()
-        if step >= warmup:
+
+    def train_steps(count: int) -> list[float]:
+        times = []
+        for _ in range(count):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, SHAPE["vocab"]), ids[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer.step()
             times.append(time.perf_counter() - start)
+        return times
+
+    train_steps(warmup)
+    # Calibrate between two halves of the measured steps, so both see the same load on the machine.
+    times = train_steps(steps // 2)
     calibration = measure_rank((128, 512), (2**16, 2**20, 2**22), repeats=5)
+    times += train_steps(steps - steps // 2)
     return {"step_s": statistics.median(times), "calibration": calibration}
 
 

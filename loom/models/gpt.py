@@ -153,6 +153,8 @@ class Attention(nn.Module):
         self.wk = nn.Parameter(torch.empty(d, kv))
         self.wv = nn.Parameter(torch.empty(d, kv))
         self.wo = nn.Parameter(torch.empty(d, d))
+        # with sequence parallelism the input is gathered once (not once per projection)
+        self.gather = ops.Identity().shard((s.replicated_rows,))
         column = (s.replicated_rows, s.map("None", "tp"))
         self.q_proj, self.k_proj, self.v_proj = (ops.BatchMatMul().shard(column) for _ in range(3))
         self.split = ops.Reshape().shard((s.columns,))
@@ -179,6 +181,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: tuple | None) -> torch.Tensor:
         c = self.config
+        x = self.gather(x)
         q = self._heads(self.q_proj(x, self.wq), c.n_heads)
         k = self._heads(self.k_proj(x, self.wk), c.kv_heads)
         v = self._heads(self.v_proj(x, self.wv), c.kv_heads)
@@ -206,6 +209,7 @@ class MLP(nn.Module):
         d, f = config.d_model, config.ff_dim
         self.w_up = nn.Parameter(torch.empty(d, f))
         self.w_down = nn.Parameter(torch.empty(f, d))
+        self.gather = ops.Identity().shard((s.replicated_rows,))
         self.up = ops.BatchMatMul().shard((s.replicated_rows, s.map("None", "tp")))
         self.down = ops.BatchMatMul().shard((s.columns, s.map("tp", "None")))
         if self.swiglu:
@@ -216,6 +220,7 @@ class MLP(nn.Module):
             self.act = ops.GELU(approximate="tanh").shard((s.columns,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gather(x)
         if self.swiglu:
             hidden = self.glu(F.silu(self.gate(x, self.w_gate)), self.up(x, self.w_up))
         else:
