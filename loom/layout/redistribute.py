@@ -40,7 +40,11 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole global tensor on every rank, differentiably (a plain tensor is returned as it is)."""
+    """The whole global tensor on every rank, differentiably (a plain tensor is returned as it is).
+
+    Like DTensor's `full_tensor`, the result of a replicated DTensor is its local tensor itself, not a copy:
+    clone it to keep a snapshot of a parameter that training will update.
+    """
     if isinstance(t, DTensor):
         return t.full_tensor()
     return t

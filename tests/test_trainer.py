@@ -1,0 +1,104 @@
+"""The Trainer's step: fp16 overflow skipping, clipping against torch's clip_grad_norm_, recomputation."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+from loom.dist.context import unsharded
+from loom.models import MLP
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
+from loom.recompute import recompute
+from loom.train import DynamicLossScaler, Trainer
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = MLP(6, 16, 3, depth=2)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x), y)
+
+
+def overflow_case(level):
+    loom.init()
+    torch.manual_seed(0)
+    model = loom.parallelize(Regression(), mode="data_parallel")
+    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=1e-2)
+    trainer = Trainer(model, optimizer, precision="fp16", loss_scaler=DynamicLossScaler(scale=1024.0))
+    generator = torch.Generator().manual_seed(loom.rank())
+    batch = (torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator))
+    trainer.train_step([batch])
+    poison = {"on": True}
+    weight = model.net[0].weight
+    # an overflow on rank 1 only, in one gradient
+    handle = weight.register_hook(lambda g: g * float("inf") if poison["on"] and loom.rank() == 1 else g)
+    before = [p.detach().clone() for p in model.parameters()]
+    skipped = trainer.train_step([batch])
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    handle.remove()
+    after = trainer.train_step([batch])
+    moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return skipped.skipped, skipped.loss_scale, unchanged, after.skipped, moved
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(dist_run):
+    for level in (0, 2):
+        for skipped, scale, unchanged, skipped_after, moved in dist_run(2, overflow_case, level):
+            assert skipped and unchanged and scale == 512.0  # every rank skipped; the scale halved
+            assert not skipped_after and moved  # the next good step updates again
+
+
+def clipping_case(dp, tp, level):
+    config = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = (ids[:, :-1], ids[:, 1:])
+    reference = GPT(config)
+    with unsharded():
+        reference(*batch).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1).item()
+    clipped = {name: p.grad for name, p in reference.named_parameters()}
+    mesh = loom.init({"dp": dp, "tp": tp})
+    model = GPT(config, Strategies(dp, tp))
+    rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+    loom.parallelize(model, mode="semi_auto", example_inputs=tuple(map(rows, batch)))
+    trainer = Trainer(model, make_optimizer(model, torch.optim.SGD, level, lr=1.0), clip_grad_norm=0.1)
+    start = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    norm = trainer.train_step([tuple(map(rows, batch))]).grad_norm
+    # SGD with lr 1 moves each parameter by exactly its clipped gradient
+    steps = {name: (start[name] - loom.full(p)) for name, p in model.named_parameters()}
+    error = max((steps[name] - clipped[name]).abs().max().item() for name in clipped)
+    return expected, norm, error
+
+
+def test_clipping_equals_clip_grad_norm_on_one_device(dist_run):
+    for dp, tp, level in ((2, 2, 0), (4, 1, 2), (1, 4, 1)):
+        for expected, norm, error in dist_run(4, clipping_case, dp, tp, level):
+            assert abs(norm - expected) <= 1e-5 * expected, (dp, tp, level, norm, expected)
+            assert error < 1e-6, (dp, tp, level, error)
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+def test_recompute_runs_the_forward_again_in_backward():
+    for policy, calls in (("none", 1), ("full", 2), ("selective", 2)):
+        block = recompute(Counting(), policy)
+        reference = copy.deepcopy(block)
+        x = torch.randn(4, 8, requires_grad=True)
+        block(x).sum().backward()
+        assert block.calls == calls, policy
+        assert isinstance(block, Counting) and "linear.weight" in block.state_dict()
+        assert reference.calls == 0
