@@ -118,6 +118,7 @@ class GradSync:
         after_sync: Callable[[], None] | None = None,
     ) -> None:
         self.shard_gradients = False  # ZeRO level 2: reduce-scatter, keep only this rank's chunk
+        self.unit_of: dict[nn.Parameter, int] = {}  # ZeRO level 3: buckets never span two units
         self.route = route
         self.after_sync = after_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -212,7 +213,7 @@ class GradSync:
         open_groups: dict[tuple, list] = {}
         for param, route in dict((p, (p, r)) for p, r in self._seen).values():
             grad = self.route(param)[1]
-            key = (route.key, grad.dtype)
+            key = (route.key, grad.dtype, self.unit_of.get(param))
             current = open_groups.get(key)
             if current is None or sum(g.numel() * g.element_size() for *_, g in current) >= self.bucket_bytes:
                 current = open_groups[key] = []

@@ -12,7 +12,8 @@ The order of transforms, fixed:
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,16 @@ class ParallelState:
     grad_sync: GradSync
     parameter_layouts: dict[str, TensorLayout] = field(default_factory=dict)
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
+    parameter_sharding: object | None = None  # set by an optimizer at level 3
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter whole in memory inside the block (at optimizer level 3 they are sharded at rest)."""
+        if self.parameter_sharding is None:
+            yield
+            return
+        with self.parameter_sharding.full_parameters():
+            yield
 
     def materialize(self, module: nn.Module, device: str | torch.device = "cpu") -> None:
         """Allocate a model parallelised on the meta device (this rank's shards only, uninitialised) and

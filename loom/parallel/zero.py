@@ -22,12 +22,20 @@ from torch.distributed.tensor import DTensor
 from loom.dist.collectives import all_gather_flat
 from loom.parallel.grad_sync import Bucket
 from loom.parallel.grads import GradView, grad_views
+from loom.parallel.zero3 import ParameterSharding
 
-LEVELS = (0, 1, 2)
+LEVELS = (0, 1, 2, 3)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same memory with its own version counter: writing parameters through it does not
+    invalidate what autograd saved of them (at level 3 backward refills the storage it saved)."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 class BucketShard:
@@ -67,7 +75,7 @@ class BucketShard:
         all_gather_flat(self.gathered, self.master, group=bucket.route.group)
         for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
             local = _local(param)
-            local.copy_(self.gathered[offset:end].view_as(local))
+            _alias(local).copy_(self.gathered[offset:end].view_as(local))
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -80,16 +88,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(
         self, model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], level: int = 1, **hyper
     ) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"ZeroOptimizer takes level 1 or 2, got {level} (level 0: a plain optimizer)")
+        if level not in (1, 2, 3):
+            raise ValueError(f"ZeroOptimizer takes level 1, 2 or 3, got {level} (level 0: a plain optimizer)")
         state = getattr(model, "loom", None)
         if state is None:
             raise ValueError("ZeroOptimizer needs a model made parallel by loom.parallelize")
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         super().__init__(params, hyper)
         self.sync = state.grad_sync
-        self.sync.shard_gradients = level == 2
+        self.sync.shard_gradients = level >= 2
         self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
+        self.sharding = ParameterSharding(model, self.sync) if level == 3 else None
+        state.parameter_sharding = self.sharding
         self.shards: list[BucketShard] = []
         self.whole: list[nn.Parameter] = []
         self.inner: list[torch.optim.Optimizer] = []
@@ -140,7 +150,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optimizer.step()
         for shard in self.shards:
             shard.master.grad = None
-            shard.publish()
+        if self.sharding is None:
+            for shard in self.shards:
+                shard.publish()
+        elif not self.sharding.active:
+            self.sharding.attach_shards(self.shards)  # parameters live in the chunks from now on
+        else:
+            for index in range(len(self.sharding.units)):
+                self.sharding.gathered[index] = False  # stale: the next use gathers the new values
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -156,7 +173,7 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer for `model` at optimizer level `level` (0: `optimizer_class` itself; 1, 2: sharded)."""
     if level not in LEVELS:
-        raise ValueError(f"optimizer level {level}; loom supports {LEVELS} (level 3 is not built yet)")
+        raise ValueError(f"optimizer level {level}; loom supports {LEVELS}")
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     return (
         optimizer_class(params, **hyper)

@@ -1,0 +1,123 @@
+"""Optimizer level 3 (ZeRO stage 3): parameters sharded at rest, gathered per unit when needed.
+
+The model is cut into units: each block of a `nn.ModuleList` (a transformer layer), and the root for the
+parameters left over. Gradient buckets never span two units. Between uses a unit's parameters hold no memory
+(their storage is resized to zero; each rank keeps only its fp32 chunk in the optimizer). A unit is gathered
+(one all-gather per bucket) just before its forward, freed after it, gathered again when backward reaches
+it (a hook on its outputs' gradients) and freed once all its gradients are ready. Autograd's saved tensors
+point at the same storage, which is refilled before it is read, as in FSDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from loom.parallel.grad_sync import GradSync
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every element of every `nn.ModuleList` in `model` (its layers), then the model itself."""
+    blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return blocks + [model]
+
+
+class ParameterSharding:
+    """Gathers and frees the parameters of each unit around its forward and backward."""
+
+    def __init__(self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None) -> None:
+        self.units = units or default_units(model)
+        self.params: list[list[nn.Parameter]] = []
+        claimed: set[nn.Parameter] = set()
+        for unit in self.units:
+            own = [p for p in dict.fromkeys(unit.parameters()) if p.requires_grad and p not in claimed]
+            claimed.update(own)
+            self.params.append(own)
+        sync.unit_of = {p: i for i, own in enumerate(self.params) for p in own}
+        self.shards: dict[int, list] = {}  # unit -> its BucketShards, set by the optimizer
+        self.active = False  # True once the optimizer holds the parameters (after its first step)
+        self.gathered = [True] * len(self.units)
+        self.in_backward = [False] * len(self.units)
+        self.pending = [0] * len(self.units)
+        for index, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
+            unit.register_forward_hook(lambda _m, _a, out, i=index: self._after_forward(i, out))
+            for param in self.params[index]:
+                param.register_post_accumulate_grad_hook(lambda _p, i=index: self._grad_ready(i))
+
+    def attach_shards(self, shards: list) -> None:
+        """The optimizer's bucket chunks, grouped by unit; from now on parameters are sharded at rest."""
+        unit_of = {id(p): i for i, own in enumerate(self.params) for p in own}
+        self.shards = {}
+        for shard in shards:
+            self.shards.setdefault(unit_of[id(shard.bucket.params[0])], []).append(shard)
+        self.active = True
+        for index in range(len(self.units)):
+            self.free(index)
+
+    def gather(self, index: int) -> None:
+        """Refill unit `index`'s parameters from every rank's chunk (one all-gather per bucket)."""
+        if not self.active or self.gathered[index]:
+            return
+        for shard in self.shards.get(index, []):
+            for param in shard.bucket.params:
+                _storage(param).resize_(_local(param).numel() * _local(param).element_size())
+            shard.publish()
+        self.gathered[index] = True
+
+    def free(self, index: int) -> None:
+        """Release unit `index`'s parameter memory (only bucketed parameters: the others are not sharded)."""
+        if not self.active or not self.gathered[index]:
+            return
+        for shard in self.shards.get(index, []):
+            for param in shard.bucket.params:
+                _storage(param).resize_(0)
+        self.gathered[index] = False
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """All parameters gathered inside the block (to read or save them); freed again afterwards."""
+        for index in range(len(self.units)):
+            self.gather(index)
+        try:
+            yield
+        finally:
+            for index in range(len(self.units)):
+                self.free(index)
+
+    def _before_forward(self, index: int) -> None:
+        self.pending[index] = len(self.params[index])
+        self.gather(index)
+
+    def _after_forward(self, index: int, output: object) -> None:
+        if self.in_backward[index] or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() and not self.in_backward[index]:
+                self.free(index)  # evaluation: no backward will need the parameters
+            return
+        self.free(index)
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, i=index: self._before_backward(i, grad))
+
+    def _before_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self.in_backward[index] = True
+        self.gather(index)
+        return grad
+
+    def _grad_ready(self, index: int) -> None:
+        self.pending[index] -= 1
+        if self.pending[index] == 0 and self.in_backward[index]:
+            self.in_backward[index] = False
+            self.free(index)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _storage(param: torch.Tensor) -> torch.UntypedStorage:
+    return _local(param).untyped_storage()

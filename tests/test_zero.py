@@ -1,0 +1,61 @@
+"""Tier 2: what each optimizer level keeps per rank (states, gradients, parameters), measured on the GPT."""
+
+import torch
+
+import loom
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
+from loom.train import Trainer
+
+CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=16)
+
+
+def _bytes(tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def memory_case(level):
+    mesh = loom.init({"dp": 4})
+    model = GPT(CONFIG, Strategies(4, 1))
+    ids = torch.randint(0, 64, (16, 17), generator=torch.Generator().manual_seed(0))
+    rows = ids.chunk(4)[mesh.dp_rank()]
+    batch = (rows[:, :-1], rows[:, 1:])
+    loom.parallelize(model, mode="semi_auto", example_inputs=batch)
+    total = sum(p.numel() for p in model.parameters()) * 4
+    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=1e-3)
+    trainer = Trainer(model, optimizer)
+    seen = []  # as each block's forward starts: how many of the 3 blocks hold their parameters
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda *_: seen.append(
+                sum(_bytes(p.to_local() for p in b.parameters()) > 0 for b in model.blocks)
+            )
+        )
+    for _ in range(2):
+        trainer.train_step([batch])
+    inner = optimizer.inner if level else [optimizer]
+    states = sum(
+        _bytes(v for v in s.values() if torch.is_tensor(v) and v.ndim)
+        for o in inner
+        for s in o.state.values()
+    )
+    grads = _bytes(p.grad.to_local() for p in model.parameters() if p.grad is not None)
+    model(*batch)  # leaves gradients of this forward pending: they are not read
+    shard_grads = _bytes(b.shard_grad for b in model.loom.grad_sync.buckets if b.shard_grad is not None)
+    resting = _bytes(p.to_local() for p in model.parameters())
+    return {"params": total, "states": states, "resting": resting, "seen": seen[-3:], "grads": grads,
+            "shard_grads": shard_grads}  # fmt: skip
+
+
+def test_each_level_keeps_its_share(dist_run):
+    results = {level: dist_run(4, memory_case, level)[0] for level in (0, 1, 2, 3)}
+    params = results[0]["params"]
+    assert results[0]["states"] == 2 * params  # Adam: two states per parameter
+    for level in (1, 2, 3):
+        # the states cover this rank's chunk: a quarter of the parameters, within the padding of the buckets
+        assert abs(results[level]["states"] - 2 * params / 4) <= 2 * 4 * 4 * 8, results[level]
+    assert results[1]["grads"] == 0 and results[2]["grads"] == 0  # zero_grad after the step
+    assert results[0]["resting"] == params and results[2]["resting"] == params
+    assert results[3]["resting"] == 0  # level 3: no parameter memory between uses
+    assert results[3]["seen"] == [1, 1, 1]  # only the running block is gathered during forward
+    assert results[2]["seen"] == [3, 3, 3]
