@@ -107,3 +107,30 @@ def test_recompute_runs_the_forward_again_in_backward():
         assert block.calls == calls, policy
         assert isinstance(block, Counting) and "linear.weight" in block.state_dict()
         assert reference.calls == 0
+
+
+def bf16_case():
+    config = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    ids = torch.randint(0, 64, (3, 4, 17), generator=torch.Generator().manual_seed(0))
+    batches = [(b[:, :-1], b[:, 1:]) for b in ids]
+
+    def run(model, rows):
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), precision="bf16")
+        return [trainer.train_step([tuple(map(rows, batch))]).loss for batch in batches]
+
+    with unsharded():
+        expected = run(GPT(config), lambda t: t)
+    mesh = loom.init({"dp": 2, "tp": 2})
+    model = GPT(config, Strategies(2, 2, True))
+    rows = lambda t: t.chunk(2)[mesh.dp_rank()]  # noqa: E731
+    loom.parallelize(model, mode="semi_auto", example_inputs=tuple(map(rows, batches[0])))
+    dtypes = set()
+    model.blocks[0].mlp.register_forward_hook(lambda _m, _a, out: dtypes.add(out.dtype))
+    return expected, run(model, rows), dtypes
+
+
+def test_bf16_autocast_on_a_parallel_gpt(dist_run):
+    for expected, losses, dtypes in dist_run(4, bf16_case):
+        assert dtypes == {torch.bfloat16}  # matmuls ran in bf16, master weights stay fp32
+        # bf16 rounds partial sums differently than one device: agreement to bf16 precision, not bitwise
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)
