@@ -9,6 +9,7 @@ and, on the arithmetic task, measure its accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -29,12 +30,9 @@ from loom.train.trainer import Trainer
 
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised."""
-    m, par = config.model, config.parallel
-    gpt = GPTConfig(
-        vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, max_seq_len=m.max_seq_len, norm=m.norm, positions=m.positions,
-        mlp=m.mlp, tie_embeddings=m.tie_embeddings, dropout=m.dropout,
-    )  # fmt: skip
+    par = config.parallel
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    gpt = GPTConfig(**{key: value for key, value in vars(config.model).items() if key in known})
     with torch.device("meta"):
         model = GPT(gpt, Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
     loom.parallelize(model, mode="semi_auto", example_inputs=example)
