@@ -13,7 +13,8 @@ What is counted, in bytes per rank (the largest over the ranks; ranks differ onl
   FSDP2) plus, at levels 2 and 3, each bucket's reduced chunk `bucket.shard_grad`;
 - optimizer states: every tensor in the state of the torch optimizer(s) doing the update (AdamW's exp_avg,
   exp_avg_sq and step), after the second step;
-- loom's extras, on their own lines: the fp32 master chunks that levels 1-3 update (`shards[i].master`), the
+- loom's extras, on their own lines: the fp32 master chunks that levels 1-3 update (`shards[i].master`;
+  at level 3 they are where the parameters live at rest, so they are compared with its 4Ψ/N), the
   gradient bucket buffers that the collectives read (`bucket.buffer`) and, at levels 1-3, the all-gather
   buffers that publish the updated chunks (`shards[i].gathered`);
 - live tensors: every tensor storage reachable from Python (`gc`) after the second step, less those alive
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +91,10 @@ def storage_bytes(tensors) -> int:
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable from Python objects."""
     gc.collect()
-    return storage_bytes(
-        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, DTensor)
-    )
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, DTensor)]
+    return storage_bytes(tensors)
 
 
 def _state_tensors(optimizers) -> list[torch.Tensor]:
@@ -136,7 +139,6 @@ def measure_loom(base: nn.Module, level: int, x, y) -> dict:
     out["live tensors"] = live_tensor_bytes() - before
     with model.loom.full_parameters():
         out["checksum"] = sum(p.detach().double().sum().item() for p in model.parameters())
-    del model, optimizer, shards, inner
     return out
 
 
@@ -162,7 +164,6 @@ def measure_fsdp(base: nn.Module, x, y) -> dict:
     out["optimizer states"] = storage_bytes(_state_tensors([optimizer]))
     out["live tensors"] = live_tensor_bytes() - before
     out["checksum"] = sum(p.full_tensor().double().sum().item() for p in model.parameters())
-    del model, optimizer
     return out
 
 
@@ -188,6 +189,17 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:10.2f}"
 
 
+def _formula(level: int, kind: str) -> tuple[int, bool] | None:
+    """The formula a measured line is compared with (None: not in the paper)."""
+    if level == 3 and kind == "parameters":
+        return None  # their storage is released at rest; the master chunks hold them
+    if level == 3 and kind == "master chunks":
+        return FORMULAS[3]["parameters"]
+    if kind == "master chunks" and level > 0:
+        return MASTER_FORMULA
+    return FORMULAS[level].get(kind)
+
+
 def _formula_text(numerator: int, sharded: bool) -> str:
     return f"{numerator}Ψ/N" if sharded else f"{numerator}Ψ"
 
@@ -198,8 +210,12 @@ def report(results: list[dict], levels: list[int], ranks: int) -> None:
     def worst(key, kind):  # the largest over the ranks
         return max(r[key][kind] for r in results)
 
-    print(f"MLP with Ψ = {psi:,} parameters ({4 * psi / 2**20:.2f} MB in fp32), fp32 AdamW, N = {ranks} ranks")
-    print("bytes per rank (largest over the ranks), MB = 2^20 bytes; ratio = measured / formula (goal 0.90-1.10)")
+    print(
+        f"MLP with Ψ = {psi:,} parameters ({4 * psi / 2**20:.2f} MB in fp32), fp32 AdamW, N = {ranks} ranks"
+    )
+    print(
+        "bytes per rank (largest over the ranks), MB = 2^20 bytes; ratio = measured / formula (goal 0.90-1.10)"
+    )
     print()
     header = f"{'level':<6}{'what':<18}{'measured MB':>12}  {'formula':<8}{'formula MB':>11}{'ratio':>8}"
     print(header)
@@ -208,13 +224,15 @@ def report(results: list[dict], levels: list[int], ranks: int) -> None:
     for level in levels:
         for kind in KINDS:
             measured = worst(level, kind)
-            formula = FORMULAS[level].get(kind)
-            if kind == "master chunks" and level > 0:
-                formula = MASTER_FORMULA
+            formula = _formula(level, kind)
             if formula is None:
-                if measured:
+                if kind == "parameters" and level == 3:
+                    note = "released at rest: the parameters live in the master chunks (next line)"
+                elif not measured:
+                    continue
+                else:
                     note = f"= {measured / psi:.2f} bytes/param, not in the formula"
-                    print(f"{level:<6}{kind:<18}{_mb(measured):>12}  {note}")
+                print(f"{level:<6}{kind:<18}{_mb(measured):>12}  {note}")
                 continue
             expected = formula[0] * psi / (ranks if formula[1] else 1)
             ratio = measured / expected
@@ -225,11 +243,13 @@ def report(results: list[dict], levels: list[int], ranks: int) -> None:
         listed = sum(worst(level, kind) for kind in KINDS)
         paper = sum(n * psi / (ranks if s else 1) for n, s in FORMULAS[level].values())
         print(
-            f"{level:<6}{'sum of the above':<18}{_mb(listed):>12}  {'paper':<8}{_mb(paper):>11}"
-            f"{listed / paper:>8.3f}"
+            f"{level:<6}{'all of the above':<18}{_mb(listed):>12}  {'paper':<8}{_mb(paper):>11}"
+            f"{listed / paper:>8.3f}  (paper: parameters + gradients + states)"
         )
         live = worst(level, "live tensors")
-        print(f"{level:<6}{'live at rest':<18}{_mb(live):>12}  (all tensors reachable from Python, no grads)")
+        print(
+            f"{level:<6}{'live at rest':<18}{_mb(live):>12}  (every tensor reachable from Python; no grads)"
+        )
         print()
     print("formula lines outside 0.90-1.10: " + (", ".join(failures) if failures else "none"))
     print()
@@ -247,11 +267,20 @@ def report(results: list[dict], levels: list[int], ranks: int) -> None:
     header = f"{'what':<18}{'loom MB':>10}{'FSDP2 MB':>10}{'loom/FSDP2':>12}"
     print(header)
     print("-" * len(header))
-    for kind in ("parameters", "gradients", "optimizer states", "live tensors"):
-        ours, theirs = worst(3, kind), max(r[kind] for r in fsdp)
+    rows = {
+        "parameters": worst(3, "parameters") + worst(3, "master chunks"),
+        "gradients": worst(3, "gradients"),
+        "optimizer states": worst(3, "optimizer states"),
+        "live at rest": worst(3, "live tensors"),
+    }
+    for kind, ours in rows.items():
+        theirs = max(r["live tensors" if kind == "live at rest" else kind] for r in fsdp)
         print(f"{kind:<18}{_mb(ours):>10}{_mb(theirs):>10}{ours / theirs:>12.3f}")
-    extras = sum(worst(3, kind) for kind in ("master chunks", "bucket buffers", "gather buffers"))
-    print(f"{'loom extras':<18}{_mb(extras):>10}{'-':>10}  (master chunks + bucket and gather buffers)")
+    extras = worst(3, "bucket buffers") + worst(3, "gather buffers")
+    print(
+        f"{'loom buffers':<18}{_mb(extras):>10}{'-':>10}  (gradient bucket + all-gather buffers, held at rest)"
+    )
+    print("(loom's parameters at level 3: their master chunks; the parameters' own storage is empty at rest)")
     sums = {r[3]["checksum"] - r["fsdp2"]["checksum"] for r in results}
     print(f"sum of all parameters after training, loom level 3 - FSDP2: {max(map(abs, sums)):.3e}")
 
@@ -267,7 +296,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 comparison")
     args = parser.parse_args()
-    results = loom.launch(measure, args.ranks, args.levels, args.batch, args.width, args.depth, not args.no_fsdp)
+    results = loom.launch(
+        measure, args.ranks, args.levels, args.batch, args.width, args.depth, not args.no_fsdp
+    )
     report(results, args.levels, args.ranks)
 
 

@@ -73,7 +73,9 @@ def test_data_parallel_matches_one_device(dist_run, world):
     torch.testing.assert_close(mean_losses, torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for _, _, param_error, collectives, (buckets, issued, all_bytes) in results:
         assert param_error < 1e-5
-        assert buckets == 1 and collectives == issued == 1  # 1.4k parameters fit one 25 MB bucket
+        # 1.4k parameters fit one 25 MB bucket: one all-reduce of them, plus the tiny all-reduce that tells
+        # every rank which parameters got a gradient anywhere
+        assert buckets == 1 and issued == 1 and collectives == 2
         assert all_bytes  # one all-reduce volume of the parameters per step
 
 
@@ -81,7 +83,7 @@ def test_data_parallel_small_buckets_overlap(dist_run):
     results = dist_run(2, data_parallel_case, 0.001)  # ~1 KB buckets: one per gradient-ready group
     for _, _, param_error, collectives, (buckets, issued, all_bytes) in results:
         assert param_error < 1e-5
-        assert buckets > 1 and collectives == issued == buckets and all_bytes
+        assert buckets > 1 and issued == buckets and collectives == buckets + 1 and all_bytes
 
 
 class TensorParallelMLP(nn.Module):
@@ -145,3 +147,39 @@ def test_semi_auto_tensor_parallel_mlp_matches_one_device(dist_run, dp, tp):
 def test_parallelize_rejects_unknown_mode():
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         loom.parallelize(nn.Linear(2, 2), mode="fast")
+
+
+class Branchy(nn.Module):
+    """`b` runs only when the caller asks (a data-dependent branch, as in mixture-of-experts routing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h)
+
+
+def unused_case(bucket_mb):
+    torch.manual_seed(0)
+    model = Branchy()
+    loom.init()
+    loom.parallelize(model, mode="data_parallel", bucket_mb=bucket_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = loom.rank()
+    grads = []
+    for use_b in (True, rank == 0, False):  # b: used everywhere, then on rank 0 only, then nowhere
+        optimizer.zero_grad()
+        model(torch.ones(2, 4) * (rank + 1), use_b).sum().backward()
+        grads.append(None if model.b.weight.grad is None else model.b.weight.grad.sum().item())
+        optimizer.step()
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def test_parameters_used_on_some_ranks_get_the_average_everywhere(dist_run):
+    for bucket_mb in (25.0, 1e-5):  # one bucket, and one bucket per gradient
+        (grads0, params0), (grads1, params1) = dist_run(2, unused_case, bucket_mb)
+        assert grads0[:2] == grads1[:2] and grads0[1] is not None  # rank 1 gets rank 0's gradient / 2
+        assert grads0[2] is None and grads1[2] is None  # used nowhere: no gradient, as on one device
+        assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))  # replicas agree

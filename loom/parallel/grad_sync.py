@@ -3,9 +3,15 @@
 Each parameter's gradient is routed to a process group (the ranks holding replicas that computed parts of
 it) with a scale (1/N to average in plain data parallelism, 1 for DTensor's pending sums). Gradients of one
 route are packed into buckets of about `bucket_mb` megabytes, in the order backward produces them; a bucket's
-all-reduce starts as soon as its last gradient is ready, while backward goes on; the end of backward waits
-for all of them and writes the results back. Buckets start in one fixed order on every rank, as collectives
-must.
+all-reduce starts as soon as its last gradient is ready, while backward goes on. The end of backward reduces
+every bucket not yet started (missing gradients count as zeros), so that every rank issues the same
+collectives in the same order; a tiny all-reduce then tells every rank which parameters got a gradient on
+some rank, and those get the reduced gradient everywhere (DDP's semantics for parameters a rank did not use).
+
+Plain data parallelism knows every route up front, so its buckets are fixed from the start (parameters in
+reverse order, roughly the order backward reaches them). DTensor routes are learnt from the first backward
+pass (reduced at its end) and learnt again when a gradient stops fitting its bucket; every rank must then
+produce the same gradients (a clear error otherwise). Bucket buffers live only while their collective runs.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ class Bucket:
 
     route: Route
     params: list[nn.Parameter]
-    buffer: torch.Tensor
     offsets: list[int]
+    dtype: torch.dtype
+    device: torch.device
     ready: set[int] = field(default_factory=set)
+    buffer: torch.Tensor | None = None  # allocated by the first gradient of a pass, freed after reduction
     work: dist.Work | None = None
     launched: bool = False
     shard_grad: torch.Tensor | None = None  # with sharded gradients: this rank's reduced chunk
@@ -53,7 +61,7 @@ class Bucket:
 
     @property
     def numel(self) -> int:
-        """Elements of the gradients (the buffer may be padded beyond, to split evenly)."""
+        """Elements of the gradients (the buffer is padded beyond, to split evenly)."""
         return self.offsets[-1]
 
     @property
@@ -61,9 +69,14 @@ class Bucket:
         """Elements each rank of the group owns when the bucket is split evenly (the last chunk padded)."""
         return -(-self.numel // self.group_size)
 
+    def _buffer(self) -> torch.Tensor:
+        if self.buffer is None:  # zeros: a gradient missing this pass counts as zero
+            self.buffer = torch.zeros(self.chunk * self.group_size, dtype=self.dtype, device=self.device)
+        return self.buffer
+
     def pack(self, param: nn.Parameter, local_grad: torch.Tensor) -> None:
         i = self.index[param]
-        self.buffer[self.offsets[i] : self.offsets[i] + local_grad.numel()].copy_(local_grad.reshape(-1))
+        self._buffer()[self.offsets[i] : self.offsets[i] + local_grad.numel()].copy_(local_grad.reshape(-1))
         self.ready.add(i)
 
     @property
@@ -72,42 +85,40 @@ class Bucket:
 
     def launch(self, scatter: bool = False) -> None:
         """All-reduce the buffer, or with `scatter` reduce-scatter it: each rank keeps its own chunk."""
-        for i in set(range(len(self.params))) - self.ready:
-            self.buffer[self.offsets[i] : self.offsets[i + 1]].zero_()  # unused this step
+        buffer = self._buffer()
         if scatter:
-            self.shard_grad = torch.empty(self.chunk, dtype=self.buffer.dtype, device=self.buffer.device)
-            self.work = reduce_scatter_flat(
-                self.shard_grad, self.buffer, group=self.route.group, async_op=True
-            )
+            self.shard_grad = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
+            self.work = reduce_scatter_flat(self.shard_grad, buffer, group=self.route.group, async_op=True)
         else:
-            self.work = dist.all_reduce(self.buffer[: self.numel], group=self.route.group, async_op=True)
+            self.work = dist.all_reduce(buffer[: self.numel], group=self.route.group, async_op=True)
         self.launched = True
 
-    def wait_and_unpack(self) -> None:
-        """Wait for the collective; scale; write full gradients back (not when only a chunk came back)."""
+    def wait_and_unpack(self, used: set[nn.Parameter]) -> None:
+        """Wait for the collective, scale, and write the reduced gradients of the parameters that got one on
+        some rank (`used`) back (a sharded bucket keeps only its chunk); free the buffer."""
         assert self.work is not None
         self.work.wait()
         self.work = None
         if self.shard_grad is not None:
             self.shard_grad.mul_(self.route.scale)
-            self.ready.clear()
-            return
-        if self.route.scale != 1:
-            self.buffer.mul_(self.route.scale)
-        for i in sorted(self.ready):
-            param = self.params[i]
-            chunk = self.buffer[self.offsets[i] : self.offsets[i + 1]]
-            self.route.finish(param, chunk)
+        else:
+            buffer = self._buffer()
+            if self.route.scale != 1:
+                buffer.mul_(self.route.scale)
+            for i, param in enumerate(self.params):
+                if i in self.ready or param in used:
+                    if param.grad is None:  # used on another rank only: it gets the average too
+                        param.grad = torch.zeros_like(param)
+                    self.route.finish(param, buffer[self.offsets[i] : self.offsets[i + 1]])
         self.ready.clear()
+        self.buffer = None
 
 
 class GradSync:
     """Bucketed, overlapped gradient reduction for the parameters of a module.
 
-    `route(param) -> (Route | None, local_grad)` says where each gradient goes (None: nothing to reduce).
-    Buckets are learnt from the first backward pass (reduced at its end) and reused afterwards; when a
-    gradient's route changes they are learnt again. Every rank runs the same program, so every rank learns
-    the same buckets in the same order.
+    `route(param) -> (Route | None, local_grad)` says where each gradient goes (None: nothing to reduce); a
+    route function with a `static` attribute (a Route) sends every gradient there, known before backward.
     """
 
     def __init__(
@@ -120,27 +131,37 @@ class GradSync:
         self.shard_gradients = False  # ZeRO level 2: reduce-scatter, keep only this rank's chunk
         self.unit_of: dict[nn.Parameter, int] = {}  # ZeRO level 3: buckets never span two units
         self.route = route
+        self.static: Route | None = getattr(route, "static", None)
         self.after_sync = after_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.buckets: list[Bucket] = []
-        self.bucket_of: dict[nn.Parameter, Bucket] = {}
         self.enabled = True
-        self._seen: list[tuple[nn.Parameter, Route]] = []  # gradients ready this pass, in order
-        self._stale = False  # a gradient did not fit the buckets this pass: relearn them at its end
-        self._next_launch = 0
-        self._queued = False
-        self.reduced_bytes = 0  # bytes all-reduced by the last backward pass (for tests and benchmarks)
-        self.collectives = 0  # all-reduces issued by the last backward pass
+        self.reduced_bytes = 0  # bytes reduced by the last backward pass (for tests and benchmarks)
+        self.collectives = 0  # bucket collectives issued by the last backward pass
         self.handles: list = []
         self.attach(module)
 
     def attach(self, module: nn.Module) -> None:
-        """Hook the parameters `module` has now (again after `to_empty` replaced them); forget the buckets."""
+        """Hook the parameters `module` has now (again after materialisation replaced them)."""
         for handle in self.handles:
             handle.remove()
         self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        self.buckets, self.bucket_of = [], {}
+        self._reset_pass()
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        if self.static is not None:
+            self.rebuild_static()
+
+    def rebuild_static(self) -> None:
+        """Fixed buckets for a route known up front: parameters in reverse order, grouped by unit and dtype."""
+        items = [(p, self.static, p) for p in reversed(self.params)]
+        self._make_buckets(items)
+
+    def _reset_pass(self) -> None:
+        self._seen: list[tuple[nn.Parameter, Route]] = []  # gradients ready this pass, in order
+        self._leftover: list[nn.Parameter] = []  # gradients that fit no bucket this pass
+        self._next_launch = 0
+        self._queued = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -162,8 +183,8 @@ class GradSync:
             return
         self._seen.append((param, route))
         bucket = self.bucket_of.get(param)
-        if self._stale or bucket is None or bucket.route.key != route.key:
-            self._stale = True
+        if bucket is None or bucket.route.key != route.key:
+            self._leftover.append(param)
             return
         bucket.pack(param, local_grad)
         if self.shard_gradients:
@@ -173,64 +194,96 @@ class GradSync:
             self._next_launch += 1
 
     def _finish(self) -> None:
-        launched = self.buckets[: self._next_launch]
-        if self._stale:
-            if self.shard_gradients and launched:
-                raise RuntimeError(
-                    "a gradient's reduction group changed between steps while gradients are sharded "
-                    "(optimizer level 2); keep the model's layouts fixed after the first step"
-                )
-            reduced = {p for bucket in launched for p in bucket.params}
-            self._wait(launched)
-            self._rebuild()
-            for param, _ in self._seen:
-                if param not in reduced:
-                    self.bucket_of[param].pack(param, self.route(param)[1])
-                    if self.shard_gradients:
-                        param.grad = None
-        for bucket in self.buckets[self._next_launch if not self._stale else 0 :]:
-            if bucket.ready:
-                bucket.launch(self.shard_gradients)
-        self._wait(self.buckets)
-        issued = [bucket for bucket in dict.fromkeys(launched + self.buckets) if bucket.launched]
+        for bucket in self.buckets[self._next_launch :]:  # every bucket, every pass, in the same order
+            bucket.launch(self.shard_gradients)
+        issued = list(self.buckets)
+        used, leftover = self._agree()
+        for bucket in self.buckets:
+            bucket.wait_and_unpack(used)
+        if leftover:
+            issued += self._relearn(leftover)
         self.collectives = len(issued)
-        self.reduced_bytes = sum(bucket.numel * bucket.buffer.element_size() for bucket in issued)
-        for bucket in issued:
-            bucket.launched = False
-        self._seen, self._stale, self._next_launch, self._queued = [], False, 0, False
+        self.reduced_bytes = sum(bucket.numel * bucket.dtype.itemsize for bucket in issued)
+        self._reset_pass()
         if self.after_sync is not None:
             self.after_sync()
 
-    @staticmethod
-    def _wait(buckets: list[Bucket]) -> None:
-        for bucket in buckets:
-            if bucket.work is not None:
-                bucket.wait_and_unpack()
+    def _agree(self) -> tuple[set[nn.Parameter], list[nn.Parameter]]:
+        """One small all-reduce: which parameters got a gradient, and which fit no bucket, on any rank."""
+        seen = {id(p) for p, _ in self._seen}  # ids: `in` on tensors would compare them elementwise
+        leftover_here = {id(p) for p in self._leftover}
+        flags = torch.zeros(2, 2, len(self.params))
+        for i, param in enumerate(self.params):
+            flags[0, 0, i] = float(id(param) in seen)
+            flags[0, 1, i] = float(id(param) in leftover_here)
+        flags[1] = -flags[0]
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [0]: any rank; [1]: minus "every rank"
+        anywhere, everywhere = flags[0], -flags[1]
+        if self.static is None and not torch.equal(anywhere, everywhere):
+            differ = [
+                p for i, p in enumerate(self.params) if not torch.equal(anywhere[:, i], everywhere[:, i])
+            ]
+            names = ", ".join(
+                f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.params) if p in differ
+            )
+            raise RuntimeError(
+                f"{names} got a gradient (or a reduction group) on some ranks but not on others; with "
+                f"DTensor parameters every rank must run the same operators on every step"
+            )
+        used = {p for i, p in enumerate(self.params) if anywhere[0, i]}
+        leftover = [p for i, p in enumerate(self.params) if anywhere[1, i]]
+        return used, leftover
 
-    def _rebuild(self) -> None:
-        """Buckets from this pass's gradients, in the order they became ready, one route and dtype each."""
+    def _relearn(self, leftover: list[nn.Parameter]) -> list[Bucket]:
+        """Buckets learnt from this pass (in backward order); reduce the leftover gradients with them now."""
+        if self.shard_gradients and self.buckets:
+            raise RuntimeError(
+                "a gradient's reduction group changed between steps while gradients are sharded "
+                "(optimizer level 2 or 3); keep the model's layouts fixed after the first step"
+            )
+        self._make_buckets(
+            [(p, r, self.route(p)[1]) for p, r in dict((p, (p, r)) for p, r in self._seen).values()]
+        )
+        ids = {id(p) for p in leftover}
+        pending = [bucket for bucket in self.buckets if any(id(p) in ids for p in bucket.params)]
+        for param in leftover:
+            self.bucket_of[param].pack(param, self.route(param)[1])
+            if self.shard_gradients:
+                param.grad = None
+        for bucket in pending:
+            bucket.launch(self.shard_gradients)
+        for bucket in pending:
+            bucket.wait_and_unpack(set())
+        return pending
+
+    def _make_buckets(self, items: list[tuple[nn.Parameter, Route, torch.Tensor]]) -> None:
+        """Group (parameter, route, gradient-like) items into buckets: one route, dtype and unit each."""
         groups: list[list[tuple[nn.Parameter, Route, torch.Tensor]]] = []
         open_groups: dict[tuple, list] = {}
-        for param, route in dict((p, (p, r)) for p, r in self._seen).values():
-            grad = self.route(param)[1]
-            key = (route.key, grad.dtype, self.unit_of.get(param))
+        for param, route, like in items:
+            key = (route.key, like.dtype, self.unit_of.get(param))
             current = open_groups.get(key)
-            if current is None or sum(g.numel() * g.element_size() for *_, g in current) >= self.bucket_bytes:
+            if current is None or sum(t.numel() * t.element_size() for *_, t in current) >= self.bucket_bytes:
                 current = open_groups[key] = []
                 groups.append(current)
-            current.append((param, route, grad))
+            current.append((param, route, like))
         self.buckets, self.bucket_of = [], {}
-        for items in groups:
-            sizes = [g.numel() for *_, g in items]
+        for group in groups:
+            sizes = [_local_numel(t) for *_, t in group]
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            size = dist.get_world_size(items[0][1].group)
-            padded = -(-offsets[-1] // size) * size  # a multiple of the group size, to split evenly
-            buffer = torch.zeros(padded, dtype=items[0][2].dtype, device=items[0][2].device)
-            bucket = Bucket(route=items[0][1], params=[p for p, *_ in items], buffer=buffer, offsets=offsets)
+            like = group[0][2]
+            bucket = Bucket(
+                route=group[0][1], params=[p for p, *_ in group], offsets=offsets, dtype=like.dtype,
+                device=like.device,
+            )  # fmt: skip
             self.buckets.append(bucket)
-            self.bucket_of.update((p, bucket) for p, *_ in items)
+            self.bucket_of.update((p, bucket) for p, *_ in group)
 
     def remove(self) -> None:
         """Detach the hooks."""
         for handle in self.handles:
             handle.remove()
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()

@@ -21,7 +21,12 @@ def data_parallel_route(group: dist.ProcessGroup | None = None):
         param.grad.copy_(chunk.view_as(param.grad))
 
     route = Route(key=("average",), group=group, scale=1.0 / size, finish=write_back)
-    return lambda param: (route, param.grad)
+
+    def route_of(param: nn.Parameter) -> tuple[Route, torch.Tensor]:
+        return route, param.grad
+
+    route_of.static = route  # every gradient goes here: buckets can be fixed before backward
+    return route_of
 
 
 def dtensor_route(mesh: Mesh):

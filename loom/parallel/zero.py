@@ -50,7 +50,6 @@ class BucketShard:
             lo, hi = max(offset, start), min(end, start + bucket.chunk)
             if lo < hi:
                 self.pieces.append((param, lo - offset, hi - offset, lo - start))
-        self.gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=torch.float32)
         with torch.no_grad():
             for param, lo, hi, at in self.pieces:
                 self.master[at : at + hi - lo].copy_(_local(param).reshape(-1)[lo:hi])
@@ -72,10 +71,11 @@ class BucketShard:
     def publish(self) -> None:
         """All-gather the updated chunks and write the parameters of the bucket."""
         bucket = self.bucket
-        all_gather_flat(self.gathered, self.master, group=bucket.route.group)
+        gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=torch.float32)  # lives for this call
+        all_gather_flat(gathered, self.master, group=bucket.route.group)
         for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
             local = _local(param)
-            _alias(local).copy_(self.gathered[offset:end].view_as(local))
+            _alias(local).copy_(gathered[offset:end].view_as(local))
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

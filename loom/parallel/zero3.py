@@ -38,6 +38,8 @@ class ParameterSharding:
             claimed.update(own)
             self.params.append(own)
         sync.unit_of = {p: i for i, own in enumerate(self.params) for p in own}
+        if sync.static is not None:
+            sync.rebuild_static()  # fixed buckets must not span two units either
         self.shards: dict[int, list] = {}  # unit -> its BucketShards, set by the optimizer
         self.active = False  # True once the optimizer holds the parameters (after its first step)
         self.gathered = [True] * len(self.units)
