@@ -183,3 +183,40 @@ def test_parameters_used_on_some_ranks_get_the_average_everywhere(dist_run):
         assert grads0[:2] == grads1[:2] and grads0[1] is not None  # rank 1 gets rank 0's gradient / 2
         assert grads0[2] is None and grads1[2] is None  # used nowhere: no gradient, as on one device
         assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))  # replicas agree
+
+
+class TiedAndKeyword(nn.Module):
+    """A weight used twice (tied), and a target passed by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(8, 4))
+        self.first = ops.MatMul().shard(((1, 2), (2, 1)))
+        self.second = ops.MatMul(transpose_b=True).shard(((1, 1), (2, 1)))
+
+    def forward(self, x, target=None):
+        out = self.second(self.first(x, self.embed), self.embed)
+        return ((out - target) ** 2).mean()
+
+
+def tied_keyword_case(rows):
+    torch.manual_seed(0)
+    model = TiedAndKeyword()
+    loom.init()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loom.parallelize(model, mode="semi_auto", example_inputs=(x[:2],), example_kwargs={"target": x[:2]})
+    loss = model(x[:2], target=x[:2])  # the keyword input is distributed like the positional one
+    shape = tuple(model.embed.to_local().shape)
+    try:
+        model(x[: rows[loom.rank()]], target=x[: rows[loom.rank()]])
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return shape, loom.full(loss).item(), error
+
+
+def test_tied_weight_keeps_its_layout_keywords_are_distributed_and_uneven_batches_are_refused(dist_run):
+    for shape, loss, error in dist_run(2, tied_keyword_case, (2, 1)):
+        assert shape == (4, 4)  # (8, 4) cut in two by rows, although the weight has a second consumer
+        assert loss > 0
+        assert "local batches of different sizes (1 to 2 rows)" in error

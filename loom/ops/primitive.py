@@ -54,11 +54,15 @@ class Primitive:
         raise NotImplementedError
 
     def default_strategy(self, shapes: Sequence[torch.Size], mesh: Mesh, *extra: object) -> tuple:
-        """MindSpore's default for an operator without a strategy: data parallel, i.e. the first dim of the
-        first input cut over as many devices as divide it (and the inputs paired with it alike)."""
+        """MindSpore's default for an operator without a strategy: data parallel. The first dim of the
+        input with the most dims (the batch; lower-rank inputs are weights or broadcast operands) is cut
+        over as many devices as divide it, and every input sharing that dim alike."""
         labels = self.labels(shapes, *extra)
-        first = labels[0][:1]
-        cut = math.gcd(mesh.world_size, shapes[0][0]) if shapes[0] else 1
+        batch = max(range(len(shapes)), key=lambda i: len(shapes[i]))
+        if not shapes[batch]:
+            return tuple(() for _ in shapes)
+        first = labels[batch][0]
+        cut = math.gcd(mesh.world_size, shapes[batch][0])
         return tuple(
             tuple(cut if label == first and size != 1 else 1 for label, size in zip(lab, shape, strict=True))
             for lab, shape in zip(labels, shapes, strict=True)

@@ -84,13 +84,14 @@ def parallelize(
     full_batch: bool = False,
     parameter_plan: dict[str, Any] | None = None,
     bucket_mb: float = 25.0,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Make `model` train on every rank of the current mesh; returns the same module, changed in place.
 
     `data_parallel`: each rank runs the whole model on its local batch, gradients are averaged (DDP's
     semantics). `semi_auto`: loom.ops primitives with strategies shard their operands; `example_inputs`
-    (each rank's local batch, or the whole batch with `full_batch=True`) drive the dry run that lays out the
-    parameters; operators without a strategy run data parallel; outputs are global DTensors (`loom.full`).
+    and `example_kwargs` (each rank's local batch, or the whole batch with `full_batch=True`) drive the dry
+    run that lays out the parameters; operators without a strategy run data parallel; outputs are global DTensors (`loom.full`).
     The decisions are in `model.loom` (`model.loom.describe()`).
     """
     if mode not in MODES:
@@ -114,12 +115,14 @@ def parallelize(
         raise ValueError(
             "parallelize(mode='semi_auto') needs example_inputs (one batch, as forward takes it)"
         )
-    recording, meta_names = _dry_run(model, example_inputs, mesh, full_batch)
+    recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, mesh, full_batch)
     layouts, consumers = _parameter_layouts(recording, meta_names)
     layouts.update(_planned(model, parameter_plan or {}, mesh))
     consumers.update({name: "parameter_plan" for name in parameter_plan or {}})
     lay_out_parameters(model, layouts, mesh)
-    model.register_forward_pre_hook(lambda _, args: _distribute_inputs(args, mesh, full_batch))
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: _distribute_inputs(args, kwargs, mesh, full_batch), with_kwargs=True
+    )
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
     all_layouts = {
@@ -144,7 +147,11 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _dry_run(
-    model: nn.Module, example_inputs: Sequence[Any], mesh: Mesh, full_batch: bool
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any],
+    mesh: Mesh,
+    full_batch: bool,
 ) -> tuple[Recording, dict[int, str]]:
     """Run a meta-device copy of `model` on global-shaped meta inputs, recording the sharded operators;
     also return the names of the copy's parameters by id."""
@@ -157,9 +164,13 @@ def _dry_run(
     meta_model = copy.deepcopy(model, memo)
     batch_factor = 1 if full_batch else mesh.dp_size
     inputs = [_global_meta(x, batch_factor) for x in example_inputs]
+    kwargs = {key: _global_meta(x, batch_factor) for key, x in example_kwargs.items()}
     with torch.no_grad(), record() as recording:
-        meta_model(*inputs)
-    return recording, {id(p): name for name, p in meta_model.named_parameters(remove_duplicate=False)}
+        meta_model(*inputs, **kwargs)
+    names: dict[int, str] = {}
+    for name, param in meta_model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)  # a tied parameter goes by its first name, as layouts are keyed
+    return recording, names
 
 
 def _global_meta(x: Any, batch_factor: int) -> Any:
@@ -202,10 +213,15 @@ def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, Te
     return layouts
 
 
-def _distribute_inputs(args: tuple, mesh: Mesh, full_batch: bool) -> tuple:
-    """Plain tensor inputs become global DTensors: the local batches of the `"dp"` ranks stacked on dim 0
-    (ranks along other axes read the same batch), or the full batch on every rank."""
+def _distribute_inputs(args: tuple, kwargs: dict, mesh: Mesh, full_batch: bool) -> tuple[tuple, dict]:
+    """Plain tensor inputs (positional or keyword) become global DTensors: the local batches of the `"dp"`
+    ranks stacked on dim 0 (ranks along other axes read the same batch), or the full batch on every rank."""
     batch_dims = () if full_batch else mesh.batch_dims
+    tensors = [
+        x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+    ]
+    if batch_dims and tensors:
+        _check_even_batches(tensors, mesh)
 
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
@@ -213,4 +229,18 @@ def _distribute_inputs(args: tuple, mesh: Mesh, full_batch: bool) -> tuple:
         placements = [Shard(0) if d in batch_dims and x.ndim else Replicate() for d in range(mesh.ndim)]
         return DTensor.from_local(x, mesh.device_mesh, placements, run_check=False)
 
-    return tuple(convert(x) for x in args)
+    return tuple(convert(x) for x in args), {key: convert(x) for key, x in kwargs.items()}
+
+
+def _check_even_batches(tensors: list[torch.Tensor], mesh: Mesh) -> None:
+    """Every data-parallel rank must bring a local batch of the same size (one tiny all-reduce)."""
+    sizes = torch.tensor([float(t.shape[0]) if t.ndim else 0.0 for t in tensors])
+    bounds = torch.cat([sizes, -sizes])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=mesh.sub_mesh(mesh.batch_dims).get_group())
+    largest, smallest = bounds[: len(sizes)], -bounds[len(sizes) :]
+    if not torch.equal(largest, smallest):
+        raise ValueError(
+            f"the data-parallel ranks brought local batches of different sizes ({int(smallest.min())} to "
+            f"{int(largest.max())} rows): the global batch is their concatenation, cut evenly; give every "
+            f"rank the same number of rows (drop or pad the last batch)"
+        )
