@@ -15,8 +15,9 @@ What is counted, in bytes per rank (the largest over the ranks; ranks differ onl
   exp_avg_sq and step), after the second step;
 - loom's extras, on their own lines: the fp32 master chunks that levels 1-3 update (`shards[i].master`;
   at level 3 they are where the parameters live at rest, so they are compared with its 4Ψ/N), the
-  gradient bucket buffers that the collectives read (`bucket.buffer`) and, at levels 1-3, the all-gather
-  buffers that publish the updated chunks (`shards[i].gathered`);
+  gradient bucket buffers that the collectives read (`bucket.buffer`, allocated per backward and freed
+  after the reduction) and, at levels 1-3, the all-gather buffers that publish the updated chunks (allocated
+  per publish and freed: both count 0 at rest);
 - live tensors: every tensor storage reachable from Python (`gc`) after the second step, less those alive
   before the run was built: a check that nothing held at rest was missed (gradients are gone by then:
   the step ends with `zero_grad(set_to_none=True)`, as `loom.train.Trainer` does).
@@ -135,7 +136,8 @@ def measure_loom(base: nn.Module, level: int, x, y) -> dict:
     shards = [] if level == 0 else optimizer.shards
     out["master chunks"] = storage_bytes(shard.master for shard in shards)
     out["bucket buffers"] = storage_bytes(bucket.buffer for bucket in sync.buckets)
-    out["gather buffers"] = storage_bytes(shard.gathered for shard in shards)
+    # publish() allocates its all-gather buffer per call; an attribute is read if a version keeps one
+    out["gather buffers"] = storage_bytes(getattr(shard, "gathered", None) for shard in shards)
     out["live tensors"] = live_tensor_bytes() - before
     with model.loom.full_parameters():
         out["checksum"] = sum(p.detach().double().sum().item() for p in model.parameters())

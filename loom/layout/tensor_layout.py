@@ -98,9 +98,10 @@ def align_device_matrix(
         if product != size:
             raise ArrangementError(
                 f"device arrangement {tuple(device_matrix)} does not fit the canonical mesh "
-                f"{' x '.join(map(str, canonical_shape))}: loom places every arrangement on that one mesh, "
-                f"so each factor must be a product of consecutive canonical sizes, outermost first; "
-                f"reorder the cuts (e.g. put the factor {size} where the canonical sizes multiply to it)"
+                f"{' x '.join(map(str, canonical_shape))}: loom places every arrangement on that one mesh, so "
+                f"each factor, outermost first, must be a product of consecutive canonical sizes (the factor "
+                f"{size} is not). With a device count of distinct primes this is a limit of loom: choose cuts "
+                f"whose factors follow the canonical order, or order the mesh axes (loom.init) to match them"
             )
         groups.append(tuple(dims))
     return groups
