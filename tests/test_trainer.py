@@ -12,7 +12,7 @@ from loom.models import MLP
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.recompute import recompute
-from loom.train import DynamicLossScaler, Trainer
+from loom.train import Callback, DynamicLossScaler, Trainer
 
 
 class Regression(nn.Module):
@@ -134,3 +134,37 @@ def test_bf16_autocast_on_a_parallel_gpt(dist_run):
         assert dtypes == {torch.bfloat16}  # matmuls ran in bf16, master weights stay fp32
         # bf16 rounds partial sums differently than one device: agreement to bf16 precision, not bitwise
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, trainer):
+        self.events.append("begin")
+
+    def on_step_end(self, trainer, metrics):
+        self.events.append(("step", metrics.step, metrics.tokens, metrics.mfu is not None))
+
+    def on_eval_end(self, trainer, results):
+        self.events.append(("eval", trainer.step, sorted(results)))
+
+    def on_train_end(self, trainer):
+        self.events.append("end")
+
+
+def test_fit_calls_the_callbacks_with_step_metrics_and_evaluations():
+    torch.manual_seed(0)
+    model = Regression()
+    recorder = Recorder()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[recorder],
+        tokens_per_step=4, flops_per_token=1e3, peak_flops=1e9,
+    )  # fmt: skip
+    batch = (torch.randn(4, 6), torch.randn(4, 3))
+    batches = iter([[batch]] * 3)
+    results = trainer.fit(batches, 3, eval_every=2, eval_batches=lambda: [batch])
+    assert [r.step for r in results] == [1, 2, 3] and results[-1].loss < results[0].loss
+    assert recorder.events == [
+        "begin", ("step", 1, 4, True), ("step", 2, 4, True), ("eval", 2, ["loss"]), ("step", 3, 4, True), "end"
+    ]  # fmt: skip

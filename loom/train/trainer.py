@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,20 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from loom.dist import env
 from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, grad_views, scale_grads_
+from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
-
-
-@dataclass(kw_only=True)
-class StepResult:
-    """What one optimizer step did (the loss is the global loss, the same on every rank)."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    skipped: bool
-    loss_scale: float | None
-    step_time_s: float
 
 
 class Trainer:
@@ -41,8 +28,11 @@ class Trainer:
 
     The model's forward takes one micro-batch (a tuple of tensors) and returns the mean loss over it.
     `grad_accum` micro-batches make a step; `clip_grad_norm` clips the global gradient norm; `precision`
-    is "fp32", "bf16" or "fp16" (with dynamic loss scaling); callbacks get `on_train_begin(trainer)`,
-    `on_step_end(trainer, result)`, `on_eval_end(trainer, loss)` and `on_train_end(trainer)`.
+    is "fp32", "bf16" or "fp16" (with dynamic loss scaling). Each step returns `StepMetrics`; with
+    `tokens_per_step` (the global batch's tokens) they include throughput, and with `flops_per_token` and
+    `peak_flops` (per device) the model FLOPs utilisation. Callbacks (see `loom.train.metrics.Callback`) get
+    `on_train_begin(trainer)`, `on_step_end(trainer, metrics)`, `on_eval_end(trainer, {"loss": ...})` and
+    `on_train_end(trainer)`: the hook points for logging and checkpoints.
     """
 
     def __init__(
@@ -56,6 +46,9 @@ class Trainer:
         precision: str = "fp32",
         loss_scaler: DynamicLossScaler | None = None,
         callbacks: Sequence[object] = (),
+        tokens_per_step: int = 0,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
@@ -66,11 +59,16 @@ class Trainer:
         self.scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else None)
         self.callbacks = list(callbacks)
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = (
+            tokens_per_step,
+            flops_per_token,
+            peak_flops,
+        )
         self.step = 0
         self.is_main = env.rank() == 0
         autocast(precision)  # validates the name now rather than at the first step
 
-    def train_step(self, micro_batches: Sequence[tuple]) -> StepResult:
+    def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
         """One optimizer step over `micro_batches` (this rank's parts of the global batch)."""
         start = time.perf_counter()
         count = len(micro_batches)
@@ -100,25 +98,39 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        return StepResult(
-            step=self.step,
-            loss=global_mean(losses),
-            grad_norm=norm,
-            lr=lr,
-            skipped=not finite,
-            loss_scale=self.scaler.scale if self.scaler else None,
-            step_time_s=time.perf_counter() - start,
-        )
+        metrics = self._metrics(global_mean(losses), norm, lr, not finite, time.perf_counter() - start)
+        self._call("on_step_end", self, metrics)
+        return metrics
 
-    def fit(self, batches: Iterator[Sequence[tuple]], steps: int) -> list[StepResult]:
-        """Run `steps` steps; `batches` yields, per step, the list of micro-batches."""
+    def _metrics(self, loss: float, norm: float, lr: float, skipped: bool, seconds: float) -> StepMetrics:
+        rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
+        utilisation = None
+        if self.flops_per_token and self.peak_flops:
+            utilisation = mfu(rate, self.flops_per_token, self.peak_flops, env.world_size())
+        return StepMetrics(
+            step=self.step, loss=loss, lr=lr, grad_norm=norm, tokens=self.tokens_per_step, step_time_s=seconds,
+            tokens_per_s=rate, mfu=utilisation, peak_memory_bytes=peak_memory_bytes(),
+            loss_scale=self.scaler.scale if self.scaler else None, skipped=skipped,
+        )  # fmt: skip
+
+    def fit(
+        self,
+        batches: Iterator[Sequence[tuple]],
+        steps: int,
+        eval_every: int = 0,
+        eval_batches: Callable[[], Iterable[tuple]] | None = None,
+    ) -> list[StepMetrics]:
+        """Run `steps` steps (`batches` yields each step's micro-batches); every `eval_every` steps evaluate
+        on `eval_batches()`."""
         self._call("on_train_begin", self)
         results = []
-        for _ in range(steps):
-            result = self.train_step(next(batches))
-            results.append(result)
-            self._call("on_step_end", self, result)
-        self._call("on_train_end", self)
+        try:
+            for _ in range(steps):
+                results.append(self.train_step(next(batches)))
+                if eval_every and eval_batches is not None and self.step % eval_every == 0:
+                    self.evaluate(eval_batches())
+        finally:
+            self._call("on_train_end", self)
         return results
 
     @torch.no_grad()
@@ -129,7 +141,7 @@ class Trainer:
             with autocast(self.precision, env.device_type()):
                 losses.append(self.model(*batch))
         loss = global_mean(losses)
-        self._call("on_eval_end", self, loss)
+        self._call("on_eval_end", self, {"loss": loss})
         return loss
 
     def _grad_views(self) -> list[GradView]:
