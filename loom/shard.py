@@ -50,7 +50,7 @@ def shard(
 
 def lay_out_inputs(op: str, args: Sequence[Any], in_strategy: tuple, mesh: Mesh) -> tuple:
     """The positional inputs redistributed to their strategy entries (non-tensors pass through)."""
-    names = [f"{i}" for i in range(len(args))]
+    names = [f"#{i}" for i in range(len(args))]
     shapes = [a.shape if isinstance(a, torch.Tensor) else None for a in args]
     layouts = compile_inputs(op, names, in_strategy, shapes, mesh.canonical_shape)
     return tuple(
