@@ -11,9 +11,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from loom.cli import bench, run, simulate, train
+from loom.cli import bench, checkpoint, run, simulate, train
 
-_COMMANDS = (run, train, simulate, bench)
+_COMMANDS = (run, train, simulate, bench, checkpoint)
 
 DESCRIPTION = """\
 loom: train ordinary PyTorch models across many devices.
@@ -25,6 +25,7 @@ examples:
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --global-batch 1536
                                       predict step time, MFU and memory of a plan
   loom bench --out this-machine.json  measure this machine into a hardware profile
+  loom checkpoint ls runs/ckpt        list saved checkpoints and whether each is intact
   loom run --help                     everything about one command
 """
 

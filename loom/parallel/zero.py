@@ -100,6 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
         self.sharding = ParameterSharding(model, self.sync) if level == 3 else None
         state.parameter_sharding = self.sharding
+        self._on_build: list[Callable[[], None]] = []
         self.shards: list[BucketShard] = []
         self.whole: list[nn.Parameter] = []
         self.inner: list[torch.optim.Optimizer] = []
@@ -114,6 +115,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.append(self.optimizer_class([shard.master for shard in self.shards], **self.hyper))
         if self.whole:
             self.inner.append(self.optimizer_class(self.whole, **self.hyper))
+        for callback in self._on_build:  # e.g. a checkpoint's states, loaded once the chunks exist
+            callback()
+        self._on_build.clear()
+
+    def on_build(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the sharded states exist (they are built at the first step, when the
+        gradient buckets are known); at once if they already do."""
+        if self.inner:
+            callback()
+        else:
+            self._on_build.append(callback)
 
     def grad_views(self) -> list[GradView]:
         """The step's gradients as this rank holds them: at level 2, its bucket chunks."""

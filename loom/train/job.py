@@ -16,6 +16,7 @@ import time
 import torch
 
 import loom
+from loom.checkpoint import Checkpointer  # [checkpoint] support (issue 6)
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.recompute import recompute
@@ -84,9 +85,16 @@ def run(config: TrainConfig) -> dict:
     torch.manual_seed(t.seed)
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
-    first = next(iter(batches))
+    # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
+    example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
+    first = next(iter(example))
     model = build_model(config, mesh, tuple(first))
     trainer = build_trainer(config, model)
+    # --- [checkpoint] (issue 6): resume from the newest intact checkpoint; saved in the loop below ---
+    checkpointer = Checkpointer.from_config(config, batches) if config.checkpoint.dir else None
+    if checkpointer is not None:
+        checkpointer.resume(trainer)
+    # --- end [checkpoint] ---
     if is_main:
         print(plan_text(config, model), flush=True)
     tokens_per_step = t.global_batch * config.data.seq_len
@@ -102,7 +110,7 @@ def run(config: TrainConfig) -> dict:
     losses = []
     start = time.perf_counter()
     with logger:
-        for _ in range(t.steps):
+        for _ in range(trainer.step, t.steps):  # a resumed run does the steps left (issue 6)
             result = trainer.train_step(micro_batches(next(batches), t.grad_accum))
             losses.append(result.loss)
             rate = tokens_per_step / result.step_time_s
@@ -116,6 +124,8 @@ def run(config: TrainConfig) -> dict:
             )  # fmt: skip
             if t.eval_every and result.step % t.eval_every == 0:
                 logger.log_eval(result.step, {"loss": trainer.evaluate(_eval_batches(config, mesh))})
+            if checkpointer is not None:  # [checkpoint] (issue 6): every_steps / every_minutes, keep_last
+                checkpointer.maybe_save(trainer)
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus):
         summary.update(_arithmetic_report(dataset, model, mesh))

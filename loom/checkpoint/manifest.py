@@ -1,0 +1,185 @@
+"""Checkpoint directories on disk: names, the manifest, atomic writes and integrity checks.
+
+A checkpoint is a directory `step_000100/` under the checkpoint root. It is written as `.tmp_step_000100/`;
+when every rank has finished, rank 0 writes `manifest.json` (every file's size and sha256, the step, the
+world size, the mesh and the config) last, then renames the directory into place. A directory without a
+valid manifest, or whose files do not match it, is never loaded: `latest_valid` skips it with a warning
+that names the file and the problem, and falls back to the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (missing or corrupt files) or could only be restored in part."""
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that cannot be loaded into this run."""
+
+
+def step_dir_name(step: int) -> str:
+    """`step_000100` for step 100 (sorted by name is sorted by step up to a million steps)."""
+    return f"step_{step:06d}"
+
+
+def temp_dir_name(step: int) -> str:
+    """Where step `step` is written before it is complete (never read by a loader)."""
+    return f".tmp_{step_dir_name(step)}"
+
+
+def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """Every `step_*` directory under `root` as (step, path), oldest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def sha256_of(path: Path, block: int = 1 << 20) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync, rename: readers see all of it or nothing."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Checksum every file under `directory` and write the manifest (`info` plus the file table)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[path.relative_to(directory).as_posix()] = {
+            "size": path.stat().st_size,
+            "sha256": sha256_of(path),
+        }
+    manifest = {"format": FORMAT_VERSION, **info, "files": files}
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
+
+
+def publish(temp: Path, final: Path) -> None:
+    """Rename a finished temporary directory into place; an existing `final` (a re-run of the same step,
+    perhaps a corrupt one) is moved aside first and removed only once the new one is in place."""
+    old = final.with_name(f".old_{final.name}")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(temp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint directory; `CheckpointError` saying what is wrong otherwise."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the save did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt or truncated JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: not a loom checkpoint manifest (no file table)")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this loom reads {FORMAT_VERSION}")
+    return manifest
+
+
+def verify(directory: str | Path, checksums: bool = True) -> list[str]:
+    """Problems with one checkpoint directory (empty: intact): the manifest, then every file it lists
+    (present, size, and with `checksums` its sha256). Each problem names the file."""
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        return [str(exc)]
+    problems = []
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != entry["size"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['size']}")
+        elif checksums and sha256_of(path) != entry["sha256"]:
+            problems.append(f"{path}: sha256 mismatch (corrupt)")
+    return problems
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The checkpoint a loader picked (None: no usable one) and why the newer ones were skipped."""
+
+    step: int | None
+    path: Path | None
+    skipped: tuple[str, ...]
+
+
+def latest_valid(root: str | Path, warn: bool = True) -> Choice:
+    """The newest intact checkpoint under `root`, verifying newest first; each skipped one is reported
+    (a `CheckpointWarning` naming the file and the problem, with `warn`)."""
+    skipped = []
+    for step, path in reversed(list_step_dirs(root)):
+        problems = verify(path)
+        if not problems:
+            return Choice(step, path, tuple(skipped))
+        message = f"checkpoint {path.name} is unusable, falling back to the previous one: " + "; ".join(
+            problems
+        )
+        skipped.append(message)
+        if warn:
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
+    return Choice(None, None, tuple(skipped))
+
+
+def prune(root: str | Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest `keep_last` step directories, and stale temporary ones; return what went."""
+    root = Path(root)
+    removed = [path for _, path in list_step_dirs(root)[:-keep_last]] if keep_last > 0 else []
+    removed += [p for p in root.glob(".tmp_step_*") if p.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

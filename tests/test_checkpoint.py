@@ -1,0 +1,222 @@
+"""Checkpoints: exact resume, integrity (fall back past corrupt checkpoints), resharding, export, CLI."""
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import loom
+from loom.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    export_model,
+    list_step_dirs,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    verify,
+)
+from loom.cli.main import main as cli_main
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
+from loom.train import Trainer
+from loom.train.data import DistributedBatches
+
+SEQ, GLOBAL_BATCH = 8, 8
+CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
+
+
+class Tokens:
+    """64 random sequences, each drawn from its own index (the same in every process)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        ids = torch.randint(0, CONFIG.vocab_size, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
+        return ids[:-1], ids[1:]
+
+
+def _setup(dp, tp, level):
+    """A fresh GPT, optimizer, schedule, Trainer and data loader on a dp x tp mesh."""
+    mesh = loom.init({"dp": dp, "tp": tp})
+    data = DistributedBatches(Tokens(), GLOBAL_BATCH, mesh.dp_rank(), mesh.dp_size, seed=3)
+    model = GPT(CONFIG, Strategies(dp, tp))
+    example = torch.zeros(GLOBAL_BATCH // dp, SEQ, dtype=torch.long)
+    loom.parallelize(model, mode="semi_auto", example_inputs=(example, example))
+    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=3e-3, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    trainer = Trainer(model, optimizer, lr_scheduler=schedule, clip_grad_norm=0.5)
+    return model, trainer, data
+
+
+def _steps(trainer, data, n):
+    return [trainer.train_step([next(data)]).loss for _ in range(n)]
+
+
+def _full_params(model):
+    with model.loom.full_parameters():
+        return {name: loom.full(p).clone() for name, p in model.named_parameters()}
+
+
+def resume_case(root, dp, tp, level, k, n):
+    model, trainer, data = _setup(dp, tp, level)  # the run that never stops
+    expected = _steps(trainer, data, n)
+    reference = _full_params(model)
+    model, trainer, data = _setup(dp, tp, level)  # a run stopped after k steps
+    first = _steps(trainer, data, k)
+    save_checkpoint(root, trainer, data=data)
+    rng = torch.get_rng_state()
+    torch.manual_seed(1234)  # the resumed process starts with other generator states
+    model, trainer, data = _setup(dp, tp, level)
+    step = load_checkpoint(root, trainer, data=data)
+    rng_restored = torch.equal(torch.get_rng_state(), rng)
+    resumed = _steps(trainer, data, n - k)
+    final = _full_params(model)
+    same = all(torch.equal(final[name], reference[name]) for name in reference)
+    return {"step": step, "expected": expected, "got": first + resumed, "same": same, "rng": rng_restored}
+
+
+@pytest.mark.parametrize(("dp", "tp", "level"), [(2, 2, 0), (2, 2, 1), (4, 1, 2), (2, 2, 3)])
+def test_resume_is_bitwise_exact(dist_run, tmp_path, dp, tp, level):
+    for result in dist_run(4, resume_case, str(tmp_path), dp, tp, level, 3, 6):
+        assert result["step"] == 3
+        assert result["got"] == result["expected"]  # bitwise: the same floats
+        assert result["same"] and result["rng"]
+
+
+def save_two_case(root):
+    model, trainer, data = _setup(2, 1, 0)
+    saver = Checkpointer(root, every_steps=2, keep_last=2, data=data)
+    for _ in range(6):
+        trainer.train_step([next(data)])
+        saver.maybe_save(trainer)
+    return _full_params(model)
+
+
+def load_case(root):
+    model, trainer, data = _setup(2, 1, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = load_checkpoint(root, trainer, data=data)
+    return {"step": step, "warnings": [str(w.message) for w in caught], "data": data.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(dist_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    dist_run(2, save_two_case, str(root))
+    return root
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _shard(step_dir, rank):
+    return step_dir / "dcp" / f"__{rank}_0.distcp"
+
+
+DAMAGE = {
+    "flipped byte": (lambda d: _flip_byte(_shard(d, 0)), "__0_0.distcp", "sha256 mismatch"),
+    "deleted shard": (lambda d: _shard(d, 1).unlink(), "__1_0.distcp", "missing"),
+    "truncated manifest": (
+        lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:40]),
+        "manifest.json",
+        "truncated",
+    ),
+}
+
+
+def test_keeps_the_last_k(two_checkpoints):
+    assert [step for step, _ in list_step_dirs(two_checkpoints)] == [4, 6]
+    assert all(not verify(path) for _, path in list_step_dirs(two_checkpoints))
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_checkpoint_falls_back(dist_run, two_checkpoints, tmp_path, damage):
+    root = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, root)
+    hurt, file_name, problem = DAMAGE[damage]
+    hurt(root / "step_000006")
+    result, _ = dist_run(2, load_case, str(root))
+    assert result["step"] == 4
+    assert result["data"]["index"] == 4 * GLOBAL_BATCH
+    assert any(file_name in w and problem in w and "step_000006" in w for w in result["warnings"]), result
+
+
+def test_no_intact_checkpoint_is_an_error(dist_run, two_checkpoints, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, root)
+    for _, path in list_step_dirs(root):
+        (path / "manifest.json").unlink()
+    with pytest.raises(Exception, match="no intact checkpoint"):
+        dist_run(2, load_case, str(root))
+
+
+class _BrokenData:
+    def state_dict(self):
+        raise OSError("disk full")
+
+
+def failing_save_case(root):
+    model, trainer, data = _setup(2, 1, 0)
+    trainer.train_step([next(data)])
+    save_checkpoint(root, trainer, data=data)
+    trainer.train_step([next(data)])
+    try:
+        save_checkpoint(root, trainer, data=_BrokenData())
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_failed_save_leaves_earlier_checkpoints(dist_run, tmp_path):
+    errors = dist_run(2, failing_save_case, str(tmp_path))
+    assert all(error is not None and "disk full" in error for error in errors), errors
+    assert [step for step, _ in list_step_dirs(tmp_path)] == [1]
+    assert not verify(tmp_path / "step_000001")
+
+
+def reshard_save_case(root):
+    model, trainer, data = _setup(4, 1, 0)
+    _steps(trainer, data, 2)
+    save_checkpoint(root, trainer, data=data)
+    return _full_params(model)
+
+
+def reshard_load_case(root):
+    model, trainer, data = _setup(2, 2, 0)
+    load_checkpoint(root, trainer, data=data)
+    exp_avg = {
+        name: loom.full(trainer.optimizer.state[p]["exp_avg"]).clone() for name, p in model.named_parameters()
+    }
+    return _full_params(model), exp_avg, trainer.step
+
+
+def reshard_reference_case(root):
+    model, trainer, data = _setup(4, 1, 0)
+    load_checkpoint(root, trainer, data=data)
+    return {
+        name: loom.full(trainer.optimizer.state[p]["exp_avg"]).clone() for name, p in model.named_parameters()
+    }
+
+
+def test_reshard_dp4_to_dp2_tp2_and_one_device(dist_run, tmp_path):
+    saved = dist_run(4, reshard_save_case, str(tmp_path))[0]
+    params, exp_avg, step = dist_run(4, reshard_load_case, str(tmp_path))[0]
+    assert step == 2
+    assert all(torch.equal(params[name], saved[name]) for name in saved)
+    reference_avg = dist_run(4, reshard_reference_case, str(tmp_path))[0]
+    assert all(torch.equal(exp_avg[name], reference_avg[name]) for name in reference_avg)
+    single = GPT(CONFIG)  # one process, no mesh
+    load_model_weights(tmp_path / "step_000002", single)
+    assert all(torch.equal(p, saved[name]) for name, p in single.named_parameters())
+    out = tmp_path / "model.pt"
+    export_model(tmp_path / "step_000002", out)
+    exported = torch.load(out)
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
+    assert cli_main(["checkpoint", "ls", str(tmp_path)]) == 0
