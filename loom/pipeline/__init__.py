@@ -1,0 +1,43 @@
+"""Pipeline parallelism: stages (marked or balanced), named schedules over torch.distributed.pipelining,
+per-rank timelines with the bubble fraction, and saved-activation memory per stage."""
+
+from loom.pipeline.gpt import GPTStage, gpt_loss, source_names, split_gpt
+from loom.pipeline.memory import SavedActivations
+from loom.pipeline.schedule import SCHEDULES, Pipeline, schedule_kind, stage_indices, validate_microbatches
+from loom.pipeline.stage import TimedStage
+from loom.pipeline.stages import (
+    assign_stages,
+    balanced_partition,
+    group_blocks,
+    measured_costs,
+    parameter_costs,
+    pipeline_stage,
+    stage_of_blocks,
+)
+from loom.pipeline.timeline import Event, Recorder, bubble_fraction, plot_timeline, theoretical_bubble
+
+__all__ = [
+    "SCHEDULES",
+    "Event",
+    "GPTStage",
+    "Pipeline",
+    "Recorder",
+    "SavedActivations",
+    "TimedStage",
+    "assign_stages",
+    "balanced_partition",
+    "bubble_fraction",
+    "gpt_loss",
+    "group_blocks",
+    "measured_costs",
+    "parameter_costs",
+    "pipeline_stage",
+    "plot_timeline",
+    "schedule_kind",
+    "source_names",
+    "split_gpt",
+    "stage_indices",
+    "stage_of_blocks",
+    "theoretical_bubble",
+    "validate_microbatches",
+]
