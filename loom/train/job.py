@@ -16,15 +16,16 @@ import time
 import torch
 
 import loom
-from loom.checkpoint import Checkpointer  # [checkpoint] support (issue 6)
+from loom.checkpoint import Checkpointer
+from loom.dist import env
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
 from loom.train.data import ArithmeticCorpus, ByteTokenizer, DistributedBatches, build_dataset, micro_batches
 from loom.train.hardware_peaks import peak_flops
-from loom.train.metrics import MetricsLogger, StepMetrics, mfu, model_flops_per_token, peak_memory_bytes
-from loom.train.precision import DynamicLossScaler
+from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
+from loom.train.precision import DTYPES, DynamicLossScaler
 from loom.train.schedules import lr_multiplier
 from loom.train.trainer import Trainer
 
@@ -44,8 +45,9 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     return model
 
 
-def build_trainer(config: TrainConfig, model: GPT) -> Trainer:
-    """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer."""
+def build_trainer(config: TrainConfig, model: GPT, callbacks: list) -> Trainer:
+    """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
+    throughput and MFU against this device's peak)."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = torch.optim.AdamW, {"betas": tuple(t.betas), "weight_decay": t.weight_decay}
@@ -56,9 +58,15 @@ def build_trainer(config: TrainConfig, model: GPT) -> Trainer:
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
+    flops_per_token = model_flops_per_token(
+        model.num_parameters(exclude_embeddings=True), config.model.n_layers, config.model.d_model,
+        config.data.seq_len,
+    )  # fmt: skip
     return Trainer(
         model, optimizer, lr_scheduler=schedule, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm,
-        precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None,
+        precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
+        tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
+        peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
     )  # fmt: skip
 
 
@@ -89,43 +97,24 @@ def run(config: TrainConfig) -> dict:
     example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
     first = next(iter(example))
     model = build_model(config, mesh, tuple(first))
-    trainer = build_trainer(config, model)
-    # --- [checkpoint] (issue 6): resume from the newest intact checkpoint; saved in the loop below ---
-    checkpointer = Checkpointer.from_config(config, batches) if config.checkpoint.dir else None
-    if checkpointer is not None:
-        checkpointer.resume(trainer)
-    # --- end [checkpoint] ---
-    if is_main:
-        print(plan_text(config, model), flush=True)
-    tokens_per_step = t.global_batch * config.data.seq_len
-    flops_per_token = model_flops_per_token(
-        model.num_parameters(exclude_embeddings=True), config.model.n_layers, config.model.d_model,
-        config.data.seq_len,
-    )  # fmt: skip
-    peak = peak_flops("cpu", torch.float32)
     logger = MetricsLogger(
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,
     )  # fmt: skip
-    losses = []
+    checkpointer = Checkpointer.from_config(config, batches) if config.checkpoint.dir else None
+    trainer = build_trainer(
+        config, model, [MetricsCallback(logger)] + ([checkpointer] if checkpointer else [])
+    )
+    if checkpointer is not None:
+        checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
+    if is_main:
+        print(plan_text(config, model), flush=True)
+    steps = (micro_batches(next(batches), t.grad_accum) for _ in iter(int, 1))
     start = time.perf_counter()
-    with logger:
-        for _ in range(trainer.step, t.steps):  # a resumed run does the steps left (issue 6)
-            result = trainer.train_step(micro_batches(next(batches), t.grad_accum))
-            losses.append(result.loss)
-            rate = tokens_per_step / result.step_time_s
-            logger.log(
-                StepMetrics(
-                    step=result.step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                    tokens=tokens_per_step, step_time_s=result.step_time_s, tokens_per_s=rate,
-                    mfu=mfu(rate, flops_per_token, peak, mesh.world_size) if peak else None,
-                    peak_memory_bytes=peak_memory_bytes(), loss_scale=result.loss_scale, skipped=result.skipped,
-                )
-            )  # fmt: skip
-            if t.eval_every and result.step % t.eval_every == 0:
-                logger.log_eval(result.step, {"loss": trainer.evaluate(_eval_batches(config, mesh))})
-            if checkpointer is not None:  # [checkpoint] (issue 6): every_steps / every_minutes, keep_last
-                checkpointer.maybe_save(trainer)
+    results = trainer.fit(
+        steps, t.steps - trainer.step, t.eval_every, lambda: _eval_batches(config, mesh)
+    )  # a resumed run does the steps left
+    losses = [r.loss for r in results]
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus):
         summary.update(_arithmetic_report(dataset, model, mesh))
