@@ -27,27 +27,16 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import loom
-from loom.models import MLP
+from loom.models import MLP, MLPRegression
 
 NAMES = ("loom-0", "ddp", "loom-3", "fsdp2")
 
 
-class Regression(nn.Module):
-    """The MLP's layers in an `nn.ModuleList` (units for level 3 and FSDP2); forward returns the MSE loss."""
-
-    def __init__(self, mlp: MLP) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(mlp)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return F.mse_loss(x, y)
+Regression = MLPRegression  # the layers in an nn.ModuleList: units for level 3 and FSDP2
 
 
 def _step(model, optimizer, x, y) -> float:

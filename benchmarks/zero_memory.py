@@ -43,12 +43,11 @@ import gc
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import loom
-from loom.models import MLP
+from loom.models import MLP, MLPRegression
 
 KINDS = ("parameters", "gradients", "optimizer states", "master chunks", "bucket buffers", "gather buffers")
 FORMULAS = {  # bytes per parameter, as (numerator, divided by N)
@@ -60,17 +59,7 @@ FORMULAS = {  # bytes per parameter, as (numerator, divided by N)
 MASTER_FORMULA = (4, True)
 
 
-class Regression(nn.Module):
-    """The MLP's layers in an `nn.ModuleList` (units for level 3 and FSDP2); forward returns the MSE loss."""
-
-    def __init__(self, mlp: MLP) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(mlp)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return F.mse_loss(x, y)
+Regression = MLPRegression  # the layers in an nn.ModuleList: units for level 3 and FSDP2
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,15 @@ from loom.models.doc_examples import (
     example_batches,
     train_sgd,
 )
-from loom.models.mlp import MLP
+from loom.models.mlp import MLP, MLPRegression
 
-__all__ = ["MLP", "MatMulChain", "ReluNet", "SoftCrossEntropy", "WithLoss", "example_batches", "train_sgd"]
+__all__ = [
+    "MLP",
+    "MLPRegression",
+    "MatMulChain",
+    "ReluNet",
+    "SoftCrossEntropy",
+    "WithLoss",
+    "example_batches",
+    "train_sgd",
+]

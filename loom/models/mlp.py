@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -16,3 +18,17 @@ class MLP(nn.Sequential):
             if i < depth - 1:
                 layers.append(nn.GELU())
         super().__init__(*layers)
+
+
+class MLPRegression(nn.Module):
+    """An MLP whose layers sit in an `nn.ModuleList` (one unit each for optimizer level 3 or FSDP2);
+    `forward(x, y)` returns the mean squared error."""
+
+    def __init__(self, mlp: MLP) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(mlp)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(x, y)
