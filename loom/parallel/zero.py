@@ -177,7 +177,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket.shard_grad = None
 
     def state_dict(self) -> dict:
+        """This rank's sharded states (rank-local; `loom.checkpoint` saves and restores them with the plan)."""
         return {"level": self.level, "inner": [optimizer.state_dict() for optimizer in self.inner]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Not supported directly: the states belong to bucket chunks that exist only after the first step.
+        Resume with `loom.checkpoint.load_checkpoint`, which restores them when the chunks are built."""
+        raise NotImplementedError(
+            "ZeroOptimizer.load_state_dict: use loom.checkpoint.load_checkpoint (or Checkpointer.resume), "
+            "which restores sharded states once the gradient buckets exist"
+        )
 
 
 def make_optimizer(
