@@ -14,7 +14,7 @@ import json
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,10 @@ from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
 from loom.dist import env
 from loom.parallel.zero import ZeroOptimizer
+
+# Called on every rank as `hook(step, temp_dir)` once its files are written and before the checkpoint is
+# published: where fault-injection tests stop a rank in the middle of a save (see loom/fault/inject.py).
+WRITE_HOOKS: list[Callable[[int, Path], None]] = []
 
 
 def _distributed() -> bool:
@@ -132,6 +136,8 @@ def save_checkpoint(
     error = None
     try:
         _write_files(temp, trainer, data, config)
+        for hook in WRITE_HOOKS:
+            hook(step, temp)
     except Exception as exc:  # reported on every rank below, so that no rank waits forever
         error = f"rank {env.rank()}: {type(exc).__name__}: {exc}"
     error = _first_error(error)
