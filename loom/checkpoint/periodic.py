@@ -38,6 +38,7 @@ class Checkpointer:
         self.directory, self.every_steps, self.every_minutes = Path(directory), every_steps, every_minutes
         self.keep_last, self.data, self.config = keep_last, data, config
         self._last_save = time.monotonic()
+        self.last_saved_step: int | None = None  # the step of the newest checkpoint saved or resumed from
 
     @classmethod
     def from_config(cls, config: Any, data: Any = None) -> Checkpointer:
@@ -69,6 +70,7 @@ class Checkpointer:
             self.directory, trainer, data=self.data, config=self.config, keep_last=self.keep_last
         )
         self._last_save = time.monotonic()
+        self.last_saved_step = trainer.step
         return path
 
     def maybe_save(self, trainer: Trainer) -> Path | None:
@@ -79,6 +81,7 @@ class Checkpointer:
         """Load the newest intact checkpoint (None: none yet, start from scratch)."""
         step = load_checkpoint(self.directory, trainer, data=self.data)
         self._last_save = time.monotonic()
+        self.last_saved_step = step
         if step is not None and env.rank() == 0:
             print(f"resumed from {self.directory}/step_{step:06d}", flush=True)
         return step

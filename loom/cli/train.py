@@ -8,8 +8,9 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from loom.dist.launch import LaunchError, launch
-from loom.train.config import load_config
+from loom.dist.launch import LaunchError
+from loom.fault import RestartPolicy, supervise
+from loom.train.config import TrainConfig, load_config
 from loom.train.job import run, steps_summary
 
 NAME = "train"
@@ -18,15 +19,22 @@ DESCRIPTION = """\
 Train the reference GPT as CONFIG.toml says: mesh (dp x tp), optimizer level, recomputation, precision,
 data and schedule. Keys can be overridden on the command line as --section.key value.
 
+The workers are supervised: a worker that dies, raises during training or hangs (no heartbeat for
+fault.heartbeat_timeout_s) stops the job, which restarts from the last checkpoint ([checkpoint] dir) up to
+fault.max_restarts times; every event is logged, and appended to DIR/events.jsonl.
+
 examples:
   loom train configs/demo.toml
   loom train configs/demo.toml --train.steps 50 --parallel.tp 1
   loom train configs/demo.toml --train.workers 2 --parallel.optimizer_level 2
+  loom train configs/demo.toml --checkpoint.dir runs/ckpt --checkpoint.every_steps 50 --fault.max_restarts 5
 """
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the TOML file (sections model, data, parallel, train, checkpoint)")
+    parser.add_argument(
+        "config", help="the TOML file (sections model, data, parallel, train, checkpoint, fault)"
+    )
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs")
 
 
@@ -39,8 +47,10 @@ def execute(args: argparse.Namespace) -> int:
         return 2
     console = Console()
     console.print(f"[bold]loom train[/] {escape(args.config)} on {config.train.workers} local worker(s)")
+    if config.fault.max_restarts and not config.checkpoint.dir:
+        console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
-        summary = launch(run, config.train.workers, config)[0]
+        summary = supervise(run, config.train.workers, config, policy=restart_policy(config)).results[0]
     except LaunchError as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 1
@@ -53,3 +63,14 @@ def execute(args: argparse.Namespace) -> int:
     if "accuracy" in summary:
         console.print(f"[bold]accuracy on 100 held-out prompts: {100 * summary['accuracy']:.0f}%[/]")
     return 0
+
+
+def restart_policy(config: TrainConfig) -> RestartPolicy:
+    """The supervisor's settings from `[fault]` (events go next to the checkpoints)."""
+    fault, directory = config.fault, config.checkpoint.dir
+    return RestartPolicy(
+        max_restarts=fault.max_restarts,
+        heartbeat_timeout_s=fault.heartbeat_timeout_s or None,
+        collective_timeout_s=fault.collective_timeout_s,
+        events_file=f"{directory}/events.jsonl" if directory else None,
+    )

@@ -22,6 +22,7 @@ __all__ = [
     "free_port",
     "local_rank",
     "rank",
+    "restart_count",
     "shutdown_process_group",
     "world_size",
 ]
@@ -73,8 +74,11 @@ def _rendezvous_from_env() -> bool:
     return True
 
 
-def ensure_process_group(backend: str | None = None, timeout_s: float = 1800) -> None:
+def ensure_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group unless it already is.
+
+    `timeout_s` bounds every collective (gloo and NCCL raise past it); None reads
+    LOOM_COLLECTIVE_TIMEOUT_S (set by a supervised `loom train`), else 30 minutes.
 
     With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (torchrun, `loom run`,
     `loom.launch` workers) the group is joined with ``init_method="env://"``. Without them this process
@@ -89,6 +93,8 @@ def ensure_process_group(backend: str | None = None, timeout_s: float = 1800) ->
     backend = backend or _default_backend(local)
     if "nccl" in backend:
         torch.cuda.set_device(local)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("LOOM_COLLECTIVE_TIMEOUT_S") or 1800)
     timeout = datetime.timedelta(seconds=timeout_s)
     if _rendezvous_from_env():
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
@@ -107,6 +113,12 @@ def rank() -> int:
 def world_size() -> int:
     """The number of ranks (1 when no process group is initialised)."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def restart_count() -> int:
+    """How many times this job has been restarted after a failure (TORCHELASTIC_RESTART_COUNT, which torchrun
+    and loom's supervisor set; 0 on the first attempt)."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def local_rank() -> int:

@@ -9,6 +9,10 @@ Failures are reported as `LaunchError` subclasses and never leave a worker behin
 (`WorkerError`), dies (`WorkerDiedError`, noticed at once through the process sentinels) or does not
 answer in time (`WorkerTimeoutError`). After a death, a timeout, or an error that leaves peers stuck, the
 group is torn down and marked broken.
+
+Heartbeats: a task may call `heartbeat(step)` (a no-op outside a loom worker); with `heartbeat_timeout`, a
+rank that has sent one and then stays silent longer than that is taken for hung (`WorkerHangError`), and
+the group is torn down. The last beat of every rank stays readable in `WorkerGroup.heartbeats`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ import torch
 
 from loom.dist import env
 
-__all__ = ["LaunchError", "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "launch"]
+__all__ = [
+    "LaunchError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerHangError",
+    "WorkerTimeoutError",
+    "heartbeat",
+    "launch",
+]
 
 # How long the other ranks may take to finish after one rank raised before the group counts as stuck.
 _ERROR_GRACE_S = 3.0
@@ -41,6 +54,8 @@ _CLOSE_TIMEOUT_S = 30.0
 _START_ATTEMPTS = 3
 # An empty message tells a worker to shut down; a pickled task is never empty.
 _STOP = b""
+# How often the caller wakes to check heartbeats while it waits for answers.
+_BEAT_POLL_S = 0.5
 
 
 class LaunchError(RuntimeError):
@@ -82,6 +97,25 @@ class WorkerTimeoutError(LaunchError):
         super().__init__(message)
         self.ranks: list[int] = list(ranks)
         self.timeout = timeout
+
+
+class WorkerHangError(WorkerTimeoutError):
+    """Ranks that had sent heartbeats went silent for longer than the heartbeat timeout; `.ranks` lists
+    them, `.last_steps` maps each rank to the step of its last heartbeat."""
+
+    def __init__(
+        self, message: str, *, ranks: Iterable[int] = (), timeout: float | None = None, last_steps=None
+    ) -> None:
+        super().__init__(message, ranks=ranks, timeout=timeout)
+        self.last_steps: dict[int, int] = dict(last_steps or {})
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's sign of life: the step it reported and when the caller received it (monotonic seconds)."""
+
+    step: int
+    received: float
 
 
 @dataclass
@@ -152,6 +186,17 @@ def _send(conn: Connection, kind: str, value: Any) -> None:
     conn.send_bytes(data)
 
 
+# The worker's end of its pipe to the caller, while it serves tasks (None elsewhere).
+_CALLER: Connection | None = None
+
+
+def heartbeat(step: int) -> None:
+    """Tell the caller this worker is alive at `step` (no-op outside a `WorkerGroup` worker). Training
+    loops call it once per step; the caller's `heartbeat_timeout` then detects a hung rank."""
+    if _CALLER is not None:
+        _CALLER.send_bytes(pickle.dumps(("beat", int(step))))
+
+
 def _exit_with_parent() -> None:
     """Exit as soon as the parent process is gone, so an orphaned worker never lingers."""
     parent = mp.parent_process()
@@ -165,8 +210,9 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="loom-parent-watch", daemon=True).start()
 
 
-def _set_worker_env(rank: int, nprocs: int, port: int) -> None:
+def _set_worker_env(rank: int, nprocs: int, port: int, extra: dict[str, str]) -> None:
     os.environ.update(
+        extra,
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),
         LOCAL_RANK=str(rank),
@@ -202,7 +248,9 @@ def _serve(conn: Connection) -> None:
         _send(conn, kind, value)
 
 
-def _worker_main(rank: int, nprocs: int, port: int, backend: str | None, conn: Connection) -> None:
+def _worker_main(
+    rank: int, nprocs: int, port: int, backend: str | None, extra_env: dict[str, str], conn: Connection
+) -> None:
     """Entry point of a worker process: join the process group, then serve tasks until told to stop."""
     # Ctrl-C reaches every process of the terminal; the parent owns it and tears the group down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -211,7 +259,7 @@ def _worker_main(rank: int, nprocs: int, port: int, backend: str | None, conn: C
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     _exit_with_parent()
-    _set_worker_env(rank, nprocs, port)
+    _set_worker_env(rank, nprocs, port, extra_env)
     # Ranks share the machine's cores; without this 8 ranks on 2 cores oversubscribe badly.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     try:
@@ -220,6 +268,8 @@ def _worker_main(rank: int, nprocs: int, port: int, backend: str | None, conn: C
         _send(conn, "error", _failure(exc))
         return
     _send(conn, "ok", os.getpid())
+    global _CALLER
+    _CALLER = conn
     try:
         _serve(conn)
     finally:
@@ -308,7 +358,8 @@ class WorkerGroup:
     """`nprocs` local worker processes, each a rank of one process group, that run tasks on request.
 
     The workers start (and join the process group) in the constructor and stay alive between `run`
-    calls. Use it as a context manager or call `close()`; an interpreter exit closes it too.
+    calls. Use it as a context manager or call `close()`; an interpreter exit closes it too. `env` adds
+    environment variables to the workers' (e.g. TORCHELASTIC_RESTART_COUNT for a restarted job).
     """
 
     def __init__(
@@ -318,6 +369,7 @@ class WorkerGroup:
         *,
         start_timeout: float | None = 300.0,
         error_grace: float = _ERROR_GRACE_S,
+        env: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
@@ -325,6 +377,8 @@ class WorkerGroup:
         self.backend = backend
         self.error_grace = error_grace
         self.start_timeout = start_timeout
+        self.extra_env = dict(env or {})
+        self.heartbeats: dict[int, Heartbeat] = {}  # each rank's latest, kept after a failure
         self.pids: list[int] = []
         self._problem: str | None = None  # why this group can no longer run tasks
         self._procs: list[mp.process.BaseProcess] = []
@@ -353,7 +407,7 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.nprocs):
             ours, theirs = ctx.Pipe()
-            args = (rank, self.nprocs, port, self.backend, theirs)
+            args = (rank, self.nprocs, port, self.backend, self.extra_env, theirs)
             proc = ctx.Process(target=_worker_main, args=args, name=f"loom-rank{rank}")
             proc.start()
             theirs.close()  # only the worker holds its end, so its death reads as EOF here
@@ -365,21 +419,34 @@ class WorkerGroup:
         """True once the group was torn down (or closed) and cannot run tasks any more."""
         return self._problem is not None
 
-    def run(self, fn: Callable, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+    def run(
+        self,
+        fn: Callable,
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list:
         """Run `fn(*args, **kwargs)` on every rank; return the results, index = rank.
 
-        `timeout` is in seconds (None: no limit). Raises `WorkerError`, `WorkerDiedError` or
-        `WorkerTimeoutError`; see the module docstring for when the group survives them.
+        `timeout` is in seconds (None: no limit); `heartbeat_timeout` (seconds, None: off) is how long a
+        rank that has called `heartbeat` may stay silent. Raises `WorkerError`, `WorkerDiedError`,
+        `WorkerTimeoutError` or `WorkerHangError`; see the module docstring for when the group survives.
         """
-        return self._run_payload(_dump_task(fn, args, kwargs), f"running {_describe(fn)}", timeout)
+        task = f"running {_describe(fn)}"
+        return self._run_payload(_dump_task(fn, args, kwargs), task, timeout, heartbeat_timeout)
 
-    def _run_payload(self, payload: bytes, task: str, timeout: float | None) -> list:
+    def _run_payload(
+        self, payload: bytes, task: str, timeout: float | None, heartbeat_timeout: float | None = None
+    ) -> list:
         if self._problem is not None:
             raise LaunchError(f"this WorkerGroup cannot run tasks: {self._problem}; create a new one")
+        self.heartbeats = {}
         try:
             for rank, conn in enumerate(self._conns):
                 self._send_task(rank, conn, payload)
-            return self._gather(timeout, task)
+            return self._gather(timeout, task, heartbeat_timeout)
         except LaunchError:
             raise
         except BaseException:  # KeyboardInterrupt included: never leave workers mid-task behind
@@ -392,7 +459,7 @@ class WorkerGroup:
         except OSError:
             self._raise_died([rank], "receiving its task")
 
-    def _gather(self, timeout: float | None, task: str) -> list:
+    def _gather(self, timeout: float | None, task: str, heartbeat_timeout: float | None = None) -> list:
         """Wait for one answer per rank and return the values, or raise the fitting LaunchError."""
         answers: dict[int, tuple[str, Any]] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -400,7 +467,14 @@ class WorkerGroup:
         while len(answers) < self.nprocs:
             pending = [r for r in range(self.nprocs) if r not in answers]
             handles = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            if not wait(handles, self._remaining(deadline)):
+            wake = self._remaining(deadline)
+            if heartbeat_timeout is not None and not in_grace:
+                wake = _BEAT_POLL_S if wake is None else min(wake, _BEAT_POLL_S)
+            if not wait(handles, wake):
+                if heartbeat_timeout is not None and not in_grace:
+                    self._check_heartbeats(pending, heartbeat_timeout, task)
+                if deadline is None or time.monotonic() < deadline:
+                    continue
                 break  # the deadline (or the grace period after an error) has passed
             self._read_answers(pending, answers, task)
             if not in_grace and any(kind == "error" for kind, _ in answers.values()):
@@ -418,17 +492,38 @@ class WorkerGroup:
         dead = []
         for rank in pending:
             conn = self._conns[rank]
-            if conn.poll():
-                try:
-                    answers[rank] = self._decode(rank, conn.recv_bytes())
-                    continue
-                except (EOFError, OSError):
-                    pass
-            elif self._procs[rank].is_alive():
+            try:
+                while conn.poll():  # heartbeats first, then possibly the answer
+                    kind, value = self._decode(rank, conn.recv_bytes())
+                    if kind != "beat":
+                        answers[rank] = (kind, value)
+                        break
+                    self.heartbeats[rank] = Heartbeat(value, time.monotonic())
+            except (EOFError, OSError):
+                dead.append(rank)
                 continue
-            dead.append(rank)
+            if rank not in answers and not conn.poll() and not self._procs[rank].is_alive():
+                dead.append(rank)
         if dead:
             self._raise_died(dead, task)
+
+    def _check_heartbeats(self, pending: list[int], limit: float, task: str) -> None:
+        """Tear the group down when a rank that has beaten before is silent for longer than `limit`."""
+        now = time.monotonic()
+        silent = [r for r in pending if r in self.heartbeats and now - self.heartbeats[r].received > limit]
+        if not silent:
+            return
+        steps = {r: self.heartbeats[r].step for r in silent}
+        self._stop_all(f"{_ranks(silent)} hung")
+        where = ", ".join(f"rank {r} after step {s}" for r, s in steps.items())
+        raise WorkerHangError(
+            f"{_ranks(silent)} sent no heartbeat for more than {limit:g} s while {task} (last heard: {where}); "
+            "every worker was stopped. A rank stuck in a collective usually waits for a peer that is stuck "
+            "elsewhere: the lowest last step points at it. If steps are just slow, raise the heartbeat timeout",
+            ranks=silent,
+            timeout=limit,
+            last_steps=steps,
+        )
 
     @staticmethod
     def _decode(rank: int, data: bytes) -> tuple[str, Any]:
@@ -444,6 +539,8 @@ class WorkerGroup:
         rank = dead[0]
         code = self._procs[rank].exitcode
         message = f"rank {rank} {_exit_reason(code)} while {task}"
+        if rank in self.heartbeats:
+            message += f" (its last heartbeat: step {self.heartbeats[rank].step})"
         if len(dead) > 1:
             message += f" ({_ranks(dead[1:])} died too)"
         message += (

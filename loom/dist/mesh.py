@@ -48,7 +48,9 @@ class MeshShape:
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"mesh axis name {name!r} must be an identifier, {AXIS_NAMES_HINT}")
             if size < 1:
-                raise ValueError(f"mesh axis {name!r} has size {size}; sizes are positive (or one -1 to fill)")
+                raise ValueError(
+                    f"mesh axis {name!r} has size {size}; sizes are positive (or one -1 to fill)"
+                )
         product = math.prod(size for _, size in self.sizes)
         if product != self.world_size:
             raise ValueError(

@@ -54,9 +54,10 @@ def global_grad_norm(views: Iterable[GradView]) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def clip_grads_(views: list[GradView], max_norm: float) -> torch.Tensor:
-    """Scale every gradient so that their global norm is at most `max_norm`; returns the norm before."""
-    norm = global_grad_norm(views)
+def clip_grads_(views: list[GradView], max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale every gradient so that their global norm is at most `max_norm`; returns the norm before
+    (`norm`: that norm when the caller has it already, saving a collective)."""
+    norm = global_grad_norm(views) if norm is None else norm
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     scale_grads_(views, coefficient.item())
     return norm

@@ -1,8 +1,9 @@
 """Training configuration: a TOML file read into validated dataclasses, with command-line overrides.
 
-A config has five sections, each a dataclass whose fields are the TOML keys (all have defaults):
+A config has six sections, each a dataclass whose fields are the TOML keys (all have defaults):
 `[model]` (`ModelConfig`), `[data]` (`DataConfig`), `[parallel]` (`ParallelConfig`), `[train]`
-(`TrainingConfig`) and `[checkpoint]` (`CheckpointConfig`), gathered in `TrainConfig`.
+(`TrainingConfig`), `[checkpoint]` (`CheckpointConfig`) and `[fault]` (`FaultConfig`), gathered in
+`TrainConfig`.
 
 Types are enforced from the field annotations (an int where a float is expected is accepted; a bool is never
 an int), ranges in each section's `__post_init__`, and rules that span sections in `TrainConfig.validate`.
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "FaultConfig",
     "ModelConfig",
     "ParallelConfig",
     "TrainConfig",
@@ -310,8 +312,34 @@ class CheckpointConfig(_Section):
             )
 
 
+@dataclass(kw_only=True)
+class FaultConfig(_Section):
+    """`[fault]`: how `loom train` survives failures. A worker that dies, raises during training or sends no
+    heartbeat for `heartbeat_timeout_s` (0: no hang detection) stops the job, which restarts from the last
+    checkpoint up to `max_restarts` times; `collective_timeout_s` bounds one collective. A step whose loss
+    or gradient norm is not finite is skipped (`skip_nonfinite`); after `rollback_after` such steps in a row
+    (0: never) the job rolls back to the last checkpoint and skips the data that failed."""
+
+    SECTION: ClassVar[str] = "fault"
+    max_restarts: int = 3
+    heartbeat_timeout_s: float = 300.0
+    collective_timeout_s: float = 1800.0
+    skip_nonfinite: bool = True
+    rollback_after: int = 3
+
+    def check(self) -> None:
+        self._at_least(0, "max_restarts", "heartbeat_timeout_s", "rollback_after")
+        if self.collective_timeout_s <= 0:
+            self._fail("collective_timeout_s", "use a value > 0")
+        if self.rollback_after and not self.skip_nonfinite:
+            raise ValueError(
+                "fault.rollback_after counts skipped steps: it needs fault.skip_nonfinite = true"
+            )
+
+
 _SECTIONS: dict[str, type[_Section]] = {
-    cls.SECTION: cls for cls in (ModelConfig, DataConfig, ParallelConfig, TrainingConfig, CheckpointConfig)
+    cls.SECTION: cls
+    for cls in (ModelConfig, DataConfig, ParallelConfig, TrainingConfig, CheckpointConfig, FaultConfig)
 }
 
 
@@ -336,13 +364,14 @@ def _field_type(section: str, key: str, where: str) -> Any:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """A whole training run: the five sections. Build one with `load_config` or `TrainConfig.from_dict`."""
+    """A whole training run: the six sections. Build one with `load_config` or `TrainConfig.from_dict`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

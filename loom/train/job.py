@@ -3,8 +3,10 @@
 In order: join the mesh the config asks for; build the GPT on the meta device with its tensor-parallel
 strategies; parallelise it (parameters laid out from a dry run) and materialise only this rank's shards;
 set recomputation, the optimizer at its optimizer level, the learning-rate schedule and the Trainer; read
-this data-parallel rank's rows of every global batch; train, log, evaluate; finally sample from the model
-and, on the arithmetic task, measure its accuracy.
+this data-parallel rank's rows of every global batch; resume from the newest intact checkpoint; train,
+log, evaluate, checkpoint (and save the final step); finally sample from the model and, on the arithmetic
+task, measure its accuracy. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a
+failure; each step sends a heartbeat so that a hung rank is noticed.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 
 import loom
 from loom.checkpoint import Checkpointer
 from loom.dist import env
+from loom.dist.launch import heartbeat
+from loom.fault import Fault, NonFiniteGuard, apply_rollback
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.recompute import recompute
@@ -45,6 +50,16 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     return model
 
 
+class Heartbeat:
+    """Trainer callback: report each step to the supervisor (see `loom.dist.launch.heartbeat`)."""
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        heartbeat(trainer.step)
+
+    def on_step_end(self, trainer: Trainer, metrics: object) -> None:
+        heartbeat(trainer.step)
+
+
 def build_trainer(config: TrainConfig, model: GPT, callbacks: list) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
     throughput and MFU against this device's peak)."""
@@ -67,6 +82,7 @@ def build_trainer(config: TrainConfig, model: GPT, callbacks: list) -> Trainer:
         precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
+        skip_nonfinite=config.fault.skip_nonfinite,
     )  # fmt: skip
 
 
@@ -85,8 +101,9 @@ def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> s
     return tokenizer.decode(ids[len(tokenizer.encode(prompt)) :])
 
 
-def run(config: TrainConfig) -> dict:
-    """Train as `config` says, inside a worker of `loom.launch`; returns rank 0's summary."""
+def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
+    """Train as `config` says, inside a worker of `loom.launch` or `loom.fault.supervise`; returns the
+    summary (losses of the steps this attempt ran). `faults` are injected on purpose (tests of recovery)."""
     mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
     config.validate(mesh.world_size)
     t, is_main = config.train, loom.rank() == 0
@@ -102,11 +119,18 @@ def run(config: TrainConfig) -> dict:
         tensorboard_dir=t.tensorboard_dir,
     )  # fmt: skip
     checkpointer = Checkpointer.from_config(config, batches) if config.checkpoint.dir else None
-    trainer = build_trainer(
-        config, model, [MetricsCallback(logger)] + ([checkpointer] if checkpointer else [])
-    )
+    callbacks = [MetricsCallback(logger), Heartbeat()]
     if checkpointer is not None:
-        checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
+        if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
+            callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
+        callbacks.append(checkpointer)
+    trainer = build_trainer(config, model, callbacks)
+    if checkpointer is not None:
+        resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
+        if apply_rollback(config.checkpoint.dir, resumed, batches) and is_main:
+            print("rolled back: skipping the data of the steps that were not finite", flush=True)
+    for fault in faults:
+        fault.install(trainer)
     if is_main:
         print(plan_text(config, model), flush=True)
     steps = (micro_batches(next(batches), t.grad_accum) for _ in iter(int, 1))
@@ -114,6 +138,8 @@ def run(config: TrainConfig) -> dict:
     results = trainer.fit(
         steps, t.steps - trainer.step, t.eval_every, lambda: _eval_batches(config, mesh)
     )  # a resumed run does the steps left
+    if checkpointer is not None and checkpointer.last_saved_step != trainer.step:
+        checkpointer.save(trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus):

@@ -2,13 +2,14 @@
 
 One step: split the rank's batch into micro-batches; for each, forward under autocast and backward of the
 (scaled) loss, letting gradients synchronise only on the last one; then, on the whole step's gradients:
-check finiteness (fp16), unscale, clip to a global norm taken across every shard and rank, update (unless
+check finiteness (fp16), unscale, skip a step whose loss or gradient norm is not finite, clip to a global norm taken across every shard and rank, update (unless
 skipped), adjust the loss scale and the learning rate, and tell the callbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -30,7 +31,9 @@ class Trainer:
     `grad_accum` micro-batches make a step; `clip_grad_norm` clips the global gradient norm; `precision`
     is "fp32", "bf16" or "fp16" (with dynamic loss scaling). Each step returns `StepMetrics`; with
     `tokens_per_step` (the global batch's tokens) they include throughput, and with `flops_per_token` and
-    `peak_flops` (per device) the model FLOPs utilisation. Callbacks (see `loom.train.metrics.Callback`) get
+    `peak_flops` (per device) the model FLOPs utilisation. With `skip_nonfinite` (the default) a step whose
+    loss or gradient norm is not finite changes nothing (`StepMetrics.skipped`; in fp16 the loss scaler's
+    overflow check does the same). Callbacks (see `loom.train.metrics.Callback`) get
     `on_train_begin(trainer)`, `on_step_end(trainer, metrics)`, `on_eval_end(trainer, {"loss": ...})` and
     `on_train_end(trainer)`: the hook points for logging and checkpoints.
     """
@@ -49,6 +52,7 @@ class Trainer:
         tokens_per_step: int = 0,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
@@ -64,6 +68,7 @@ class Trainer:
             flops_per_token,
             peak_flops,
         )
+        self.skip_nonfinite = skip_nonfinite
         self.step = 0
         self.is_main = env.rank() == 0
         autocast(precision)  # validates the name now rather than at the first step
@@ -82,13 +87,15 @@ class Trainer:
                 (loss * (scale / count)).backward()
             losses.append(loss.detach())
         views = self._grad_views()
+        loss = global_mean(losses)
         finite = all_finite(views) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
+        norm = global_grad_norm(views) if finite else torch.tensor(float("nan"))
+        if self.skip_nonfinite:  # the loss and the norm are global: every rank decides alike
+            finite = finite and math.isfinite(loss) and math.isfinite(norm.item())
         if self.clip_grad_norm is not None and finite:
-            norm = clip_grads_(views, self.clip_grad_norm).item()
-        else:
-            norm = global_grad_norm(views).item() if finite else float("nan")
+            clip_grads_(views, self.clip_grad_norm, norm)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -98,7 +105,7 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        metrics = self._metrics(global_mean(losses), norm, lr, not finite, time.perf_counter() - start)
+        metrics = self._metrics(loss, norm.item(), lr, not finite, time.perf_counter() - start)
         self._call("on_step_end", self, metrics)
         return metrics
 

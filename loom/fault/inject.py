@@ -1,0 +1,99 @@
+"""Faults on purpose: kill, crash, hang or poison one rank at a chosen step, to test recovery end to end.
+
+    faults = [Fault(kind="sigkill", rank=1, step=7)]                  # SIGKILL rank 1 during step 7
+    faults = [Fault(kind="sigkill", rank=0, step=4, during="save")]  # ... while it writes step 4's checkpoint
+    faults = [Fault(kind="nan", rank=0, step=5, repeat=3)]           # non-finite losses in steps 5-7
+
+A fault fires only in the attempt it names (`attempt`, default 0: the first run, not the restarts), so a
+restarted job runs clean. `loom.train.job.run(config, faults=...)` installs them in every worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from loom.checkpoint import checkpointer
+from loom.dist import env
+
+__all__ = ["Fault", "InjectedFault"]
+
+KINDS = ("sigkill", "exit", "raise", "hang", "nan")
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `Fault(kind="raise")` throws."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """What to do (`kind`), on which rank, in which step (1-based, as `Trainer.step` counts after it), for
+    how many steps in a row (`repeat`), and when: during the step's forward pass, or while the rank writes
+    that step's checkpoint (`during="save"`, after its files are written and before the checkpoint is
+    published). `seconds` is how long a hang lasts."""
+
+    kind: Literal["sigkill", "exit", "raise", "hang", "nan"]
+    rank: int
+    step: int
+    during: Literal["step", "save"] = "step"
+    repeat: int = 1
+    attempt: int = 0
+    seconds: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r}; choose one of {KINDS}")
+        if self.during not in ("step", "save"):
+            raise ValueError(f"fault during {self.during!r}; choose 'step' or 'save'")
+        if self.kind == "nan" and self.during != "step":
+            raise ValueError("a 'nan' fault poisons a step's loss: it needs during='step'")
+        if self.step < 1 or self.repeat < 1 or self.rank < 0 or self.attempt < 0:
+            raise ValueError(f"{self}: step and repeat must be >= 1, rank and attempt >= 0")
+
+    def install(self, trainer: object) -> Callable[[], None]:
+        """Arm the fault on this rank for `trainer` (a `loom.Trainer`); returns a function that disarms it."""
+        if env.rank() != self.rank or env.restart_count() != self.attempt:
+            return lambda: None
+        if self.during == "save":
+            checkpointer.WRITE_HOOKS.append(self._on_save)
+            return lambda: checkpointer.WRITE_HOOKS.remove(self._on_save)
+        model: nn.Module = trainer.model
+        if self.kind == "nan":
+            handle = model.register_forward_hook(lambda module, inputs, output: self._poison(trainer, output))
+        else:
+            handle = model.register_forward_pre_hook(lambda module, inputs: self._maybe_fire(trainer))
+        return handle.remove
+
+    def _due(self, trainer: object) -> bool:
+        # a training forward pass (not evaluation) of a step in [step, step + repeat)
+        return torch.is_grad_enabled() and self.step <= trainer.step + 1 < self.step + self.repeat
+
+    def _maybe_fire(self, trainer: object) -> None:
+        if self._due(trainer):
+            self._fire(f"step {trainer.step + 1}")
+
+    def _poison(self, trainer: object, output: torch.Tensor) -> torch.Tensor | None:
+        return output * float("nan") if self._due(trainer) else None
+
+    def _on_save(self, step: int, temp: Path) -> None:
+        if step == self.step:
+            self._fire(f"writing the checkpoint of step {step} ({temp})")
+
+    def _fire(self, where: str) -> None:
+        print(f"loom fault injection: {self.kind} on rank {self.rank} in {where}", flush=True)
+        if self.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "exit":
+            os._exit(3)
+        elif self.kind == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} in {where}")
+        elif self.kind == "hang":
+            time.sleep(self.seconds)

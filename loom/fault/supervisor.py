@@ -1,0 +1,161 @@
+"""Supervised runs: start the workers, watch them, and restart the whole job when one fails.
+
+`supervise(fn, nprocs, ...)` runs `fn` on a fresh `WorkerGroup` and waits. A worker that dies (SIGKILL,
+`os._exit`, a crash), raises after training began, or stops sending heartbeats (`loom.dist.launch.heartbeat`,
+once per step) for longer than the heartbeat timeout ends the attempt: every worker is stopped, the event is
+logged with rank, step and cause, and a new group starts, up to `max_restarts` times. Each attempt sees its
+number in TORCHELASTIC_RESTART_COUNT, as under `torchrun --max-restarts`; the job itself resumes from its
+last committed checkpoint (see `loom/train/job.py`).
+
+An exception raised before a rank's first heartbeat (a bad config, a model that does not fit the mesh) is
+not retried: it would fail the same way again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.dist.launch import LaunchError, WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError
+
+__all__ = ["FailureEvent", "RestartBudgetExceeded", "RestartPolicy", "supervise"]
+
+# Exceptions that ask for a restart on purpose (the non-finite guard's rollback): retried at any time.
+_RESTART_REQUESTS = ("loom.fault.guard.NonFiniteRollback",)
+
+
+@dataclass(kw_only=True)
+class RestartPolicy:
+    """How a supervised job reacts to failures.
+
+    `max_restarts`: restarts allowed after the first attempt (0: fail at the first failure).
+    `heartbeat_timeout_s`: how long a rank that has reported a step may stay silent (None: never a hang).
+    `collective_timeout_s`: the process group's timeout for one collective (None: torch's 30 minutes).
+    `events_file`: a JSON-lines file every failure event is appended to (None: only logged).
+    """
+
+    max_restarts: int = 3
+    heartbeat_timeout_s: float | None = 300.0
+    collective_timeout_s: float | None = None
+    events_file: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts {self.max_restarts} must be >= 0")
+        for name in ("heartbeat_timeout_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} {value} must be > 0 (or None: no limit)")
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One failed attempt: what happened (`kind`: died, hung, raised, rollback), on which ranks, at which
+    step (the last one the rank reported; None before its first), and the cause in a line."""
+
+    attempt: int
+    kind: str
+    ranks: tuple[int, ...]
+    step: int | None
+    cause: str
+    time: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        where = "before its first step" if self.step is None else f"after step {self.step}"
+        who = ("rank " if len(self.ranks) == 1 else "ranks ") + ", ".join(map(str, self.ranks))
+        return f"attempt {self.attempt}: {who} {self.kind} {where}: {self.cause}"
+
+
+class RestartBudgetExceeded(LaunchError):
+    """The job failed more often than its restart budget allows; `.events` lists every failure."""
+
+    def __init__(self, message: str, events: list[FailureEvent]) -> None:
+        super().__init__(message)
+        self.events = events
+
+
+@dataclass
+class Supervised:
+    """What a supervised run returns: each rank's result of the final attempt, and every failure before."""
+
+    results: list[Any]
+    events: list[FailureEvent]
+
+
+def supervise(
+    fn: Callable,
+    nprocs: int,
+    /,
+    *args: Any,
+    policy: RestartPolicy | None = None,
+    log: Callable[[str], None] = print,
+    **kwargs: Any,
+) -> Supervised:
+    """Run `fn(*args, **kwargs)` on `nprocs` local workers, restarting all of them after a failure (see the
+    module docstring). Raises `RestartBudgetExceeded` when the budget is spent, and re-raises at once an
+    error that a restart would not cure."""
+    policy = policy or RestartPolicy()
+    events: list[FailureEvent] = []
+    for attempt in range(policy.max_restarts + 1):
+        group = WorkerGroup(nprocs, env=_attempt_env(attempt, policy))
+        try:
+            with group:
+                results = group.run(fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, **kwargs)
+            return Supervised(results, events)
+        except LaunchError as error:
+            event = _event(attempt, error, group)
+            if event is None:
+                raise
+            events.append(event)
+            _record(event, policy, log)
+    raise RestartBudgetExceeded(
+        f"the job failed {len(events)} times, more than its {policy.max_restarts} restart(s) allow; last: "
+        f"{events[-1].describe()}",
+        events,
+    )
+
+
+def _attempt_env(attempt: int, policy: RestartPolicy) -> dict[str, str]:
+    env = {"TORCHELASTIC_RESTART_COUNT": str(attempt)}
+    if policy.collective_timeout_s is not None:
+        env["LOOM_COLLECTIVE_TIMEOUT_S"] = str(policy.collective_timeout_s)
+    return env
+
+
+def _event(attempt: int, error: LaunchError, group: WorkerGroup) -> FailureEvent | None:
+    """The failure as an event, or None when restarting cannot help."""
+    beats = group.heartbeats
+    if isinstance(error, WorkerHangError):
+        step = min(error.last_steps.values()) if error.last_steps else None
+        return FailureEvent(attempt, "hung", tuple(error.ranks), step, _first_line(str(error)))
+    if isinstance(error, WorkerDiedError):
+        step = beats[error.rank].step if error.rank in beats else None
+        return FailureEvent(attempt, "died", (error.rank,), step, _first_line(str(error)))
+    if isinstance(error, WorkerError):
+        step = beats[error.rank].step if error.rank in beats else None
+        requested = error.exc_type in _RESTART_REQUESTS
+        if step is None and not requested:
+            return None  # failed while setting up: the same error would come back
+        kind = "rollback" if requested else "raised"
+        return FailureEvent(attempt, kind, tuple(error.failed_ranks), step, _first_line(str(error)))
+    return None  # a timeout of the whole task, or a group that never started: not a worker's fault
+
+
+def _record(event: FailureEvent, policy: RestartPolicy, log: Callable[[str], None]) -> None:
+    left = policy.max_restarts - event.attempt
+    then = f"restarting ({left} restart(s) left)" if left > 0 else "no restarts left"
+    log(f"loom: {event.describe()}; {then}")
+    if policy.events_file is not None:
+        path = Path(policy.events_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as file:
+            file.write(json.dumps(asdict(event)) + "\n")
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."

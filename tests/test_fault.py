@@ -1,0 +1,214 @@
+"""Failure detection and recovery: heartbeats, the supervisor's restarts, the non-finite guard, and tier-3
+runs of the main job killed (SIGKILL, mid-step and mid-save), hung and poisoned on purpose, each finishing
+on its own with the parameters of the run that never failed (bitwise, fp32 on CPU)."""
+
+import json
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from loom.checkpoint import read_model_tensors
+from loom.dist.env import restart_count
+from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
+from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
+from loom.train.config import TrainConfig
+from loom.train.data import write_token_file
+from loom.train.job import run
+from loom.train.trainer import Trainer
+
+STEPS = 6
+
+# ---- heartbeats and the supervisor, on small functions -----------------------------------------------------
+
+
+def _beat_then_hang(hang_rank: int) -> int:
+    for step in range(1, 4):
+        heartbeat(step)
+    if int(os.environ["RANK"]) == hang_rank:
+        time.sleep(600)
+    return 0
+
+
+def test_silent_rank_is_taken_for_hung():
+    group = WorkerGroup(2)
+    start = time.monotonic()
+    with pytest.raises(WorkerHangError) as info:
+        group.run(_beat_then_hang, 1, heartbeat_timeout=2.0)
+    assert info.value.ranks == [1] and info.value.last_steps == {1: 3}
+    assert "rank 1 after step 3" in str(info.value)
+    assert time.monotonic() - start < 60  # detected, not waited out
+    assert group.broken
+
+
+def _fails_in_first_attempt(kind: str) -> int:
+    heartbeat(1)
+    if restart_count() == 0 and int(os.environ["RANK"]) == 1:
+        if kind == "exit":
+            os._exit(7)
+        raise RuntimeError("boom in step 1")
+    return restart_count()
+
+
+@pytest.mark.parametrize("kind", ["exit", "raise"])
+def test_supervisor_restarts_after_a_failure(tmp_path, kind):
+    events_file = tmp_path / "events.jsonl"
+    lines = []
+    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=30, events_file=events_file)
+    done = supervise(_fails_in_first_attempt, 2, kind, policy=policy, log=lines.append)
+    assert done.results == [1, 1]  # the second attempt, told its number
+    (event,) = done.events
+    assert event.ranks == (1,) and event.step == 1 and event.kind == ("died" if kind == "exit" else "raised")
+    assert "attempt 0: rank 1" in lines[0] and "restarting" in lines[0]
+    assert json.loads(events_file.read_text())["kind"] == event.kind
+
+
+def _always_dies() -> None:
+    heartbeat(1)
+    os._exit(1)
+
+
+def test_restart_budget_is_enforced():
+    with pytest.raises(RestartBudgetExceeded) as info:
+        supervise(_always_dies, 2, policy=RestartPolicy(max_restarts=1), log=lambda line: None)
+    assert len(info.value.events) == 2 and "more than its 1 restart" in str(info.value)
+
+
+def _setup_error() -> None:
+    raise ValueError("bad config")
+
+
+def test_setup_errors_are_not_retried():
+    lines = []
+    with pytest.raises(WorkerError, match="bad config"):
+        supervise(_setup_error, 2, policy=RestartPolicy(max_restarts=3), log=lines.append)
+    assert lines == []
+
+
+def test_died_error_names_the_last_step():
+    with WorkerGroup(2) as group, pytest.raises(WorkerDiedError, match="last heartbeat: step 1"):
+        group.run(_always_dies)
+
+
+# ---- the Trainer skips non-finite steps ------------------------------------------------------------------------
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.linear(x) - y) ** 2).mean()
+
+
+def test_trainer_skips_a_non_finite_step():
+    torch.manual_seed(0)
+    model = _Regression()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm=1.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = trainer.train_step([(x, y * float("inf"))])
+    assert bad.skipped and trainer.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    good = trainer.train_step([(x, y)])
+    assert not good.skipped and not torch.equal(before[0], model.linear.weight)
+
+
+# ---- tier 3: the main job, killed, hung and poisoned ------------------------------------------------------------
+
+
+def _config(tmp_path, name: str, **fault) -> TrainConfig:
+    tokens = tmp_path / "tokens.bin"
+    if not tokens.exists():
+        write_token_file(tokens, np.random.default_rng(0).integers(0, 256, 20_000))
+    return TrainConfig.from_dict(
+        {
+            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16},
+            "data": {"kind": "tokens", "path": str(tokens), "seq_len": 16},
+            "parallel": {"dp": 2},
+            "train": {"steps": STEPS, "global_batch": 4, "workers": 2, "eval_every": 0, "log_every": 100,
+                      "warmup_steps": 2, "lr": 1e-2},
+            "checkpoint": {"dir": str(tmp_path / name), "every_steps": 2, "keep_last": 10},
+            "fault": {"heartbeat_timeout_s": 20, **fault},
+        }
+    )  # fmt: skip
+
+
+def _supervised(config: TrainConfig, faults=()):
+    policy = RestartPolicy(
+        max_restarts=config.fault.max_restarts,
+        heartbeat_timeout_s=config.fault.heartbeat_timeout_s,
+        events_file=f"{config.checkpoint.dir}/events.jsonl",
+    )
+    return supervise(run, config.train.workers, config, list(faults), policy=policy, log=print)
+
+
+def _final(config: TrainConfig) -> dict[str, torch.Tensor]:
+    return read_model_tensors(f"{config.checkpoint.dir}/step_{STEPS:06d}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("fault")
+    config = _config(tmp_path, "clean")
+    done = _supervised(config)
+    assert done.events == [] and len(done.results[0]["losses"]) == STEPS
+    return tmp_path, _final(config)
+
+
+def _assert_same(final: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_of_a_random_rank_at_a_random_step(uninterrupted, seed):
+    tmp_path, expected = uninterrupted
+    rng = random.Random(seed)
+    fault = Fault(kind="sigkill", rank=rng.randrange(2), step=rng.randint(1, STEPS))
+    config = _config(tmp_path, f"sigkill{seed}")
+    done = _supervised(config, [fault])
+    (event,) = done.events
+    assert event.kind == "died" and "SIGKILL" in event.cause
+    assert event.step == fault.step - 1  # it died inside the step after the last one it reported
+    resumed = (fault.step - 1) // 2 * 2  # the newest checkpoint before it (one every 2 steps)
+    assert len(done.results[0]["losses"]) == STEPS - resumed
+    _assert_same(_final(config), expected)
+
+
+def test_sigkill_while_writing_a_checkpoint(uninterrupted):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "midsave")
+    done = _supervised(config, [Fault(kind="sigkill", rank=1, step=4, during="save")])
+    (event,) = done.events
+    assert event.kind == "died" and event.step == 4
+    # the half-written step 4 was never published, so the restart resumed from step 2
+    assert len(done.results[0]["losses"]) == STEPS - 2
+    _assert_same(_final(config), expected)
+
+
+def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "hang", heartbeat_timeout_s=5)
+    done = _supervised(config, [Fault(kind="hang", rank=1, step=3)])
+    (event,) = done.events
+    assert event.kind == "hung" and event.step == 2
+    _assert_same(_final(config), expected)
+
+
+def test_non_finite_steps_roll_back_and_skip_their_data(tmp_path):
+    config = _config(tmp_path, "nan", rollback_after=2)
+    done = _supervised(config, [Fault(kind="nan", rank=0, step=3, repeat=2)])
+    (event,) = done.events
+    assert event.kind == "rollback" and event.step == 4
+    marker = json.loads((tmp_path / "nan" / "rollback.json").read_text())
+    assert marker["checkpoint_step"] == 2 and marker["failed_at_step"] == 4
+    losses = done.results[0]["losses"]  # the attempt after the rollback: steps 3..6 on fresh data
+    assert len(losses) == STEPS - 2 and all(np.isfinite(losses))
+    assert all(torch.isfinite(t).all() for t in _final(config).values())
