@@ -1,16 +1,41 @@
-"""One checkpoint's model parameters as a single unsharded file that plain `torch.load` reads."""
+"""One checkpoint's model as a single unsharded file, and such a file back as a checkpoint.
+
+    export_model("runs/ckpt/step_000100", "model.safetensors")   # + model.config.json, the [model] config
+    import_model("model.safetensors", "runs/init")               # -> runs/init/step_000000/ (weights only)
+
+An exported `.safetensors` file is what plain PyTorch reads: `safetensors.torch.load_file` gives name ->
+tensor for `model.load_state_dict` of an unsharded model; its metadata holds the step and the model config
+(JSON). Any other suffix (`.pt`) is written with `torch.save`. An imported checkpoint holds only the model:
+`dcp/` (the same keys `save_checkpoint` writes, so `load_model_weights` reshards it onto any mesh),
+`plan.json` and a manifest with `"kind": "weights"`; it has no optimizer or data state to resume a run from.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from loom.checkpoint import manifest as mf
+from loom.checkpoint.manifest import CheckpointError
+
 PREFIX = "model."
+SAFETENSORS = ".safetensors"
+# The manifest's "kind": what a checkpoint directory holds ("full" when absent, as save_checkpoint writes).
+FULL, WEIGHTS = "full", "weights"
+_STEP_NAME = re.compile(r"^step_(\d+)$")
 
 
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
@@ -29,9 +54,230 @@ def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def config_path(tensor_file: str | Path) -> Path:
+    """Where the model config of an exported file lives: `model.safetensors` -> `model.config.json`."""
+    return Path(tensor_file).with_suffix(".config.json")
+
+
+# ---- export --------------------------------------------------------------------------------------------
+
+
 def export_model(checkpoint: str | Path, out: str | Path) -> int:
-    """Write the model's parameters of `checkpoint` to `out` (a `torch.save` file: name -> tensor);
-    returns the number of tensors. (safetensors export waits for safetensors in the dependencies.)"""
+    """Write the model's parameters of `checkpoint` to `out`, whole; returns the number of tensors.
+
+    `out` ending in `.safetensors`: a safetensors file whose metadata holds "step" and "config" (the JSON
+    of plan.json's config -> model section; "plan", the whole plan, when there is no config). Any other
+    suffix: a `torch.save` file of name -> tensor. When the checkpoint carries a config, it is also written
+    next to `out` as `<stem>.config.json` (what `import_model` reads back). Files appear whole or not at all.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
     tensors = read_model_tensors(checkpoint)
-    torch.save(tensors, out)
+    plan = _read_plan(checkpoint)
+    config = _model_config(plan)
+    if out.suffix == SAFETENSORS:
+        save_safetensors(tensors, out, _export_metadata(checkpoint, plan, config))
+    else:
+        _replace_with(out, lambda tmp: torch.save(tensors, tmp))
+    if config is not None:
+        mf.write_atomic(config_path(out), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
     return len(tensors)
+
+
+def _read_plan(checkpoint: Path) -> dict[str, Any]:
+    """plan.json of a checkpoint ({} when it has none, e.g. one saved by an older loom)."""
+    path = checkpoint / "plan.json"
+    if not path.is_file():
+        return {}
+    try:
+        plan = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt JSON ({exc})") from None
+    return plan if isinstance(plan, dict) else {}
+
+
+def _model_config(plan: dict[str, Any]) -> Any:
+    """The model's config in a plan: the [model] section of a TrainConfig, or the whole config otherwise."""
+    config = plan.get("config")
+    if isinstance(config, dict) and isinstance(config.get("model"), dict):
+        return config["model"]
+    return config
+
+
+def _checkpoint_step(checkpoint: Path) -> int | None:
+    """The manifest's step, else the number in a `step_N` name (None when neither says)."""
+    try:
+        return int(mf.read_manifest(checkpoint)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        match = _STEP_NAME.match(checkpoint.name)
+        return int(match.group(1)) if match else None
+
+
+def _export_metadata(checkpoint: Path, plan: dict[str, Any], config: Any) -> dict[str, str]:
+    """safetensors metadata (strings only). "format": "pt" is what Hugging Face loaders look for."""
+    metadata = {"format": "pt"}
+    step = _checkpoint_step(checkpoint)
+    if step is not None:
+        metadata["step"] = str(step)
+    if config is not None:
+        metadata["config"] = json.dumps(config, sort_keys=True)
+    elif plan:
+        metadata["plan"] = json.dumps(plan, sort_keys=True, default=str)
+    return metadata
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], out: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write name -> tensor as a safetensors file, whole or not at all. Unlike `save_file` it takes any
+    state dict: tensors sharing memory (tied weights under two names, views) and non-contiguous ones are
+    copied as needed, since safetensors stores each tensor on its own."""
+    _replace_with(Path(out), lambda tmp: save_file(_unshared(tensors), tmp, metadata=metadata))
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, no two on one storage: safetensors refuses shared memory (tied weights saved
+    under two names, views), so every later tensor on an already seen storage is copied."""
+    seen: set[int] = set()
+    result = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if not tensor.is_contiguous() or (storage.nbytes() and key in seen):
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        elif storage.nbytes():
+            seen.add(key)
+        result[name] = tensor
+    return result
+
+
+def _replace_with(out: Path, write: Any) -> None:
+    """`write(tmp)` then rename over `out`: a failed export never leaves a half-written file behind."""
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- import --------------------------------------------------------------------------------------------
+
+
+def import_model(
+    source_file: str | Path, checkpoint_dir: str | Path, *, step: int | None = None, config: Any = None
+) -> Path:
+    """Write the tensors of `source_file` (`.safetensors`, or a `torch.save` file of name -> tensor) as a
+    weights-only loom checkpoint; returns its directory.
+
+    `checkpoint_dir` is a checkpoint root: the checkpoint becomes `checkpoint_dir/step_{step:06d}` (step 0
+    by default), where `loom checkpoint ls`, `export` and `latest_valid` find it. A path that is itself
+    named `step_N` is taken as the checkpoint directory (step N). The model config comes from `config`
+    (the [model] section, or a whole TrainConfig dict), else from `<stem>.config.json` beside the source,
+    else from the safetensors metadata. Written into a temporary directory, manifest last, then renamed
+    into place; `CheckpointError` (naming the file) for an unreadable source or an existing target.
+    Call it on one process. Import into a root of its own, not a run's checkpoint root: resuming a run
+    needs the optimizer and data state that a weights-only checkpoint does not have.
+    """
+    source = Path(source_file)
+    tensors, metadata = _read_tensor_file(source)
+    step, final = _import_target(Path(checkpoint_dir), step)
+    if final.exists():
+        raise CheckpointError(f"{final}: already exists; import into another directory or step")
+    if config is None:
+        config = _sidecar_config(source) or _metadata_config(source, metadata)
+    plan: dict[str, Any] = {"kind": WEIGHTS, "world_size": 1, "source": str(source.resolve())}
+    if config is not None:
+        # plan.json holds a TrainConfig dict, as `loom train` saves it: the model config is its [model]
+        whole = isinstance(config, dict) and isinstance(config.get("model"), dict)
+        plan["config"] = config if whole else {"model": config}
+    _write_weights_checkpoint(final, step, tensors, plan)
+    return final
+
+
+def _read_tensor_file(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """name -> tensor from a safetensors or torch.save file, and the safetensors metadata ({} for .pt)."""
+    if not source.is_file():
+        raise CheckpointError(f"{source}: no such file")
+    try:
+        if source.suffix == SAFETENSORS:
+            with safe_open(source, framework="pt") as file:
+                metadata = file.metadata() or {}
+                tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+        else:
+            # weights_only: a checkpoint file from elsewhere must not run code when unpickled
+            tensors, metadata = torch.load(source, map_location="cpu", weights_only=True), {}
+    except Exception as exc:  # header, pickle and I/O errors come in many types; all mean "unreadable"
+        kind = "safetensors" if source.suffix == SAFETENSORS else "torch.save"
+        raise CheckpointError(f"{source}: not a readable {kind} file ({type(exc).__name__}: {exc})") from None
+    _check_tensors(source, tensors)
+    return tensors, metadata
+
+
+def _check_tensors(source: Path, tensors: Any) -> None:
+    """A non-empty dict of str -> plain tensor, or `CheckpointError` naming the first offending entry."""
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{source}: holds a {type(tensors).__name__}, not a dict of name -> tensor")
+    if not tensors:
+        raise CheckpointError(f"{source}: holds no tensors")
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{source}: key {name!r} is not a string (names must be parameter names)")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{source}: {name!r} holds a {type(value).__name__}, not a tensor")
+
+
+def _import_target(path: Path, step: int | None) -> tuple[int, Path]:
+    """(step, checkpoint directory) for an import into `path` (a root, or a `step_N` directory)."""
+    match = _STEP_NAME.match(path.name)
+    if match is None:
+        step = 0 if step is None else step
+        if step < 0:
+            raise CheckpointError(f"step {step}: must be >= 0")
+        return step, path / mf.step_dir_name(step)
+    named = int(match.group(1))
+    if step is not None and step != named:
+        raise CheckpointError(f"{path}: named for step {named}, but step {step} was asked for")
+    return named, path
+
+
+def _sidecar_config(source: Path) -> Any:
+    """The config in `<stem>.config.json` beside the source (None when there is none)."""
+    path = config_path(source)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt JSON ({exc})") from None
+
+
+def _metadata_config(source: Path, metadata: dict[str, str]) -> Any:
+    """The config that `export_model` put in a safetensors file's metadata (None when absent)."""
+    if "config" not in metadata:
+        return None
+    try:
+        return json.loads(metadata["config"])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{source}: metadata 'config' is not JSON ({exc})") from None
+
+
+def _write_weights_checkpoint(
+    final: Path, step: int, tensors: dict[str, torch.Tensor], plan: dict[str, Any]
+) -> None:
+    """dcp/ and plan.json into a temporary directory, manifest last, then rename into place (as
+    `save_checkpoint` publishes): a reader never sees a half-written checkpoint."""
+    temp = final.with_name(f".tmp_{final.name}")  # what `prune` clears should an import die half-way
+    shutil.rmtree(temp, ignore_errors=True)
+    (temp / "dcp").mkdir(parents=True)
+    try:
+        with warnings.catch_warnings():  # DCP's notice that it writes on one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # {"model": ...} flattens to "model.<name>" keys, exactly as save_checkpoint's model state
+            dcp.save({"model": tensors}, checkpoint_id=temp / "dcp", no_dist=True)
+        (temp / "plan.json").write_text(json.dumps(plan, indent=1, default=str))
+        mf.write_manifest(temp, {"step": step, "saved_at": time.time(), **plan})
+        mf.publish(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise

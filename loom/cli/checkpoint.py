@@ -1,71 +1,150 @@
-"""`loom checkpoint ls DIR` and `loom checkpoint export DIR OUT.pt`: inspect and export checkpoints."""
+"""`loom checkpoint ls|export|import`: inspect checkpoints, export one as a single file, import one back."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 NAME = "checkpoint"
-HELP = "list checkpoints (step, world size, integrity) or export one as a single file"
+HELP = "list checkpoints, export one as a single safetensors/.pt file, or import such a file"
 DESCRIPTION = """\
-Inspect the checkpoints a run saved under DIR (its [checkpoint] dir), or export one checkpoint's model
-parameters as one unsharded file that plain torch.load reads.
+Inspect the checkpoints a run saved under DIR (its [checkpoint] dir), export one checkpoint's model
+parameters as one unsharded file (safetensors, or torch.save for .pt) that plain PyTorch reads, or import
+such a file as a weights-only checkpoint that loom loads onto any mesh (load_model_weights).
 
 examples:
-  loom checkpoint ls runs/ckpt                      every step_* directory: step, world size, status
-  loom checkpoint export runs/ckpt model.pt         the newest intact checkpoint's parameters
+  loom checkpoint ls runs/ckpt                      every step_*: step, world size, kind, mesh, status
+  loom checkpoint export runs/ckpt model.safetensors
+                                      the newest intact checkpoint's parameters (+ model.config.json)
   loom checkpoint export runs/ckpt/step_000100 model.pt
+  loom checkpoint import model.safetensors runs/init          -> runs/init/step_000000 (weights only)
+  loom checkpoint import model.safetensors runs/init --step 100
 """
+
+_MESH = re.compile(r"^Mesh\((.*?)(;.*)?\)$")  # "Mesh(dp=2, tp=2; canonical 2 x 2)" -> "dp=2, tp=2"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    ls = actions.add_parser("ls", help="list checkpoints with their integrity status")
+    ls = actions.add_parser("ls", help="list checkpoints with their kind, mesh and integrity status")
     ls.add_argument("dir", help="the checkpoint directory (holding step_* directories)")
-    export = actions.add_parser("export", help="write one checkpoint's parameters to a torch.save file")
+    export = actions.add_parser("export", help="write one checkpoint's parameters to one unsharded file")
     export.add_argument("dir", help="a checkpoint directory, or a step_* directory inside one")
-    export.add_argument("out", help="the file to write (e.g. model.pt)")
+    export.add_argument("out", help="the file to write: model.safetensors, or model.pt for torch.save")
+    imp = actions.add_parser("import", help="turn a safetensors/.pt file into a weights-only checkpoint")
+    imp.add_argument("file", help="a .safetensors file, or a torch.save file of name -> tensor")
+    imp.add_argument(
+        "dir", help="the checkpoint root (the checkpoint goes to DIR/step_NNNNNN), or a step_N dir"
+    )
+    imp.add_argument(
+        "--step", type=_step, default=None, help="the step to record (default 0, or N of step_N)"
+    )
+    imp.add_argument(
+        "--config", type=Path, default=None, help="a JSON model config (default: FILE's <stem>.config.json)"
+    )
+
+
+def _step(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a step is >= 0")
+    return value
 
 
 def execute(args: argparse.Namespace) -> int:
-    return _ls(Path(args.dir)) if args.action == "ls" else _export(Path(args.dir), Path(args.out))
+    if args.action == "ls":
+        return _ls(Path(args.dir))
+    if args.action == "export":
+        return _export(Path(args.dir), Path(args.out))
+    return _import(Path(args.file), Path(args.dir), args.step, args.config)
+
+
+def _fail(message: str) -> int:
+    print(f"loom checkpoint: {message}", file=sys.stderr)
+    return 1
 
 
 def _ls(root: Path) -> int:
-    from loom.checkpoint import list_step_dirs, read_manifest, verify
+    from loom.checkpoint import list_step_dirs
 
     found = list_step_dirs(root)
     if not found:
-        print(f"loom checkpoint: no step_* checkpoints under {root}", file=sys.stderr)
-        return 1
-    print(f"{'step':>8}  {'world':>5}  {'level':>5}  status")
-    for step, path in found:
-        problems = verify(path)
-        try:
-            manifest = read_manifest(path)
-            world, level = manifest.get("world_size", "?"), manifest.get("optimizer_level", "?")
-        except Exception:
-            world, level = "?", "?"
-        status = "ok" if not problems else "CORRUPT: " + "; ".join(problems)
-        print(f"{step:>8}  {world!s:>5}  {level!s:>5}  {status}")
+        return _fail(f"no step_* checkpoints under {root}")
+    rows = [_ls_row(step, path) for step, path in found]
+    mesh_width = max(4, *(len(row[4]) for row in rows))
+    print(f"{'step':>8}  {'world':>5}  {'level':>5}  {'kind':<7}  {'mesh':<{mesh_width}}  status")
+    for step, world, level, kind, mesh, status in rows:
+        print(f"{step:>8}  {world:>5}  {level:>5}  {kind:<7}  {mesh:<{mesh_width}}  {status}")
     return 0
 
 
-def _export(source: Path, out: Path) -> int:
-    from loom.checkpoint import export_model, latest_valid, verify
+def _ls_row(step: int, path: Path) -> tuple[int, str, str, str, str, str]:
+    """One line of `ls`: what the manifest says ("?" where it cannot be read) and the integrity status."""
+    from loom.checkpoint import read_manifest, verify
+    from loom.checkpoint.export import FULL, WEIGHTS
 
+    problems = verify(path)
+    try:
+        manifest: dict[str, Any] = read_manifest(path)
+    except Exception:
+        manifest = {}
+    kind = manifest.get("kind", FULL) if manifest else "?"
+    level = "-" if kind == WEIGHTS else str(manifest.get("optimizer_level", "?"))
+    world = str(manifest.get("world_size", "?"))
+    status = "ok" if not problems else "CORRUPT: " + "; ".join(problems)
+    return step, world, level, kind, _mesh(manifest.get("mesh")), status
+
+
+def _mesh(text: Any) -> str:
+    """The mesh's axes, short ("dp=2, tp=2"); "-" when the checkpoint was saved without one."""
+    if not text:
+        return "-"
+    match = _MESH.match(str(text))
+    return match.group(1) if match else str(text)
+
+
+def _export(source: Path, out: Path) -> int:
+    from loom.checkpoint import CheckpointError, export_model, latest_valid, verify
+
+    if not source.exists():
+        return _fail(f"{source}: no such directory")
+    if not out.parent.is_dir():
+        return _fail(f"{out}: its directory {out.parent} does not exist")
     if (source / "manifest.json").exists() or (source / "dcp").is_dir():
         problems = verify(source)
         if problems:
-            print("loom checkpoint: " + "; ".join(problems), file=sys.stderr)
-            return 1
+            return _fail("; ".join(problems))
         path = source
     else:
         path = latest_valid(source).path
         if path is None:
-            print(f"loom checkpoint: no intact checkpoint under {source}", file=sys.stderr)
-            return 1
-    count = export_model(path, out)
+            return _fail(f"no intact checkpoint under {source}")
+    try:
+        count = export_model(path, out)
+    except (CheckpointError, OSError) as exc:
+        return _fail(f"exporting {path} to {out} failed: {exc}")
     print(f"wrote {count} tensors of {path} to {out}")
+    return 0
+
+
+def _import(source: Path, root: Path, step: int | None, config_file: Path | None) -> int:
+    from loom.checkpoint import CheckpointError, import_model
+
+    config = None
+    if config_file is not None:
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _fail(f"{config_file}: not a readable JSON config ({exc})")
+    try:
+        path = import_model(source, root, step=step, config=config)
+    except CheckpointError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"importing {source} into {root} failed: {exc}")
+    print(f"wrote a weights-only checkpoint of {source} to {path}")
     return 0
