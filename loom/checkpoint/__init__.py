@@ -1,15 +1,23 @@
-"""Distributed checkpoints: save and resume training exactly, verified, resharded where supported.
+"""Distributed checkpoints: save and resume training exactly, verified, resharded.
 
     ckpt = Checkpointer("runs/ckpt", every_steps=100, keep_last=3, data=batches, config=config)
     ckpt.resume(trainer)             # the newest intact checkpoint, if any (before the first step)
     ... trainer.train_step(...); ckpt.maybe_save(trainer)
 
-Model parameters and level-0 optimizer states reshard on load (any mesh, or one process); optimizer
-states of levels 1-3 load only on the mesh they were saved on.
+Model parameters and optimizer states reshard on load: a checkpoint of any optimizer level (0-3) loads at
+any level, on any mesh or on one process (random generators are restored only on as many processes as saved
+them). `export_model` writes one checkpoint's model as a single safetensors (or torch.save) file;
+`import_model` turns such a file into a weights-only checkpoint.
 """
 
 from loom.checkpoint.checkpointer import load_checkpoint, load_from, load_model_weights, save_checkpoint
-from loom.checkpoint.export import export_model, read_model_tensors
+from loom.checkpoint.export import (
+    config_path,
+    export_model,
+    import_model,
+    read_model_tensors,
+    save_safetensors,
+)
 from loom.checkpoint.manifest import (
     CheckpointError,
     CheckpointWarning,
@@ -24,7 +32,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "Checkpointer",
+    "config_path",
     "export_model",
+    "import_model",
     "latest_valid",
     "list_step_dirs",
     "load_checkpoint",
@@ -33,5 +43,6 @@ __all__ = [
     "read_manifest",
     "read_model_tensors",
     "save_checkpoint",
+    "save_safetensors",
     "verify",
 ]

@@ -1,11 +1,12 @@
 """Saving and resuming a `Trainer`: `save_checkpoint`, `load_checkpoint`, and `Checkpointer` (every N steps
 or minutes, keep the last k), on `torch.distributed.checkpoint` with loom's manifest (see manifest.py).
 
-Layout of `step_000100/`: `dcp/` (DCP's files: model parameters and, at optimizer level 0, optimizer
-states, all resharded at load time), `train_state.pt` (step, schedule, loss scaler, optimizer settings,
-data position), `rank_00000.pt`... (each rank's generators and, at levels 1-3, optimizer chunks),
-`plan.json` (config, mesh, layouts) and `manifest.json`, written last. The directory must be on storage
-every rank sees (as DCP's own metadata requires).
+Layout of `step_000100/`: `dcp/` (DCP's files: model parameters and optimizer states by parameter name, the
+same at every optimizer level, all resharded at load time: a checkpoint loads at any level, on any mesh or
+number of processes), `train_state.pt` (step, schedule, loss scaler, optimizer settings, data position),
+`rank_00000.pt`... (each rank's generators, restored only on as many processes as saved them), `plan.json`
+(config, mesh, layouts) and `manifest.json`, written last. The directory must be on storage every rank sees
+(as DCP's own metadata requires).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 
 from loom.checkpoint import manifest as mf
 from loom.checkpoint import state as st
@@ -100,19 +102,16 @@ def _shared_state(trainer: Trainer, data: Any) -> dict[str, Any]:
     }
 
 
-def _rank_state(trainer: Trainer) -> dict[str, Any]:
-    optimizer = trainer.optimizer
-    zero = st.zero_state(trainer.model, optimizer) if isinstance(optimizer, ZeroOptimizer) else None
-    if zero is not None and not optimizer.inner:
-        zero = None  # saved before the first step: nothing built yet, the initial state is rebuilt
-    return {"rank": env.rank(), "rng": st.rng_state(), "zero": zero}
+def _rank_state() -> dict[str, Any]:
+    return {"rank": env.rank(), "rng": st.rng_state()}
 
 
 def _write_files(temp: Path, trainer: Trainer, data: Any, config: Any) -> None:
-    """Every rank's part of a save (collective: DCP coordinates the ranks)."""
+    """Every rank's part of a save (collective: DCP coordinates the ranks; at optimizer levels 1-3 gathering
+    the states is too)."""
     with _full_parameters(trainer.model):
         dcp.save(st.dcp_state(trainer.model, trainer.optimizer), checkpoint_id=temp / "dcp")
-    torch.save(_rank_state(trainer), temp / f"rank_{env.rank():05d}.pt")
+    torch.save(_rank_state(), temp / f"rank_{env.rank():05d}.pt")
     if env.rank() == 0:
         torch.save(_shared_state(trainer, data), temp / "train_state.pt")
         (temp / "plan.json").write_text(json.dumps(_plan(trainer, config), indent=1, default=str))
@@ -182,24 +181,38 @@ def load_checkpoint(root: str | Path, trainer: Trainer, *, data: Any = None) -> 
 
 
 def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
-    """Load one (verified) checkpoint directory into the trainer and `data`; collective."""
+    """Load one (verified) checkpoint directory into the trainer and `data`; collective.
+
+    Any optimizer level's checkpoint loads at any level, on any mesh: DCP reshards the per-parameter states,
+    and at levels 1-3 they are cut into this run's chunks when the optimizer builds them (at the first step).
+    """
     path = Path(path)
     manifest = mf.read_manifest(path)
     model, optimizer = trainer.model, trainer.optimizer
-    saved_level, level = manifest.get("optimizer_level", 0), _level(optimizer)
-    if (saved_level == 0) != (level == 0):
-        raise CheckpointError(
-            f"{path} holds optimizer level {saved_level} states, this run uses level {level}; "
-            "converting between level 0 and levels 1-3 is not supported yet"
-        )
-    state = st.dcp_state(model, optimizer)
+    st.require_unbuilt(optimizer)
+    metadata = dcp.FileSystemReader(path / "dcp").read_metadata()
+    _refuse_rank_local_zero(path, manifest, metadata)
+    state = st.load_template(model, optimizer, metadata)
     dcp.load(state, checkpoint_id=path / "dcp")
     model.load_state_dict(state["model"])
     if "optim" in state:
         st.load_optimizer_state(model, optimizer, state["optim"])
     shared = torch.load(path / "train_state.pt", weights_only=True)
     _load_shared(trainer, data, shared)
-    _load_rank(path, manifest, trainer)
+    _load_rank(path, manifest)
+
+
+def _refuse_rank_local_zero(path: Path, manifest: dict[str, Any], metadata: Metadata) -> None:
+    """Checkpoints of levels 1-3 written before optimizer states went into DCP kept them in the rank files;
+    this version cannot read those (rather than resume silently with fresh states)."""
+    if manifest.get("optimizer_level", 0) == 0 or st.saved_optimizer_states(metadata):
+        return
+    rank_file = torch.load(path / "rank_00000.pt", weights_only=True)
+    if rank_file.get("zero") is not None:
+        raise CheckpointError(
+            f"{path} keeps its optimizer level {manifest['optimizer_level']} states per rank (written by an "
+            "earlier loom); resume it with that version, or load only its weights (load_model_weights)"
+        )
 
 
 def _load_shared(trainer: Trainer, data: Any, shared: dict[str, Any]) -> None:
@@ -213,16 +226,9 @@ def _load_shared(trainer: Trainer, data: Any, shared: dict[str, Any]) -> None:
         data.load_state_dict(shared["data"])
 
 
-def _load_rank(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
-    """This rank's generators and optimizer chunks: only under the world size they were saved with."""
-    same_world = manifest.get("world_size") == env.world_size()
-    optimizer = trainer.optimizer
-    if not same_world:
-        if isinstance(optimizer, ZeroOptimizer):
-            raise CheckpointError(
-                f"{path} was saved on {manifest.get('world_size')} ranks, this run has {env.world_size()}: "
-                "resharding optimizer states of levels 1-3 is not supported yet (level 0 reshards)"
-            )
+def _load_rank(path: Path, manifest: dict[str, Any]) -> None:
+    """This rank's generators: only under the world size they were saved with (they are per process)."""
+    if manifest.get("world_size") != env.world_size():
         if env.rank() == 0:
             warnings.warn(
                 f"{path}: saved on {manifest.get('world_size')} ranks, resumed on {env.world_size()}: "
@@ -233,8 +239,6 @@ def _load_rank(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
         return
     rank_state = torch.load(path / f"rank_{env.rank():05d}.pt", weights_only=True)
     st.load_rng_state(rank_state["rng"])
-    if isinstance(optimizer, ZeroOptimizer) and rank_state["zero"] is not None:
-        st.defer_zero_load(trainer.model, optimizer, rank_state["zero"])
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

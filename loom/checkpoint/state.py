@@ -1,12 +1,17 @@
 """What a checkpoint holds, taken from and given back to a `Trainer` (and its data loader).
 
 - the model's parameters as DTensor state (saved with `torch.distributed.checkpoint`, resharded on load);
-- at optimizer level 0, the torch optimizer's state keyed by parameter name (DTensors: resharded too);
-- at levels 1-3, `ZeroOptimizer`'s inner optimizers, whose states live on this rank's bucket chunks: saved
-  per rank with the bucket plan, and loaded only under the same plan (same mesh and model); resharding them
-  is not supported yet (`CheckpointError` says so);
+- the optimizer's state by parameter name, as `get_optimizer_state_dict` gives it for a plain torch optimizer
+  ("state" -> {name: {"exp_avg": ..., "step": ...}}, "param_groups"), each tensor laid out like its parameter
+  (DTensors: resharded on load too). At level 0 that is torch's own; at levels 1-3 `ZeroOptimizer`'s inner
+  states, which live on this rank's bucket chunks, are gathered back into per-parameter tensors at save (one
+  all-gather per bucket and state) and cut into the new run's chunks at load, once its optimizer builds them.
+  So a checkpoint of any level loads at any level, on any mesh or number of processes;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
+
+Levels 1-3 convert elementwise optimizer states only (Adam, AdamW, SGD's momentum, ...: each state is shaped
+like its parameter, or a scalar such as `step`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.manifest import CheckpointError
-from loom.parallel.zero import ZeroOptimizer
+from loom.dist.collectives import all_gather_flat
+from loom.parallel.zero import BucketShard, ZeroOptimizer
+
+# One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
+ParamState = dict[str, Any]
 
 
 class Trainable(Protocol):
@@ -42,24 +52,44 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """Level 0: the optimizer state by parameter name, for DCP (None at levels 1-3: see `zero_state`)."""
+    """The optimizer state by parameter name, for DCP: torch's own at level 0, the same structure gathered
+    from the bucket chunks at levels 1-3 (collective over each bucket's group); None at levels 1-3 before
+    the first step (nothing built yet: a resumed run starts from fresh states, as this one would)."""
     if isinstance(optimizer, ZeroOptimizer):
-        return None
+        return zero_optimizer_state(model, optimizer)
     return get_optimizer_state_dict(model, optimizer)
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Level 0: put back a state that `optimizer_state` gave (after DCP filled it in)."""
-    set_optimizer_state_dict(model, optimizer, state)
-
-
 def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The state saved (and loaded in place) by DCP: model, and the optimizer at level 0."""
+    """The state saved by DCP: model and optimizer."""
     state: dict[str, Any] = {"model": model_state(model)}
     optim = optimizer_state(model, optimizer)
     if optim is not None:
         state["optim"] = optim
     return state
+
+
+def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> dict[str, Any]:
+    """What DCP fills in at load (`metadata`: the checkpoint's): the model, and the optimizer's states where
+    the checkpoint has them, laid out as this run holds them."""
+    state: dict[str, Any] = {"model": model_state(model)}
+    # none saved at levels 1-3 before the first step, or in a weights-only checkpoint: start fresh
+    if not any(path[0] == "optim" for path in _saved_paths(metadata).values()):
+        return state
+    if isinstance(optimizer, ZeroOptimizer):
+        state["optim"] = zero_load_template(model, optimizer, saved_optimizer_states(metadata))
+    else:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put back an optimizer state that DCP filled in (`load_template`'s): at once at level 0, when the
+    sharded states are built at levels 1-3."""
+    if isinstance(optimizer, ZeroOptimizer):
+        defer_zero_load(model, optimizer, state["state"])
+    else:
+        set_optimizer_state_dict(model, optimizer, state)
 
 
 def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -77,83 +107,189 @@ def load_hyper_parameters(optimizer: torch.optim.Optimizer, groups: list[dict[st
         group.update(saved)
 
 
-# ---- optimizer levels 1-3: rank-local inner states --------------------------------------------------------
+# ---- optimizer levels 1-3: chunk states <-> per-parameter states -------------------------------------------
 
 
-def bucket_plan(model: nn.Module, optimizer: ZeroOptimizer) -> list[dict[str, Any]]:
-    """How the optimizer's chunks are cut: per bucket, its parameters (by name), offsets and group place."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [
-        {
-            "params": [names[id(p)] for p in shard.bucket.params],
-            "offsets": list(shard.bucket.offsets),
-            "group_size": shard.bucket.group_size,
-            "group_rank": shard.bucket.group_rank,
-        }
-        for shard in optimizer.shards
-    ]
+def zero_optimizer_state(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, Any] | None:
+    """`ZeroOptimizer`'s states as a plain optimizer over the same parameters would give them: per parameter,
+    each laid out like the parameter (its tensor-parallel shard, replicated over data parallelism). Each
+    bucket's chunk states are all-gathered over its group, one state at a time; the per-parameter tensors
+    are views of the gathered buffers. None before the first step."""
+    if not optimizer.inner:
+        return None
+    names = _names(model)
+    chunks, whole = _inner_optimizers(optimizer)
+    states: dict[str, ParamState] = {}
+    for shard in optimizer.shards:
+        states.update(_gather_chunk_state(shard, chunks.state.get(shard.master, {}), names))
+    for param in optimizer.whole:  # updated whole by the second optimizer: states are per parameter already
+        if whole is not None and whole.state.get(param):
+            states[names[param]] = dict(whole.state[param])
+    params = optimizer.param_groups[0]["params"]
+    ordered = {names[p]: states[names[p]] for p in params if states.get(names[p])}  # level 0's order
+    return {"state": ordered, "param_groups": [_param_group(optimizer, names)]}
 
 
-def zero_state(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, Any]:
-    """This rank's inner optimizer states (plain tensors) and the bucket plan they belong to."""
-    inner = [_localized(opt.state_dict()) for opt in optimizer.inner]
-    return {"level": optimizer.level, "plan": bucket_plan(model, optimizer), "inner": inner}
+def saved_optimizer_states(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    """The optimizer states a checkpoint holds: {parameter name: {state name: DCP's storage metadata}}."""
+    saved: dict[str, dict[str, Any]] = {}
+    for key, path in _saved_paths(metadata).items():
+        if len(path) == 4 and path[:2] == ("optim", "state"):
+            saved.setdefault(path[2], {})[path[3]] = metadata.state_dict_metadata[key]
+    return saved
 
 
-def defer_zero_load(model: nn.Module, optimizer: ZeroOptimizer, saved: dict[str, Any]) -> None:
-    """Load `saved` inner states when the optimizer builds them (at its first step, once the gradient
-    buckets are known); the chunks themselves are rebuilt from the restored parameters, which equal them."""
-    if optimizer.inner:
+def zero_load_template(
+    model: nn.Module, optimizer: ZeroOptimizer, saved: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Empty per-parameter states for DCP to fill: those the checkpoint has for this optimizer's parameters,
+    each laid out like the parameter now (the chunks are cut from them once the optimizer is built)."""
+    names = _names(model)
+    template: dict[str, ParamState] = {}
+    for param in optimizer.param_groups[0]["params"]:
+        name = names[param]
+        if name in saved:
+            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+    return {"state": template}
+
+
+def require_unbuilt(optimizer: torch.optim.Optimizer) -> None:
+    """Levels 1-3 load before the first step only: the chunks are cut from the parameters and states then,
+    and at level 3 the parameters are sharded at rest afterwards."""
+    if isinstance(optimizer, ZeroOptimizer) and optimizer.inner:
         raise CheckpointError(
             "load optimizer level 1-3 checkpoints before the first step (the optimizer has already built "
             "its sharded states)"
         )
-    if saved["level"] != optimizer.level:
-        raise CheckpointError(
-            f"the checkpoint was saved at optimizer level {saved['level']}, this run uses {optimizer.level}; "
-            "optimizer states of levels 1-3 cannot be converted yet"
-        )
+
+
+def defer_zero_load(model: nn.Module, optimizer: ZeroOptimizer, states: dict[str, ParamState]) -> None:
+    """Give the inner optimizers `states` (per parameter, as `zero_load_template` laid them out) when they
+    are built, at the first step, once the gradient buckets are known: each chunk's states are cut out of
+    its bucket's parameters, bucket by bucket, and each parameter's full states are dropped once used. The
+    chunks themselves are rebuilt from the restored parameters."""
+    require_unbuilt(optimizer)
+    names = _names(model)
 
     def load() -> None:
-        plan = bucket_plan(model, optimizer)
-        if plan != saved["plan"] or len(saved["inner"]) != len(optimizer.inner):
-            raise CheckpointError(
-                "the optimizer's bucket chunks differ from the checkpoint's (another mesh, model or bucket "
-                "size): resharding optimizer states of levels 1-3 is not supported yet; resume on the same "
-                "mesh, or at optimizer level 0"
-            )
-        for inner, state in zip(optimizer.inner, saved["inner"], strict=True):
-            inner.load_state_dict(state)
-            _relocalize(inner)
+        chunks, whole = _inner_optimizers(optimizer)
+        for shard in optimizer.shards:
+            saved = {p: states.pop(names[p], None) for p in shard.bucket.params}
+            chunk_state = _cut_chunk_state(shard, saved)
+            if chunk_state:
+                chunks.state[shard.master] = chunk_state
+        for param in optimizer.whole:
+            saved = states.pop(names[param], None)
+            if saved and whole is not None:
+                whole.state[param] = saved
+        states.clear()  # states of parameters this optimizer does not update: not needed
 
     optimizer.on_build(load)
 
 
-def _localized(value: Any) -> Any:
-    """A state dict with DTensors replaced by their local tensors (picklable, rank-local)."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: _localized(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_localized(v) for v in value]
-    return value
+def _saved_paths(metadata: Metadata) -> dict[str, tuple]:
+    """Each saved key's path in the nested state dict (DCP's default planner flattens and records them)."""
+    return metadata.planner_data or {}
 
 
-def _relocalize(optimizer: torch.optim.Optimizer) -> None:
-    """States of DTensor parameters loaded as local tensors become DTensors laid out like the parameter."""
-    for param, state in optimizer.state.items():
-        if not isinstance(param, DTensor):
-            continue
-        for key, value in state.items():
-            if (
-                torch.is_tensor(value)
-                and not isinstance(value, DTensor)
-                and value.shape == param.to_local().shape
-            ):
-                state[key] = DTensor.from_local(
-                    value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+def _names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter -> name (a parameter shared by several modules: its first name, as torch's optimizer state
+    dicts name it)."""
+    return {param: name for name, param in model.named_parameters()}
+
+
+def _inner_optimizers(
+    optimizer: ZeroOptimizer,
+) -> tuple[torch.optim.Optimizer | None, torch.optim.Optimizer | None]:
+    """The inner optimizer of the bucket chunks and the one of the parameters updated whole (None: none)."""
+    chunks = optimizer.inner[0] if optimizer.shards else None
+    whole = optimizer.inner[-1] if optimizer.whole else None
+    return chunks, whole
+
+
+def _param_group(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str]) -> dict[str, Any]:
+    """The parameter group a plain optimizer would hold: the inner optimizer's settings (all of its class's
+    defaults) with the outer group's (schedules change those), and the parameters by name."""
+    group = {k: v for k, v in optimizer.inner[0].param_groups[0].items() if k != "params"}
+    group.update((k, v) for k, v in optimizer.param_groups[0].items() if k != "params")
+    group["params"] = [names[p] for p in optimizer.param_groups[0]["params"]]
+    return group
+
+
+def _gather_chunk_state(
+    shard: BucketShard, chunk_state: ParamState, names: dict[nn.Parameter, str]
+) -> dict[str, ParamState]:
+    """One bucket's chunk states as per-parameter states (collective over the bucket's group)."""
+    bucket = shard.bucket
+    states: dict[str, ParamState] = {names[p]: {} for p in bucket.params}
+    for key in sorted(chunk_state):  # the same order on every rank of the group: one all-gather each
+        value = chunk_state[key]
+        if torch.is_tensor(value) and value.dim() > 0:
+            if value.shape != shard.master.shape:
+                raise CheckpointError(
+                    f"optimizer state {key!r} of shape {tuple(value.shape)} is not elementwise; levels 1-3 "
+                    "checkpoint elementwise optimizer states only (Adam, AdamW, SGD, ...)"
                 )
+            gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=value.dtype, device=value.device)
+            all_gather_flat(gathered, value.contiguous(), group=bucket.route.group)
+            for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+                states[names[param]][key] = _laid_out_like(gathered[offset:end], param)
+        else:  # a scalar (`step`): every rank of the group stepped its chunk alike
+            for param in bucket.params:
+                states[names[param]][key] = value
+    return states
+
+
+def _laid_out_like(flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """`flat` (a parameter's local elements) shaped and placed like the parameter."""
+    if not isinstance(param, DTensor):
+        return flat.view(param.shape)
+    local = flat.view(param.to_local().shape)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
+
+
+def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
+    """Where DCP loads one saved state: laid out like `param` when shaped like it, whole when a scalar."""
+    if isinstance(meta, BytesStorageMetadata):
+        return None  # a Python value: DCP puts it in place
+    assert isinstance(meta, TensorStorageMetadata)
+    dtype = meta.properties.dtype
+    if len(meta.size) == 0:
+        return torch.empty((), dtype=dtype)
+    if tuple(meta.size) != tuple(param.shape):
+        raise CheckpointError(
+            f"the checkpoint's optimizer state {key!r} of {name} has shape {tuple(meta.size)}, the parameter "
+            f"{tuple(param.shape)}: levels 1-3 load elementwise optimizer states only (Adam, AdamW, SGD, ...)"
+        )
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
+
+
+def _cut_chunk_state(shard: BucketShard, saved: dict[nn.Parameter, ParamState | None]) -> ParamState:
+    """This rank's chunk of a bucket's per-parameter states; elements of parameters with no saved state,
+    and the padding, are zero (as a fresh state's); scalars come from the first parameter that has them."""
+    present = [state for state in saved.values() if state]
+    if not present:
+        return {}
+    chunk: ParamState = {}
+    for key, sample in present[0].items():
+        if not (torch.is_tensor(sample) and sample.dim() > 0):
+            chunk[key] = sample.clone() if torch.is_tensor(sample) else sample
+            continue
+        dtype = shard.master.dtype if sample.is_floating_point() else sample.dtype
+        flat = torch.zeros_like(shard.master, dtype=dtype)
+        for param, lo, hi, at in shard.pieces:
+            state = saved[param]
+            if state and key in state:
+                flat[at : at + hi - lo].copy_(_local(state[key]).reshape(-1)[lo:hi])
+        chunk[key] = flat
+    return chunk
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # ---- random number generators ------------------------------------------------------------------------------
