@@ -14,6 +14,7 @@ from loom.checkpoint import (
     config_path,
     export_model,
     import_model,
+    load_checkpoint,
     load_model_weights,
     read_manifest,
     read_model_tensors,
@@ -74,6 +75,14 @@ def load_case(path):
     return _full_params(model)
 
 
+def resume_case(root):
+    """A tp=2 trainer resumed from the newest checkpoint under `root`: its step and full parameters."""
+    model, _ = _parallel_gpt(1, 2)
+    trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, 1, lr=1e-2))
+    step = load_checkpoint(root, trainer)
+    return step, trainer.step, _full_params(model)
+
+
 @pytest.fixture(scope="module")
 def saved(dist_run, tmp_path_factory):
     """A 4-rank (dp=2 x tp=2) checkpoint at step 1, the full parameters and the logits of IDS."""
@@ -117,6 +126,9 @@ def test_cli_export_import_roundtrip_onto_tp2(saved, dist_run, tmp_path, capsys)
     assert _equal(read_model_tensors(imported), params)
     loaded = dist_run(2, load_case, str(imported))
     assert all(_equal(result, params) for result in loaded)  # bitwise through safetensors and back
+    # a run whose checkpoint directory holds the imported weights starts from them, at their step
+    for found, step, resumed in dist_run(2, resume_case, str(tmp_path / "init")):
+        assert (found, step) == (7, 7) and _equal(resumed, params)
     capsys.readouterr()
     assert cli_main(["checkpoint", "ls", str(tmp_path / "init")]) == 0
     assert cli_main(["checkpoint", "ls", str(root)]) == 0

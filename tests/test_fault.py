@@ -5,6 +5,8 @@ on its own with the parameters of the run that never failed (bitwise, fp32 on CP
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from loom.checkpoint import read_model_tensors
+from loom.cli.main import main
 from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
 from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
@@ -212,3 +215,45 @@ def test_non_finite_steps_roll_back_and_skip_their_data(tmp_path):
     losses = done.results[0]["losses"]  # the attempt after the rollback: steps 3..6 on fresh data
     assert len(losses) == STEPS - 2 and all(np.isfinite(losses))
     assert all(torch.isfinite(t).all() for t in _final(config).values())
+
+
+# ---- tier 3 through the command line: `loom train` supervising, and torchrun restarting ---------------------
+
+
+def _write_toml(config: TrainConfig, path) -> None:
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_loom_train_restarts_after_an_injected_kill(uninterrupted, monkeypatch, capfd):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "cli")
+    _write_toml(config, tmp_path / "cli.toml")
+    monkeypatch.setenv("LOOM_FAULTS", '[{"kind": "exit", "rank": 0, "step": 5}]')
+    assert main(["train", str(tmp_path / "cli.toml")]) == 0
+    out = capfd.readouterr().out
+    assert "attempt 0: rank 0 died after step 4" in out and "resumed from" in out
+    (event,) = [json.loads(line) for line in (tmp_path / "cli" / "events.jsonl").read_text().splitlines()]
+    assert event["kind"] == "died" and event["step"] == 4
+    _assert_same(_final(config), expected)
+
+
+def test_torchrun_restarts_the_job(uninterrupted):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "torchrun")
+    _write_toml(config, tmp_path / "torchrun.toml")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", "-m", "loom.cli.main", "train", str(tmp_path / "torchrun.toml"),
+    ]  # fmt: skip
+    env = {**os.environ, "LOOM_FAULTS": '[{"kind": "sigkill", "rank": 1, "step": 3}]'}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    final = _final(config)
+    # torchrun's workers run one thread each (loom's launcher shares the cores): same maths, other sums
+    for name, tensor in expected.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)

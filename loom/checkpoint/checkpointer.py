@@ -181,7 +181,8 @@ def load_checkpoint(root: str | Path, trainer: Trainer, *, data: Any = None) -> 
 
 
 def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
-    """Load one (verified) checkpoint directory into the trainer and `data`; collective.
+    """Load one (verified) checkpoint directory into the trainer and `data`; collective. A weights-only
+    checkpoint (`loom checkpoint import`) sets the parameters and the step count alone.
 
     Any optimizer level's checkpoint loads at any level, on any mesh: DCP reshards the per-parameter states,
     and at levels 1-3 they are cut into this run's chunks when the optimizer builds them (at the first step).
@@ -190,6 +191,10 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     manifest = mf.read_manifest(path)
     model, optimizer = trainer.model, trainer.optimizer
     st.require_unbuilt(optimizer)
+    if manifest.get("kind") == "weights":  # `loom checkpoint import`: a model to start training from
+        load_model_weights(path, model)
+        trainer.step = int(manifest.get("step", 0))
+        return
     metadata = dcp.FileSystemReader(path / "dcp").read_metadata()
     _refuse_rank_local_zero(path, manifest, metadata)
     state = st.load_template(model, optimizer, metadata)

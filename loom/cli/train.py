@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
 from loom.dist.launch import LaunchError
-from loom.fault import RestartPolicy, supervise
+from loom.fault import Fault, RestartPolicy, supervise
 from loom.train.config import TrainConfig, load_config
 from loom.train.job import run, steps_summary
 
@@ -23,11 +25,17 @@ The workers are supervised: a worker that dies, raises during training or hangs 
 fault.heartbeat_timeout_s) stops the job, which restarts from the last checkpoint ([checkpoint] dir) up to
 fault.max_restarts times; every event is logged, and appended to DIR/events.jsonl.
 
+Under torchrun (several nodes) each process is one rank and torchrun restarts them (--max-restarts); the job
+resumes from the last checkpoint the same way, and a collective that waits past fault.collective_timeout_s
+fails its rank. LOOM_FAULTS='[{"kind": "sigkill", "rank": 1, "step": 7}]' injects faults on purpose (see
+loom/fault/inject.py) in the first attempt, to rehearse recovery.
+
 examples:
   loom train configs/demo.toml
   loom train configs/demo.toml --train.steps 50 --parallel.tp 1
   loom train configs/demo.toml --train.workers 2 --parallel.optimizer_level 2
   loom train configs/demo.toml --checkpoint.dir runs/ckpt --checkpoint.every_steps 50 --fault.max_restarts 5
+  torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 ... -m loom.cli.main train gpt.toml
 """
 
 
@@ -41,19 +49,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
-        config.validate(config.train.workers)
+        # under torchrun the ranks are its processes; locally, the workers loom starts
+        config.validate(int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers)
+        faults = faults_from_env()
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
+    if under_torchrun():
+        return _run_here(config, faults)
     console = Console()
     console.print(f"[bold]loom train[/] {escape(args.config)} on {config.train.workers} local worker(s)")
     if config.fault.max_restarts and not config.checkpoint.dir:
         console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
-        summary = supervise(run, config.train.workers, config, policy=restart_policy(config)).results[0]
+        policy = restart_policy(config)
+        summary = supervise(run, config.train.workers, config, faults, policy=policy).results[0]
     except LaunchError as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 1
+    _report(console, summary)
+    return 0
+
+
+def _run_here(config: TrainConfig, faults: list[Fault]) -> int:
+    """One rank of a torchrun job: torchrun supervises and restarts; the collective timeout catches hangs."""
+    os.environ.setdefault("LOOM_COLLECTIVE_TIMEOUT_S", str(config.fault.collective_timeout_s))
+    summary = run(config, faults)
+    if os.environ.get("RANK", "0") == "0":
+        _report(Console(), summary)
+    return 0
+
+
+def _report(console: Console, summary: dict) -> None:
     console.print(f"{steps_summary(summary['losses'])}, {summary['seconds']:.0f} s")
     for prompt, answer, generated in summary.get("samples", []):
         mark = "[green]right[/]" if generated.split("\n", 1)[0].strip() == answer else "[red]wrong[/]"
@@ -62,7 +89,6 @@ def execute(args: argparse.Namespace) -> int:
         )
     if "accuracy" in summary:
         console.print(f"[bold]accuracy on 100 held-out prompts: {100 * summary['accuracy']:.0f}%[/]")
-    return 0
 
 
 def restart_policy(config: TrainConfig) -> RestartPolicy:
@@ -74,3 +100,22 @@ def restart_policy(config: TrainConfig) -> RestartPolicy:
         collective_timeout_s=fault.collective_timeout_s,
         events_file=f"{directory}/events.jsonl" if directory else None,
     )
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def faults_from_env() -> list[Fault]:
+    """The faults LOOM_FAULTS asks for: a JSON list of `Fault` fields."""
+    text = os.environ.get("LOOM_FAULTS", "").strip()
+    if not text:
+        return []
+    try:
+        return [Fault(**fields) for fields in json.loads(text)]
+    except (TypeError, ValueError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"LOOM_FAULTS={text!r}: {error}; expected a JSON list like "
+            '[{"kind": "sigkill", "rank": 1, "step": 7}]'
+        ) from None

@@ -96,13 +96,35 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
     if timeout_s is None:
         timeout_s = float(os.environ.get("LOOM_COLLECTIVE_TIMEOUT_S") or 1800)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if _rendezvous_from_env():
+    if _rendezvous_from_env() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _join_through_agent_store(backend, timeout)
+    elif _rendezvous_from_env():
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         init = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=timeout)
     # A script under torchrun rarely tears its group down; leaving together avoids gloo's abort at exit.
     atexit.register(shutdown_process_group)
+
+
+def _join_through_agent_store(backend: str, timeout: datetime.timedelta) -> None:
+    """Join through the store torchrun's agent hosts, under a prefix of this attempt's own.
+
+    The agent keeps its store across restarts (`--max-restarts`), and `env://` reads the ranks' addresses
+    under the same keys every attempt: a restarted rank can read a dead peer's address and fail to connect
+    ("Connection refused"). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart.
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    store_prefix = f"loom/attempt_{restart_count()}"
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(store_prefix, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def rank() -> int:

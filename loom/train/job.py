@@ -104,6 +104,7 @@ def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> s
 def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
     """Train as `config` says, inside a worker of `loom.launch` or `loom.fault.supervise`; returns the
     summary (losses of the steps this attempt ran). `faults` are injected on purpose (tests of recovery)."""
+    env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
     mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
     config.validate(mesh.world_size)
     t, is_main = config.train, loom.rank() == 0
