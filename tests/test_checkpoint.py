@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from checkpoint_cases import CONFIG, GLOBAL_BATCH, setup
 
 import loom
 from loom.checkpoint import (
@@ -18,37 +19,7 @@ from loom.checkpoint import (
     verify,
 )
 from loom.cli.main import main as cli_main
-from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.parallel import make_optimizer
-from loom.train import Trainer
-from loom.train.data import DistributedBatches
-
-SEQ, GLOBAL_BATCH = 8, 8
-CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
-
-
-class Tokens:
-    """64 random sequences, each drawn from its own index (the same in every process)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, index: int):
-        ids = torch.randint(0, CONFIG.vocab_size, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
-        return ids[:-1], ids[1:]
-
-
-def _setup(dp, tp, level):
-    """A fresh GPT, optimizer, schedule, Trainer and data loader on a dp x tp mesh."""
-    mesh = loom.init({"dp": dp, "tp": tp})
-    data = DistributedBatches(Tokens(), GLOBAL_BATCH, mesh.dp_rank(), mesh.dp_size, seed=3)
-    model = GPT(CONFIG, Strategies(dp, tp))
-    example = torch.zeros(GLOBAL_BATCH // dp, SEQ, dtype=torch.long)
-    loom.parallelize(model, mode="semi_auto", example_inputs=(example, example))
-    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=3e-3, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    trainer = Trainer(model, optimizer, lr_scheduler=schedule, clip_grad_norm=0.5)
-    return model, trainer, data
+from loom.models.gpt import GPT
 
 
 def _steps(trainer, data, n):
@@ -61,15 +32,15 @@ def _full_params(model):
 
 
 def resume_case(root, dp, tp, level, k, n):
-    model, trainer, data = _setup(dp, tp, level)  # the run that never stops
+    model, trainer, data = setup(dp, tp, level)  # the run that never stops
     expected = _steps(trainer, data, n)
     reference = _full_params(model)
-    model, trainer, data = _setup(dp, tp, level)  # a run stopped after k steps
+    model, trainer, data = setup(dp, tp, level)  # a run stopped after k steps
     first = _steps(trainer, data, k)
     save_checkpoint(root, trainer, data=data)
     rng = torch.get_rng_state()
     torch.manual_seed(1234)  # the resumed process starts with other generator states
-    model, trainer, data = _setup(dp, tp, level)
+    model, trainer, data = setup(dp, tp, level)
     step = load_checkpoint(root, trainer, data=data)
     rng_restored = torch.equal(torch.get_rng_state(), rng)
     resumed = _steps(trainer, data, n - k)
@@ -87,7 +58,7 @@ def test_resume_is_bitwise_exact(dist_run, tmp_path, dp, tp, level):
 
 
 def save_two_case(root):
-    model, trainer, data = _setup(2, 1, 0)
+    model, trainer, data = setup(2, 1, 0)
     saver = Checkpointer(root, every_steps=2, keep_last=2, data=data)
     for _ in range(6):
         trainer.train_step([next(data)])
@@ -96,7 +67,7 @@ def save_two_case(root):
 
 
 def load_case(root):
-    model, trainer, data = _setup(2, 1, 0)
+    model, trainer, data = setup(2, 1, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = load_checkpoint(root, trainer, data=data)
@@ -163,7 +134,7 @@ class _BrokenData:
 
 
 def failing_save_case(root):
-    model, trainer, data = _setup(2, 1, 0)
+    model, trainer, data = setup(2, 1, 0)
     trainer.train_step([next(data)])
     save_checkpoint(root, trainer, data=data)
     trainer.train_step([next(data)])
@@ -182,14 +153,14 @@ def test_failed_save_leaves_earlier_checkpoints(dist_run, tmp_path):
 
 
 def reshard_save_case(root):
-    model, trainer, data = _setup(4, 1, 0)
+    model, trainer, data = setup(4, 1, 0)
     _steps(trainer, data, 2)
     save_checkpoint(root, trainer, data=data)
     return _full_params(model)
 
 
 def reshard_load_case(root):
-    model, trainer, data = _setup(2, 2, 0)
+    model, trainer, data = setup(2, 2, 0)
     load_checkpoint(root, trainer, data=data)
     exp_avg = {
         name: loom.full(trainer.optimizer.state[p]["exp_avg"]).clone() for name, p in model.named_parameters()
@@ -198,7 +169,7 @@ def reshard_load_case(root):
 
 
 def reshard_reference_case(root):
-    model, trainer, data = _setup(4, 1, 0)
+    model, trainer, data = setup(4, 1, 0)
     load_checkpoint(root, trainer, data=data)
     return {
         name: loom.full(trainer.optimizer.state[p]["exp_avg"]).clone() for name, p in model.named_parameters()

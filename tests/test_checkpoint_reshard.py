@@ -8,42 +8,12 @@ must equal, bitwise, those the previous run saved.
 
 import pytest
 import torch
+from checkpoint_cases import setup
 
 import loom
 from loom.checkpoint import CheckpointError, load_checkpoint, load_from, save_checkpoint
 from loom.checkpoint.state import optimizer_state
-from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.parallel import make_optimizer
 from loom.parallel.zero import ZeroOptimizer
-from loom.train import Trainer
-from loom.train.data import DistributedBatches
-
-SEQ, GLOBAL_BATCH = 8, 8
-CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
-
-
-class Tokens:
-    """64 random sequences, each drawn from its own index (the same in every process)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, index: int):
-        ids = torch.randint(0, CONFIG.vocab_size, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
-        return ids[:-1], ids[1:]
-
-
-def _setup(dp, tp, level):
-    """A fresh GPT, optimizer (AdamW at `level`), schedule, Trainer and data loader on a dp x tp mesh."""
-    mesh = loom.init({"dp": dp, "tp": tp})
-    data = DistributedBatches(Tokens(), GLOBAL_BATCH, mesh.dp_rank(), mesh.dp_size, seed=3)
-    model = GPT(CONFIG, Strategies(dp, tp))
-    example = torch.zeros(GLOBAL_BATCH // dp, SEQ, dtype=torch.long)
-    loom.parallelize(model, mode="semi_auto", example_inputs=(example, example))
-    optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=3e-3, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    trainer = Trainer(model, optimizer, lr_scheduler=schedule, clip_grad_norm=0.5)
-    return model, trainer, data
 
 
 def _full_states(model, optimizer):
@@ -67,7 +37,7 @@ def _when_loaded(optimizer, callback):
 def train_case(root, plan, steps, resume, save):
     """Under `plan` (dp, tp, level): resume from `root` if `resume`, train `steps` steps, save if `save`.
     Returns the losses, the states loaded and the states saved (whole tensors)."""
-    model, trainer, data = _setup(*plan)
+    model, trainer, data = setup(*plan)
     loaded, saved = {}, {}
     if resume:
         load_checkpoint(root, trainer, data=data)
@@ -122,9 +92,9 @@ def test_resume_on_other_levels_and_meshes(dist_run, tmp_path, chain):
 def before_first_step_case(root):
     """Saved at level 2 before any step: no optimizer states, and level 0 resumes with fresh ones. A level
     1-3 checkpoint of an earlier loom (states in the rank files) is refused, not resumed with fresh states."""
-    _, trainer, data = _setup(2, 1, 2)
+    _, trainer, data = setup(2, 1, 2)
     path = save_checkpoint(root, trainer, data=data)
-    _, trainer, data = _setup(2, 1, 0)
+    _, trainer, data = setup(2, 1, 0)
     step = load_checkpoint(root, trainer, data=data)
     fresh = len(trainer.optimizer.state)
     if loom.rank() == 0:
