@@ -1,0 +1,438 @@
+"""Checkpoint save and load: loom's distributed checkpoints against a plain `torch.save` / `torch.load`.
+
+    .venv/bin/python benchmarks/checkpoint.py            # 97.6M-parameter GPT, 4-5 minutes on 2 cores
+    .venv/bin/python benchmarks/checkpoint.py --small    # 4.2M parameters, a smoke run of about a minute
+
+The reference GPT (`loom.models.gpt`; d_model 768, 12 layers, 12 heads, vocabulary 16384, sequence 64:
+97,605,120 parameters, so 1.1 GiB of parameters and AdamW moments in fp32) takes one real AdamW step, so
+that the optimizer states exist, in each subject:
+- torch: the plain model in one process (launched alone, with no `loom.init`, so its operators run
+  unsharded), trained on the whole global batch; saved as `torch.save({"model": model.state_dict(),
+  "optimizer": optimizer.state_dict()})`, loaded with `torch.load` and both `load_state_dict`s into a fresh
+  model and AdamW;
+- loom, on 4 CPU ranks (gloo): a `loom.Trainer` laid out as `loom.train.job.build_model` lays it out (built
+  on the meta device, `loom.parallelize(mode="semi_auto")`, only this rank's shards materialised), each
+  data-parallel rank training on its rows of the same global batch; by default dp=4 at optimizer level 0,
+  dp=2 x tp=2 at level 1 and dp=4 at level 3 (`--cases`). Saved with `loom.checkpoint.save_checkpoint`
+  (DCP files, per-rank files, a manifest with every file's sha256, renamed into place) and loaded with
+  `loom.checkpoint.load_checkpoint` (rank 0 checks the manifest's sha256s, then DCP reads and reshards)
+  into a freshly built trainer.
+
+Each subject runs in a `loom.launch` of its own (fresh processes: the ranks share the machine's memory,
+and memory that one subject's allocator kept must not add to the next one's): train, save `--repeats`
+times (each into a new directory, the previous one removed untimed), then load the last save `--repeats`
+times, each into a new target, as a restarted job does. Each save and load is timed between two barriers,
+so a loom time is the collective's wall time; medians (of rank 0's times) are reported. The targets start
+from zeroed parameters, and after each load every rank's sha256 of its local parameters (and of the
+optimizer states, where the load puts them in place) must equal the one taken after the training step:
+the benchmark fails rather than time a broken load. Bytes on disk are what `du` counts (allocated blocks)
+of the checkpoint directory or the torch file. Prints save seconds, load seconds and bytes for each
+subject, with the ratios loom / torch.
+
+What the numbers include: files are written to and read back from the page cache (nothing is dropped
+between a save and its loads, for any subject); DCP's writer fsyncs its files and torch.save does not, so
+torch.save followed by an fsync is printed too, for reference; at levels 1-3 the optimizer states are cut
+into the optimizer's chunks when it builds them, at the next step, which is neither timed nor checked.
+Checkpoints go into a temporary directory, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import loom
+from loom.checkpoint import load_checkpoint, save_checkpoint, verify
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
+from loom.parallel.zero import ZeroOptimizer
+from loom.train import Trainer
+
+TORCH = "torch"
+RANKS = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One loom layout: a dp x tp mesh and an optimizer level."""
+
+    dp: int
+    tp: int
+    level: int
+
+    @property
+    def name(self) -> str:
+        mesh = f"dp{self.dp}" if self.tp == 1 else f"dp{self.dp}xtp{self.tp}"
+        return f"loom {mesh} L{self.level}"
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp}
+
+
+CASES = {
+    "dp4-l0": Case(4, 1, 0),
+    "dp2xtp2-l1": Case(2, 2, 1),
+    "dp4-l3": Case(4, 1, 3),
+    "dp2xtp2-l0": Case(2, 2, 0),
+}
+DEFAULT_CASES = ["dp4-l0", "dp2xtp2-l1", "dp4-l3"]
+FULL = {"vocab_size": 16384, "d_model": 768, "n_layers": 12, "n_heads": 12}
+SMALL = {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 8}
+
+
+# ---- building the subjects ------------------------------------------------------------------------------------
+
+
+def global_batch(config: GPTConfig, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets, the same on every rank."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (rows, config.max_seq_len + 1), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def torch_source(config: GPTConfig, batch: tuple) -> tuple[GPT, torch.optim.Optimizer]:
+    """The plain model after one AdamW step on the whole batch (call before `loom.init`: no mesh, so its
+    operators compute unsharded on this process alone)."""
+    model = GPT(config)  # initialised from (seed 0, name), as loom's copies are
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def torch_target(config: GPTConfig) -> tuple[GPT, torch.optim.Optimizer]:
+    """A fresh model with zeroed parameters (allocated without the initialisation's random draws) and a
+    fresh AdamW: what a restarted process loads into."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    _zero(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def loom_trainer(config: GPTConfig, case: Case, batch: tuple, trained: bool) -> Trainer:
+    """A trainer laid out as `loom.train.job.build_model` lays it out; `trained`: initialised and after one
+    step on this rank's rows of `batch`, else zeroed parameters and no step (a load target)."""
+    mesh = loom.init(case.mesh)
+    rows = batch[0].shape[0] // case.dp
+    local = tuple(t[mesh.dp_rank() * rows : (mesh.dp_rank() + 1) * rows] for t in batch)
+    with torch.device("meta"):
+        model = GPT(config, Strategies(case.dp, case.tp))
+    loom.parallelize(model, mode="semi_auto", example_inputs=local)
+    model.loom.materialize(model, "cpu")
+    if trained:
+        model.init_weights(0)
+    else:
+        _zero(model)  # so that a load which writes nothing cannot match the saved digest
+    optimizer = make_optimizer(model, torch.optim.AdamW, case.level, lr=1e-3)
+    trainer = Trainer(model, optimizer)
+    if trained:
+        trainer.train_step([local])
+    return trainer
+
+
+@torch.no_grad()
+def _zero(model: torch.nn.Module) -> None:
+    for param in model.parameters():
+        param.zero_()
+
+
+# ---- digests ----------------------------------------------------------------------------------------------------
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 of the bytes of this rank's part of every tensor, in order (a DTensor counts its shard)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        # hashed from a copy: a NumPy view would pin the storage, which level 3 resizes to free it
+        hasher.update(local.detach().clone().reshape(-1).view(torch.uint8).numpy())
+    return hasher.hexdigest()
+
+
+def state_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str | None]:
+    """Digests of the parameters and, for a plain optimizer, of its states (None at levels 1-3: loom puts
+    their sharded states into the optimizer only when it builds its chunks, at the next step)."""
+    state = getattr(model, "loom", None)
+    with state.full_parameters() if state is not None else contextlib.nullcontext():  # level 3: freed at rest
+        params = digest(model.parameters())
+    if isinstance(optimizer, ZeroOptimizer):
+        return {"params": params, "optimizer": None}
+    tensors = [
+        optimizer.state[p][key]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key in sorted(optimizer.state[p])
+    ]
+    return {"params": params, "optimizer": digest(tensors)}
+
+
+# ---- saving, loading, timing ------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds from a barrier before `fn()` to a barrier after it: the collective's wall time."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def torch_save(model: GPT, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def torch_load(path: Path, model: GPT, optimizer: torch.optim.Optimizer) -> None:
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def fsync(path: Path) -> None:
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+
+
+def disk_bytes(path: Path) -> int:
+    """What `du` counts: allocated blocks of every file under `path` (or of the file itself)."""
+    files = [path] if path.is_file() else [Path(d) / f for d, _, names in os.walk(path) for f in names]
+    return sum(f.stat().st_blocks * 512 for f in files)
+
+
+def remove(path: Path) -> None:
+    """Rank 0 removes `path` (untimed) once every rank is past it."""
+    dist.barrier()
+    if loom.rank() == 0:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    dist.barrier()
+
+
+# ---- the subjects --------------------------------------------------------------------------------------------
+
+
+class TorchSubject:
+    """The plain model and AdamW in one process of its own (no `loom.init`: its operators run unsharded)."""
+
+    name = TORCH
+
+    def __init__(self, config: GPTConfig, batch: tuple) -> None:
+        self.config, self.batch = config, batch
+
+    def trained(self) -> tuple:
+        return torch_source(self.config, self.batch)
+
+    def fresh(self) -> tuple:
+        return torch_target(self.config)
+
+    def save(self, state: tuple, path: Path) -> None:
+        torch_save(*state, path)
+
+    def load(self, state: tuple, path: Path) -> None:
+        torch_load(path, *state)
+
+    def digests(self, state: tuple) -> dict:
+        return state_digests(*state)
+
+    def files(self, path: Path) -> Path:
+        return path
+
+
+class LoomSubject:
+    """A loom trainer on one case's mesh, saved and loaded with `loom.checkpoint`."""
+
+    def __init__(self, config: GPTConfig, case: Case, batch: tuple) -> None:
+        self.config, self.case, self.batch, self.name = config, case, batch, case.name
+
+    def trained(self) -> Trainer:
+        return loom_trainer(self.config, self.case, self.batch, trained=True)
+
+    def fresh(self) -> Trainer:
+        return loom_trainer(self.config, self.case, self.batch, trained=False)
+
+    def save(self, trainer: Trainer, path: Path) -> None:
+        save_checkpoint(path, trainer)
+
+    def load(self, trainer: Trainer, path: Path) -> None:
+        step = load_checkpoint(path, trainer)
+        if step != 1:
+            raise RuntimeError(f"{self.name}: load_checkpoint found step {step}, expected 1 (the one saved)")
+
+    def digests(self, trainer: Trainer) -> dict:
+        return state_digests(trainer.model, trainer.optimizer)
+
+    def files(self, path: Path) -> Path:
+        return path / "step_000001"
+
+
+# ---- the run on each rank -------------------------------------------------------------------------------------
+
+
+def run_subject(key: str, config: GPTConfig, rows: int, repeats: int, root: str) -> dict:
+    """The body of one launch: subject `key` (TORCH or a key of CASES) measured on every rank."""
+    batch = global_batch(config, rows)
+    subject = TorchSubject(config, batch) if key == TORCH else LoomSubject(config, CASES[key], batch)
+    return measure_subject(subject, repeats, Path(root))
+
+
+def measure_subject(subject: TorchSubject | LoomSubject, repeats: int, root: Path) -> dict:
+    """Train, save `repeats` times, then load the last save `repeats` times into fresh targets."""
+    state = subject.trained()
+    expected = subject.digests(state)
+    out: dict = {"save": [], "load": [], "fsync": [], "checks": []}
+    paths = [root / f"{subject.name.replace(' ', '_')}-{repeat}" for repeat in range(repeats)]
+    for repeat, path in enumerate(paths):
+        out["save"].append(timed(lambda path=path, state=state: subject.save(state, path)))
+        if subject.name == TORCH:  # for reference: the time to make the bytes durable, as DCP's writer does
+            out["fsync"].append(timed(lambda path=path: fsync(path)))
+        if repeat:  # keep only the newest save (for the loads)
+            remove(paths[repeat - 1])
+    del state  # room for the load targets
+    gc.collect()
+    for _ in range(repeats):
+        target = subject.fresh()
+        out["load"].append(timed(lambda target=target: subject.load(target, paths[-1])))
+        out["checks"].append(compare(expected, subject.digests(target)))
+        del target
+        gc.collect()
+    if loom.rank() == 0:
+        out["bytes"] = disk_bytes(paths[-1])
+        if isinstance(subject, LoomSubject):
+            out["verify"] = _verify_seconds(subject.files(paths[-1]))
+    remove(paths[-1])
+    return out
+
+
+def compare(saved: dict[str, str | None], loaded: dict[str, str | None]) -> dict[str, bool | None]:
+    """Per kind: whether the loaded digest equals the saved one (None: not restored at load time)."""
+    return {key: None if saved[key] is None else saved[key] == loaded[key] for key in saved}
+
+
+def _verify_seconds(directory: Path) -> float:
+    """Rank 0: how long checking the manifest's sha256 of every file takes alone (a part of each load,
+    and about what writing the manifest takes in each save)."""
+    start = time.perf_counter()
+    problems = verify(directory)
+    if problems:
+        raise RuntimeError(f"{directory}: {problems}")
+    return time.perf_counter() - start
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+
+
+def verdict(results: dict[str, list[dict]], name: str, key: str) -> str:
+    """How the digests of `key` came out over every rank and load: ok (all matched the saved ones), FAIL
+    (one did not, or none was checked), or "next step" (sharded optimizer states: restored when the
+    optimizer builds its chunks)."""
+    checks = [check[key] for rank in results[name] for check in rank["checks"]]
+    if checks and all(c is None for c in checks):
+        return "next step"
+    return "ok" if checks and all(checks) else "FAIL"
+
+
+def report(results: dict[str, list[dict]], config: GPTConfig, rows: int, repeats: int) -> bool:
+    """Print the table (`results`: by subject, then by rank); True when every load gave back what was saved."""
+    ours = {name: ranks[0] for name, ranks in results.items()}  # every rank timed the same span: take rank 0
+    names = list(ours)
+    median = {n: {op: statistics.median(ours[n][op]) for op in ("save", "load")} for n in names}
+    size = {n: ours[n]["bytes"] for n in names}
+    with torch.device("meta"):
+        psi = GPT(config).num_parameters()
+    print(
+        f"GPT with {psi:,} parameters (d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} "
+        f"heads, vocabulary {config.vocab_size}, seq {config.max_seq_len}), fp32, after one AdamW step "
+        f"(global batch {rows})"
+    )
+    print(
+        f"state: parameters + AdamW moments = {12 * psi / 2**20:.1f} MiB; loom on {RANKS} CPU ranks (gloo), "
+        f"torch on one; median of {repeats}; MiB = 2^20 bytes; x = subject / torch"
+    )
+    print()
+    header = (
+        f"{'subject':<18}{'save s':>8}{'load s':>8}{'disk MiB':>10}{'save x':>8}{'load x':>8}{'disk x':>8}"
+        f"  {'params':<8}{'optimizer':<10}"
+    )
+    print(header)
+    print("-" * len(header))
+    base = median[TORCH]
+    for name in names:
+        print(
+            f"{name:<18}{median[name]['save']:>8.2f}{median[name]['load']:>8.2f}{size[name] / 2**20:>10.1f}"
+            f"{median[name]['save'] / base['save']:>8.2f}{median[name]['load'] / base['load']:>8.2f}"
+            f"{size[name] / size[TORCH]:>8.2f}  {verdict(results, name, 'params'):<8}"
+            f"{verdict(results, name, 'optimizer'):<10}"
+        )
+    print()
+    loom_names = [n for n in names if n != TORCH]
+    synced = base["save"] + statistics.median(ours[TORCH]["fsync"])
+    print(
+        f"torch.save then fsync: {synced:.2f} s (DCP's writer fsyncs its files); loom save / that: "
+        + ", ".join(f"{n} {median[n]['save'] / synced:.2f}" for n in loom_names)
+    )
+    print(
+        "rank 0's sha256 of every checkpoint file, timed alone (inside each loom load; each save hashes the "
+        "same bytes for its manifest): " + ", ".join(f"{n} {ours[n]['verify']:.2f} s" for n in loom_names)
+    )
+    print(
+        "params / optimizer: every rank's sha256 of its local parameters / optimizer states after each load "
+        "against the saved ones (next step: levels 1-3 put their sharded states into the optimizer when it "
+        "builds its chunks, at the next step)"
+    )
+    return all(verdict(results, name, key) != "FAIL" for name in names for key in ("params", "optimizer"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="a GPT of about 4M parameters: a smoke run")
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=sorted(CASES))
+    parser.add_argument("--repeats", type=int, default=3, help="saves and loads of each subject")
+    parser.add_argument("--rows", type=int, default=4, help="global batch of the training step")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (the model's max_seq_len)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.rows % 4:
+        parser.error("--rows must be a multiple of 4 (every data-parallel rank trains on its rows)")
+    config = GPTConfig(**(SMALL if args.small else FULL), max_seq_len=args.seq)
+    start = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="loom-checkpoint-bench-") as root:
+        # a launch per subject: fresh processes, so that memory one subject's allocator kept cannot add to
+        # the next one's (the ranks share the machine's memory)
+        for key in [TORCH, *args.cases]:
+            name = TORCH if key == TORCH else CASES[key].name
+            ranks = 1 if key == TORCH else RANKS
+            results[name] = loom.launch(run_subject, ranks, key, config, args.rows, args.repeats, root)
+    good = report(results, config, args.rows, args.repeats)
+    load = os.getloadavg()[0]  # other work on the machine shows in every time above
+    print(
+        f"(whole run {time.perf_counter() - start:.0f} s; load average {load:.1f} on {os.cpu_count()} cores)"
+    )
+    if not good:
+        raise SystemExit("a load did not give back the saved state: the times above measure a broken load")
+
+
+if __name__ == "__main__":
+    main()
