@@ -52,6 +52,22 @@ def test_private_torch_apis_exist():
     assert callable(torch.autograd.Variable._execution_engine.queue_callback)
 
 
+def dtensor_like_case():
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = loom.init({"dp": 2})
+    whole = torch.arange(8.0).reshape(4, 2)
+    sharded = distribute_tensor(whole, mesh.device_mesh, [Shard(0)])
+    copy = _torch_private.dtensor_like(sharded.to_local().clone(), sharded)
+    return copy.placements == sharded.placements and torch.equal(copy.full_tensor(), whole)
+
+
+def test_dtensor_like_keeps_the_layout(dist_run):
+    """`_torch_private.dtensor_like` (DTensor's private constructor) still builds the same layout."""
+    assert dist_run(2, dtensor_like_case) == [True, True]
+
+
 @pytest.mark.parametrize("bad", [{"dp": 0}, {"dp": -1, "tp": -1}])
 def test_bad_mesh_dicts_fail_before_any_process_group(bad):
     with pytest.raises(ValueError):

@@ -3,6 +3,7 @@
     ckpt = Checkpointer("runs/ckpt", every_steps=100, keep_last=3, data=batches, config=config)
     ckpt.resume(trainer)             # the newest intact checkpoint, if any (before the first step)
     ... trainer.train_step(...); ckpt.maybe_save(trainer)
+    ckpt.wait()                      # async_save=True writes in the background: finish the last save
 
 Model parameters and optimizer states reshard on load: a checkpoint of any optimizer level (0-3) loads at
 any level, on any mesh or on one process (random generators are restored only on as many processes as saved

@@ -1,16 +1,21 @@
-"""`Checkpointer`: save every N steps and/or every M minutes, keep the last k, resume from the newest."""
+"""`Checkpointer`: save every N steps and/or every M minutes, keep the last k, resume from the newest; with
+`async_save`, write each checkpoint in the background while training goes on."""
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from loom.checkpoint.checkpointer import load_checkpoint, save_checkpoint
+from loom.checkpoint.checkpointer import PendingSave, load_checkpoint, save_checkpoint, start_save
+from loom.checkpoint.manifest import CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
 from loom.dist import env
 
@@ -18,7 +23,14 @@ from loom.dist import env
 class Checkpointer:
     """Saves a trainer under `directory` when `every_steps` steps or `every_minutes` minutes have passed
     (0: never by that criterion), keeping the newest `keep_last`. `data` (a `DistributedBatches`) and
-    `config` (saved as JSON) are optional. Also usable as a Trainer callback (`on_step_end`)."""
+    `config` (saved as JSON) are optional. Also usable as a Trainer callback (`on_step_end`, `on_train_end`).
+
+    With `async_save`, a due save copies the state of its step and returns; the files are written in the
+    background while training continues, and the checkpoint is published (manifest, rename) at the first
+    step end at which every rank's write has finished (`poll`), or when `wait` is called: before the next
+    save starts and at the end of training. A loop that calls `maybe_save` itself calls `wait` at the end.
+    `last_blocking_s` is how long the newest finished save held training up (all of a synchronous save;
+    for a background one its copy, the per-step checks and the publishing)."""
 
     def __init__(
         self,
@@ -29,6 +41,7 @@ class Checkpointer:
         keep_last: int = 3,
         data: Any = None,
         config: Any = None,
+        async_save: bool = False,
     ) -> None:
         if every_steps < 0 or every_minutes < 0 or keep_last < 1:
             raise ValueError(
@@ -36,9 +49,13 @@ class Checkpointer:
                 f"keep_last {keep_last} >= 1"
             )
         self.directory, self.every_steps, self.every_minutes = Path(directory), every_steps, every_minutes
-        self.keep_last, self.data, self.config = keep_last, data, config
+        self.keep_last, self.data, self.config, self.async_save = keep_last, data, config, async_save
         self._last_save = time.monotonic()
-        self.last_saved_step: int | None = None  # the step of the newest checkpoint saved or resumed from
+        self.last_saved_step: int | None = None  # the step of the newest checkpoint published or resumed from
+        self._pending: PendingSave | None = None
+        self._blocked = 0.0  # seconds the save in progress has held training up so far
+        self.last_blocking_s: float | None = None  # the same for the newest finished (or failed) save
+        self.total_blocking_s = 0.0
 
     @classmethod
     def from_config(cls, config: Any, data: Any = None) -> Checkpointer:
@@ -46,12 +63,15 @@ class Checkpointer:
         section = config.checkpoint
         if section.dir is None:
             raise ValueError("checkpoint.dir is not set; set it to where checkpoints go")
-        if section.async_save:
-            warnings.warn("checkpoint.async_save is not supported yet: saving synchronously", stacklevel=2)
         return cls(
             section.dir, every_steps=section.every_steps, every_minutes=section.every_minutes,
-            keep_last=section.keep_last, data=data, config=config,
+            keep_last=section.keep_last, data=data, config=config, async_save=section.async_save,
         )  # fmt: skip
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the background save in progress (None: none)."""
+        return self._pending.step if self._pending is not None else None
 
     def due(self, step: int) -> bool:
         """Whether to save after `step` (the same answer on every rank: rank 0's clock decides)."""
@@ -59,23 +79,63 @@ class Checkpointer:
             return True
         if not self.every_minutes:
             return False
-        late = torch.tensor([float(time.monotonic() - self._last_save >= 60 * self.every_minutes)])
+        late = time.monotonic() - self._last_save >= 60 * self.every_minutes
+        flag = torch.tensor([float(late)], device=env.device_type())  # NCCL broadcasts device tensors only
         if dist.is_available() and dist.is_initialized():
-            dist.broadcast(late, src=0)
-        return bool(late.item())
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def save(self, trainer: Trainer) -> Path:
-        """Save now (collective)."""
-        path = save_checkpoint(
-            self.directory, trainer, data=self.data, config=self.config, keep_last=self.keep_last
-        )
+        """Save now and return once the checkpoint is published (collective); a pending background save is
+        finished first. How `loom train` saves the final state."""
+        self.wait()
+        try:
+            with self._blocking():
+                path = save_checkpoint(
+                    self.directory, trainer, data=self.data, config=self.config, keep_last=self.keep_last
+                )
+        finally:
+            self._concluded()
         self._last_save = time.monotonic()
         self.last_saved_step = trainer.step
         return path
 
+    def start(self, trainer: Trainer) -> Path:
+        """Begin a background save of this step (collective; a pending one is finished first). Returns the
+        directory the checkpoint will have once published."""
+        self.wait()
+        try:
+            with self._blocking():
+                self._pending = start_save(
+                    self.directory, trainer, data=self.data, config=self.config, keep_last=self.keep_last
+                )
+        except BaseException:
+            self._concluded()
+            raise
+        self._last_save = time.monotonic()
+        return self._pending.final
+
+    def poll(self) -> Path | None:
+        """Publish the pending background save if every rank's write has finished (collective: one tiny
+        all-reduce while a save is pending). Returns the published checkpoint, or None."""
+        if self._pending is None:
+            return None
+        with self._blocking():
+            written = self._pending.written()
+        return self._finish() if written else None
+
+    def wait(self) -> Path | None:
+        """Finish the pending background save, if any: wait for every rank's write, then publish
+        (collective). Returns the published checkpoint, or None when none was pending."""
+        return self._finish() if self._pending is not None else None
+
     def maybe_save(self, trainer: Trainer) -> Path | None:
-        """Save if `due(trainer.step)`."""
-        return self.save(trainer) if self.due(trainer.step) else None
+        """Publish a finished background save (`poll`), then save if `due(trainer.step)`: in the background
+        with `async_save` (returning where the checkpoint will appear), else at once."""
+        self.poll()
+        if not self.due(trainer.step):
+            return None
+        return self.start(trainer) if self.async_save else self.save(trainer)
 
     def resume(self, trainer: Trainer) -> int | None:
         """Load the newest intact checkpoint (None: none yet, start from scratch)."""
@@ -87,5 +147,53 @@ class Checkpointer:
         return step
 
     def on_step_end(self, trainer: Trainer, result: object) -> None:
-        """Trainer callback: save when due."""
+        """Trainer callback: publish a finished background save; save when due."""
         self.maybe_save(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """Trainer callback: finish a pending background save (never starts one).
+
+        Training that ends with an exception may have stopped on this rank alone, with its peers inside
+        some other collective: then no collective is safe, and the pending save is left unpublished (its
+        temporary directory is never loaded, and is removed by a later save)."""
+        if sys.exc_info()[1] is not None:
+            self._abandon()
+            return
+        self.wait()
+
+    def _finish(self) -> Path:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        try:
+            with self._blocking():
+                path = pending.finish()
+        finally:
+            self._concluded()
+        self.last_saved_step = pending.step
+        return path
+
+    def _abandon(self) -> None:
+        if self._pending is None:
+            return
+        warnings.warn(
+            f"training stopped while the checkpoint of step {self._pending.step} was being written: it is "
+            "not published",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+        self._pending = None
+        self._blocked = 0.0
+
+    @contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """Counts the time inside towards the save in progress (time training is held up)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._blocked += time.perf_counter() - start
+
+    def _concluded(self) -> None:
+        """A save finished (or failed): its blocking time becomes `last_blocking_s`."""
+        self.last_blocking_s, self._blocked = self._blocked, 0.0
+        self.total_blocking_s += self.last_blocking_s

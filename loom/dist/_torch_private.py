@@ -1,6 +1,6 @@
 """The one place where loom touches private PyTorch APIs.
 
-Each function wraps a private name; `tests/test_torch_private.py` calls every one of them so that an upgrade
+Each function wraps a private name; `tests/test_mesh.py` checks every one of them so that an upgrade
 of PyTorch that moves or renames one fails loudly there instead of deep inside a layer.
 """
 
@@ -28,3 +28,12 @@ def queue_backward_callback(callback) -> None:  # noqa: ANN001
     import torch
 
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def dtensor_like(local, like):  # noqa: ANN001, ANN201
+    """A DTensor laid out as DTensor `like` (mesh, placements, global shape and stride) over `local`, left on
+    `local`'s device: `DTensor.from_local` would move it to the mesh's device (a CPU copy of a GPU shard
+    must stay on the CPU while a checkpoint is written from it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)

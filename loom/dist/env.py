@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "collective_timeout",
     "device_type",
     "ensure_process_group",
     "free_port",
@@ -93,9 +94,7 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
     backend = backend or _default_backend(local)
     if "nccl" in backend:
         torch.cuda.set_device(local)
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("LOOM_COLLECTIVE_TIMEOUT_S") or 1800)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if _rendezvous_from_env() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _join_through_agent_store(backend, timeout)
     elif _rendezvous_from_env():
@@ -135,6 +134,12 @@ def rank() -> int:
 def world_size() -> int:
     """The number of ranks (1 when no process group is initialised)."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long one collective may wait: LOOM_COLLECTIVE_TIMEOUT_S (set by a supervised `loom train`), else
+    30 minutes."""
+    return datetime.timedelta(seconds=float(os.environ.get("LOOM_COLLECTIVE_TIMEOUT_S") or 1800))
 
 
 def restart_count() -> int:
