@@ -5,71 +5,58 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import loom
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
-from loom.pipeline import Pipeline, gpt_loss, source_names, split_gpt, stage_indices
+from loom.pipeline import Pipeline, gpt_loss, gpt_pipeline, source_names, split_gpt
 from loom.pipeline.stages import balanced_partition
 
 STEPS, BATCH, SEQ = 3, 8, 8
 CONFIG = GPTConfig(vocab_size=32, d_model=16, n_layers=8, n_heads=2, max_seq_len=SEQ, tie_embeddings=False)
 
 
-def _batches():
+def batches():
+    """The runs' data: STEPS batches of (ids, targets), the same in every process."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CONFIG.vocab_size, (STEPS, BATCH, SEQ + 1), generator=generator)
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def _optimizer(params):
+def optimizer(params):
+    """The runs' optimizer."""
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
 
 
 def _reference():
     model = GPT(CONFIG)
-    optimizer, losses = _optimizer(model.parameters()), []
-    for ids, targets in _batches():
+    adamw, losses = optimizer(model.parameters()), []
+    for ids, targets in batches():
         loss = model(ids, targets)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        adamw.step()
+        adamw.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _groups(dp, pp):
-    """pp groups of consecutive ranks, dp groups of ranks pp apart (every rank creates every group)."""
-    rank = dist.get_rank()
-    pp_groups = [dist.new_group(list(range(d * pp, (d + 1) * pp))) for d in range(dp)]
-    dp_groups = [dist.new_group(list(range(s, dp * pp, pp))) for s in range(pp)]
-    return pp_groups[rank // pp], dp_groups[rank % pp], rank // pp
-
-
 def pipeline_case(schedule, dp, pp, virtual, microbatches):
+    mesh = loom.init({"pp": pp, "dp": dp})
     with unsharded():
         expected, reference = _reference()
-        group, dp_group, replica = _groups(dp, pp) if dp > 1 else (None, None, 0)
+        replica = mesh.dp_rank()
         model = GPT(CONFIG)
-        stages = split_gpt(model, balanced_partition([1] * CONFIG.n_layers, pp * virtual))
-        mine = [stages[k] for k in stage_indices(schedule, dist.get_rank(group), pp, virtual)]
-        pipe = Pipeline(
-            mine,
-            schedule=schedule,
-            microbatches=microbatches,
-            loss_fn=gpt_loss,
-            group=group,
-            dp_group=dp_group,
-        )
-        optimizer, losses = _optimizer(pipe.parameters()), []
-        for ids, targets in _batches():
+        pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
+        adamw, losses = optimizer(pipe.parameters()), []
+        for ids, targets in batches():
             rows = lambda t: t.chunk(dp)[replica]  # noqa: E731
             losses.append(pipe.step(rows(ids), rows(targets)))
-            optimizer.step()
-            optimizer.zero_grad()
-        errors = {
-            name: (p.detach() - reference[name]).abs().max().item()
-            for stage in mine
-            for name, p in zip(source_names(model, stage), stage.parameters(), strict=True)
-        }
+            adamw.step()
+            adamw.zero_grad()
+    errors = {
+        name: (p.detach() - reference[name]).abs().max().item()
+        for stage in pipe.modules
+        for name, p in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
     return expected, losses, errors
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.dist._torch_private import flatten_mesh_dims
@@ -178,6 +179,24 @@ class Mesh:
         if not self.batch_dims:
             return 0
         return self.sub_mesh(self.batch_dims).get_local_rank()
+
+    def axis_size(self, name: str) -> int:
+        """The size of named axis `name` (1 for an axis the mesh does not have)."""
+        return self.shape.size(name) if name in self.shape.names else 1
+
+    def axis_rank(self, name: str) -> int:
+        """This rank's index along named axis `name` (0 for an axis of size 1 or one the mesh lacks)."""
+        if self.axis_size(name) == 1:
+            return 0
+        return self[name].get_local_rank()
+
+    def axis_group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of the ranks that differ from this one only along named axis `name` (e.g. the
+        pipeline of this rank for `"pp"`, its data-parallel replicas for `"dp"`); None for an axis of size 1
+        or one the mesh lacks, where there is nobody to talk to."""
+        if self.axis_size(name) == 1:
+            return None
+        return self[name].get_group()
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of named axis `name` (`mesh["dp"]`), e.g. for its process group."""

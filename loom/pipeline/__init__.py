@@ -1,9 +1,26 @@
 """Pipeline parallelism: stages (marked or balanced), named schedules over torch.distributed.pipelining,
 per-rank timelines with the bubble fraction, and saved-activation memory per stage."""
 
-from loom.pipeline.gpt import GPTStage, gpt_loss, source_names, split_gpt
+from loom.pipeline.gpt import (
+    GPTStage,
+    gpt_loss,
+    gpt_pipeline,
+    materialize_stages,
+    rank_stages,
+    source_names,
+    split_gpt,
+    stage_parameters,
+    tied_embedding,
+)
 from loom.pipeline.memory import SavedActivations
-from loom.pipeline.schedule import SCHEDULES, Pipeline, schedule_kind, stage_indices, validate_microbatches
+from loom.pipeline.schedule import (
+    SCHEDULES,
+    Pipeline,
+    Tied,
+    schedule_kind,
+    stage_indices,
+    validate_microbatches,
+)
 from loom.pipeline.stage import TimedStage
 from loom.pipeline.stages import (
     assign_stages,
@@ -23,21 +40,27 @@ __all__ = [
     "Pipeline",
     "Recorder",
     "SavedActivations",
+    "Tied",
     "TimedStage",
     "assign_stages",
     "balanced_partition",
     "bubble_fraction",
     "gpt_loss",
+    "gpt_pipeline",
     "group_blocks",
+    "materialize_stages",
     "measured_costs",
     "parameter_costs",
     "pipeline_stage",
     "plot_timeline",
+    "rank_stages",
     "schedule_kind",
     "source_names",
     "split_gpt",
     "stage_indices",
     "stage_of_blocks",
+    "stage_parameters",
+    "tied_embedding",
     "theoretical_bubble",
     "validate_microbatches",
 ]

@@ -10,8 +10,9 @@
 
 The zero-bubble schedules split each backward into the input gradient (sent upstream at once) and the
 weight gradient (run later, in what would have been a bubble). The loss is computed on the last stage,
-averaged over the micro-batches, broadcast to every rank of the pipeline and averaged over the data-parallel
-replicas, so `step` returns the global loss on every rank; gradients are those of that mean.
+averaged over the micro-batches (each weighted by 1/micro-batches in backward), broadcast to every rank of
+the pipeline and averaged over the data-parallel replicas, so `step` returns the global loss on every rank;
+gradients are those of that mean.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def stage_indices(name: str, pp_rank: int, pp: int, virtual: int = 1) -> list[in
     return [pp_rank + v * pp for v in range(virtual)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Tied:
+    """A parameter that several pipeline ranks hold a copy of (a GPT's tied embedding: the lookup table on
+    the first stage, the output head on the last). The copies start equal and stay equal, because their
+    gradients are summed over the pipeline after backward. `param` is None on a rank without a copy (it
+    then sends zeros of `shape` and `dtype`); `holders` is how many ranks of a pipeline hold one."""
+
+    param: nn.Parameter | None
+    shape: torch.Size
+    dtype: torch.dtype
+    holders: int
+
+
 def validate_microbatches(microbatches: int, pp: int) -> None:
     """At least one micro-batch per pipeline rank, or the pipeline never fills."""
     if microbatches < pp:
@@ -89,7 +103,8 @@ class Pipeline:
     `modules` are this rank's stage modules, in the order of `stage_indices(schedule, pp_rank, pp,
     virtual)`. Each takes the previous stage's output (the first: the model inputs) and the last returns
     what `loss_fn(output, target)` takes. `group` is the pipeline's process group (default: the world);
-    `dp_group` the data-parallel replicas of these stages, whose gradients and losses are averaged.
+    `dp_group` the data-parallel replicas of these stages, whose gradients and losses are averaged. `tied`
+    lists the parameters that several stages share (see `Tied`).
     """
 
     def __init__(
@@ -102,6 +117,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
         recorder: Recorder | None = None,
+        tied: Sequence[Tied] = (),
     ) -> None:
         self.pp, self.pp_rank = dist.get_world_size(group), dist.get_rank(group)
         kind = schedule_kind(schedule, len(modules))
@@ -117,36 +133,105 @@ class Pipeline:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.last_rank = 0 if kind.placement == "v" else self.pp - 1
+        self.kind = kind
+        self.loss_fn = loss_fn
+        self.tied = list(tied)
+        self._weight = 1.0
+        # scale_grads=False: the loss is weighted instead (`_weighted_loss`), because torch's scaling divides
+        # whatever `.grad` holds, which would also shrink gradients accumulated by earlier `step` calls
         self.schedule = kind.cls(
-            self.stages if kind.multi else self.stages[0], n_microbatches=microbatches, loss_fn=loss_fn
+            self.stages if kind.multi else self.stages[0],
+            n_microbatches=microbatches,
+            loss_fn=self._weighted_loss,
+            scale_grads=False,
         )
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (of all its stages)."""
-        return [p for m in self.modules for p in m.parameters()]
+        """This rank's parameters (of all its stages; one that two of them share, once)."""
+        return list(dict.fromkeys(p for m in self.modules for p in m.parameters()))
 
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
-        """Forward and backward of one batch (split into the micro-batches on dim 0); gradients accumulate
-        into `.grad` (averaged over the data-parallel replicas); returns the global mean loss on every rank.
-        Only the rank with the first stage reads `inputs`, only the one with the last reads `targets`."""
+    def holders(self, param: nn.Parameter) -> int:
+        """How many ranks of the pipeline hold a copy of `param` (1 unless it is tied)."""
+        return next((t.holders for t in self.tied if t.param is param), 1)
+
+    def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._weight
+
+    def step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        weight: float = 1.0,
+        sync: bool = True,
+    ) -> float:
+        """Forward and backward of one batch (split into the micro-batches on dim 0); returns the global mean
+        loss on every rank. Only the rank with the first stage reads `inputs`, only the one with the last
+        reads `targets`.
+
+        Gradients of `weight` times the mean loss accumulate into `.grad` (a trainer accumulating several
+        batches passes 1/batches, times its loss scale); with `sync` (the last batch of a step) the
+        accumulated gradients are then averaged over the data-parallel replicas.
+        """
+        self._weight = weight / self.microbatches
+        loss = self._run(self.schedule.step, inputs, targets)
+        if sync:
+            self.sum_tied_gradients()
+            self.sync_gradients()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """The global mean loss of one batch, forward only (the same schedule without its backward)."""
+        if self.kind.placement == "v":
+            raise NotImplementedError(
+                "evaluating a zbv pipeline is not supported: torch's ScheduleZBVZeroBubble has no "
+                "forward-only path (its eval fails in torch 2.13); evaluate with another schedule"
+            )
+        self._weight = 1.0
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
-        loss = torch.stack([x.detach() for x in losses]).mean() if self.has_last else torch.zeros(())
+        call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
+        # the schedule keeps the weighted losses: unweight their mean (fp32, as the other ranks receive it)
+        loss = (
+            torch.stack(losses).detach().float().mean() / self._weight if self.has_last else torch.zeros(())
+        )
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            self._average_over_replicas(loss)
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= dist.get_world_size(self.dp_group)
         return loss.item()
 
-    def _average_over_replicas(self, loss: torch.Tensor) -> None:
-        size = dist.get_world_size(self.dp_group)
-        for p in self.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad /= size
-        dist.all_reduce(loss, group=self.dp_group)
-        loss /= size
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of each tied parameter's copies over the pipeline (ranks without a copy add
+        zeros), so that every copy takes the same update."""
+        device = self.stages[0].device
+        for tied in self.tied:
+            param = tied.param
+            grad = param.grad if param is not None else None
+            if grad is None:
+                grad = torch.zeros(tied.shape, dtype=tied.dtype, device=device)
+            dist.all_reduce(grad, group=self.group)
+            if param is not None:
+                param.grad = grad
+
+    def sync_gradients(self) -> None:
+        """Average this rank's gradients over its data-parallel replicas: one all-reduce of all of them
+        packed flat (no overlap with backward; a parameter without a gradient counts as zeros)."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(piece.view_as(p.grad))
 
     def peak_activation_bytes(self) -> list[int]:
         """Peak bytes of saved activations of each of this rank's stages since the last reset."""

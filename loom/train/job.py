@@ -5,8 +5,12 @@ strategies; parallelise it (parameters laid out from a dry run) and materialise 
 set recomputation, the optimizer at its optimizer level, the learning-rate schedule and the Trainer; read
 this data-parallel rank's rows of every global batch; resume from the newest intact checkpoint; train,
 log, evaluate, checkpoint (and save the final step); finally sample from the model and, on the arithmetic
-task, measure its accuracy. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a
-failure; each step sends a heartbeat so that a hung rank is noticed.
+task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into pipeline stages balanced by
+blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
+checkpoints hold the whole model's parameter names, so they load on any other split or on one device (no
+samples or accuracy yet, and see `check_pipeline`). `loom train` runs `run` under
+`loom.fault.supervise`, which restarts it after a failure; each step sends a heartbeat so that a hung rank
+is noticed.
 """
 
 from __future__ import annotations
@@ -25,29 +29,81 @@ from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
+from loom.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    gpt_pipeline,
+    rank_stages,
+    stage_parameters,
+    validate_microbatches,
+)
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
 from loom.train.data import ArithmeticCorpus, ByteTokenizer, DistributedBatches, build_dataset, micro_batches
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
+from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.precision import DTYPES, DynamicLossScaler
 from loom.train.schedules import lr_multiplier
 from loom.train.trainer import Trainer
 
 
+def gpt_config(config: TrainConfig) -> GPTConfig:
+    """The model's `GPTConfig` from `[model]`."""
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{key: value for key, value in vars(config.model).items() if key in known})
+
+
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised."""
     par = config.parallel
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    gpt = GPTConfig(**{key: value for key, value in vars(config.model).items() if key in known})
     with torch.device("meta"):
-        model = GPT(gpt, Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
+        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
     loom.parallelize(model, mode="semi_auto", example_inputs=example)
     model.loom.materialize(model, "cpu")
     model.init_weights(config.train.seed)
     for block in model.blocks:
         recompute(block, par.recompute)
     return model
+
+
+def check_pipeline(config: TrainConfig) -> None:
+    """With `parallel.pp > 1`: a ValueError for each combination that pipelines do not support yet, saying
+    how to fix it."""
+    par, model = config.parallel, config.model
+    if par.pp == 1:
+        return
+    virtual = SCHEDULES[par.schedule].min_virtual
+    unsupported = [
+        (par.tp > 1, f"parallel.tp = {par.tp}: tensor x pipeline parallelism is not supported yet; set "
+         "parallel.tp = 1"),
+        (par.optimizer_level > 0, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
+         "pipelines yet; set parallel.optimizer_level = 0"),
+        (model.positions != "learned", f"model.positions = {model.positions!r} is not supported by pipeline "
+         "stages yet; set model.positions = \"learned\""),
+        (model.n_layers < par.pp * virtual, f"schedule {par.schedule!r} puts {virtual} stages on each of "
+         f"{par.pp} ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"),
+    ]  # fmt: skip
+    for bad, message in unsupported:
+        if bad:
+            raise ValueError(f"parallel.pp = {par.pp}: {message}")
+    validate_microbatches(par.microbatches, par.pp)
+
+
+def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[GPT, Pipeline]:
+    """The GPT of `[model]` on the meta device, cut into stages balanced by blocks, and this rank's part of
+    the pipeline, with only its stages materialised (initialised as the whole model would be)."""
+    par = config.parallel
+    with torch.device("meta"):
+        model = GPT(gpt_config(config))
+    pipeline = gpt_pipeline(
+        model, mesh, schedule=par.schedule, microbatches=par.microbatches,
+        virtual=SCHEDULES[par.schedule].min_virtual, seed=config.train.seed,
+    )  # fmt: skip
+    for stage in pipeline.modules:
+        for block in stage.blocks:
+            recompute(block, par.recompute)
+    return model, pipeline
 
 
 class Heartbeat:
@@ -60,15 +116,20 @@ class Heartbeat:
         heartbeat(trainer.step)
 
 
-def build_trainer(config: TrainConfig, model: GPT, callbacks: list) -> Trainer:
+def build_trainer(
+    config: TrainConfig, model: GPT, callbacks: list, pipeline: Pipeline | None = None
+) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
-    throughput and MFU against this device's peak)."""
+    throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), a
+    `PipelineTrainer` whose optimizer holds the stages' parameters."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = torch.optim.AdamW, {"betas": tuple(t.betas), "weight_decay": t.weight_decay}
     else:
         optimizer_class, hyper = torch.optim.SGD, {"momentum": t.momentum, "weight_decay": t.weight_decay}
-    optimizer = make_optimizer(model, optimizer_class, config.parallel.optimizer_level, lr=t.lr, **hyper)
+    level = config.parallel.optimizer_level
+    # level 0 only with a pipeline (check_pipeline): a plain optimizer over this rank's stage parameters
+    optimizer = make_optimizer(pipeline or model, optimizer_class, level, lr=t.lr, **hyper)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
@@ -77,13 +138,18 @@ def build_trainer(config: TrainConfig, model: GPT, callbacks: list) -> Trainer:
         model.num_parameters(exclude_embeddings=True), config.model.n_layers, config.model.d_model,
         config.data.seq_len,
     )  # fmt: skip
-    return Trainer(
-        model, optimizer, lr_scheduler=schedule, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm,
+    options = dict(
+        lr_scheduler=schedule, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm,
         precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
         skip_nonfinite=config.fault.skip_nonfinite,
     )  # fmt: skip
+    if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
+        return PipelineTrainer(
+            pipeline, optimizer, model=stage_parameters(model, pipeline.modules), **options
+        )
+    return Trainer(model, optimizer, **options)
 
 
 @torch.no_grad()
@@ -107,14 +173,20 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
     env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
     mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
     config.validate(mesh.world_size)
+    check_pipeline(config)
+    if config.parallel.pp > 1 and any(fault.during == "step" for fault in faults):
+        raise ValueError("faults during a step hook the model's forward, which pipeline runs do not call yet")
     t, is_main = config.train, loom.rank() == 0
     torch.manual_seed(t.seed)
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
-    # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
-    example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
-    first = next(iter(example))
-    model = build_model(config, mesh, tuple(first))
+    pipeline = None
+    if config.parallel.pp > 1:
+        model, pipeline = build_pipeline(config, mesh)
+    else:
+        # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
+        example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
+        model = build_model(config, mesh, tuple(next(iter(example))))
     logger = MetricsLogger(
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,
@@ -125,7 +197,7 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
             callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
         callbacks.append(checkpointer)
-    trainer = build_trainer(config, model, callbacks)
+    trainer = build_trainer(config, model, callbacks, pipeline)
     if checkpointer is not None:
         resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
         if apply_rollback(config.checkpoint.dir, resumed, batches) and is_main:
@@ -133,7 +205,10 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
     for fault in faults:
         fault.install(trainer)
     if is_main:
-        print(plan_text(config, model), flush=True)
+        print(
+            plan_text(config, model) if pipeline is None else pipeline_plan_text(config, model, mesh),
+            flush=True,
+        )
     steps = (micro_batches(next(batches), t.grad_accum) for _ in iter(int, 1))
     start = time.perf_counter()
     results = trainer.fit(
@@ -143,7 +218,7 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         checkpointer.save(trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
-    if isinstance(dataset, ArithmeticCorpus):
+    if isinstance(dataset, ArithmeticCorpus) and pipeline is None:  # sampling needs the whole model
         summary.update(_arithmetic_report(dataset, model, mesh))
     return summary
 
@@ -179,6 +254,29 @@ def plan_text(config: TrainConfig, model: GPT) -> str:
         lines.append(
             f"  {name:32s} {tuple(param.shape)!s:14s} {layout:26s} local {tuple(param.to_local().shape)}"
         )
+    return "\n".join(lines)
+
+
+def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
+    """The plan of a pipeline run: mesh, schedule, each pipeline rank's stages (blocks, parameters)."""
+    par, virtual = config.parallel, SCHEDULES[config.parallel.schedule].min_virtual
+    lines = [
+        f"plan: {mesh}, pipeline schedule {par.schedule} with {par.microbatches} micro-batches, "
+        f"{par.pp * virtual} stages, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
+        f"precision {config.train.precision}",
+        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
+        f"d_model {config.model.d_model}, {config.model.n_heads} heads",
+    ]
+    for pp_rank in range(par.pp):
+        for stage in rank_stages(model, par.schedule, par.pp, pp_rank, virtual):
+            head = "head (a copy of the tied embedding)" if config.model.tie_embeddings else "head"
+            parts = ["embedding"] * stage.first + [f"blocks {stage.block_indices}"] + [head] * stage.last
+            count = sum(p.numel() for p in stage.parameters())
+            lines.append(f"  pp rank {pp_rank}: {' + '.join(parts)}, {count / 1e6:.3f}M parameters")
+    lines.append(
+        "with pp > 1: evaluation runs the schedule forward only; no samples or accuracy report "
+        "(they need the whole model on one rank)"
+    )
     return "\n".join(lines)
 
 

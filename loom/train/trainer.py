@@ -1,9 +1,11 @@
 """`loom.Trainer`: the training loop, readable top to bottom.
 
 One step: split the rank's batch into micro-batches; for each, forward under autocast and backward of the
-(scaled) loss, letting gradients synchronise only on the last one; then, on the whole step's gradients:
-check finiteness (fp16), unscale, skip a step whose loss or gradient norm is not finite, clip to a global norm taken across every shard and rank, update (unless
-skipped), adjust the loss scale and the learning rate, and tell the callbacks.
+(scaled) loss, letting gradients synchronise only on the last one (`_forward_backward`); then, on the whole
+step's gradients (`_update`): check finiteness (fp16), unscale, skip a step whose loss or gradient norm is
+not finite, clip to a global norm taken across every shard and rank, update (unless skipped), adjust the loss
+scale and the learning rate, and tell the callbacks. `loom.train.pipeline_trainer.PipelineTrainer` replaces
+the first half with a pipeline schedule and keeps the second.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class Trainer:
     def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
         """One optimizer step over `micro_batches` (this rank's parts of the global batch)."""
         start = time.perf_counter()
+        loss = self._forward_backward(micro_batches)
+        return self._update(loss, start)
+
+    def _forward_backward(self, micro_batches: Sequence[tuple]) -> float:
+        """Accumulate the (scaled) gradients of the step's mean loss; returns that loss, global."""
         count = len(micro_batches)
         losses = []
         scale = self.scaler.scale if self.scaler else 1.0
@@ -86,8 +93,12 @@ class Trainer:
                     loss = self.model(*batch)
                 (loss * (scale / count)).backward()
             losses.append(loss.detach())
+        return global_mean(losses)
+
+    def _update(self, loss: float, start: float) -> StepMetrics:
+        """The rest of a step, on the accumulated gradients: unscale, check, clip, update (or skip), adjust
+        the loss scale and the learning rate, report to the callbacks."""
         views = self._grad_views()
-        loss = global_mean(losses)
         finite = all_finite(views) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
@@ -143,13 +154,16 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple]) -> float:
         """The mean loss over `batches` (no gradients)."""
+        loss = self._eval_loss(batches)
+        self._call("on_eval_end", self, {"loss": loss})
+        return loss
+
+    def _eval_loss(self, batches: Iterable[tuple]) -> float:
         losses = []
         for batch in batches:
             with autocast(self.precision, env.device_type()):
                 losses.append(self.model(*batch))
-        loss = global_mean(losses)
-        self._call("on_eval_end", self, {"loss": loss})
-        return loss
+        return global_mean(losses)
 
     def _grad_views(self) -> list[GradView]:
         """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""

@@ -1,0 +1,78 @@
+"""`PipelineTrainer`: the Trainer's step with a pipeline schedule in place of forward and backward.
+
+One step: each of the step's batches (the Trainer's micro-batches, `grad_accum` of them) runs through
+`Pipeline.step`, which cuts it again into the pipeline's micro-batches and runs the schedule; gradients
+accumulate, weighted by 1/batches (times the loss scale in fp16), and after the last batch they are averaged
+over the stages' data-parallel replicas. The rest of the step is the Trainer's own (`Trainer._update`): the
+global gradient norm over every stage, clipping, the non-finite skip, the optimizer step on this rank's
+stage parameters, the loss scale and the learning rate, the callbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.dist import env
+from loom.dist.context import unsharded
+from loom.parallel.grads import GradView
+from loom.pipeline import Pipeline
+from loom.train.precision import autocast
+from loom.train.trainer import Trainer
+
+
+class PipelineTrainer(Trainer):
+    """Trains `pipeline` (this rank's stages; see `loom.pipeline.gpt_pipeline`) with `optimizer` over its
+    parameters. Takes the Trainer's options (`grad_accum`, `clip_grad_norm`, `precision`, `callbacks`, ...);
+    each of `train_step`'s micro-batches is an `(inputs, targets)` pair that the pipeline cuts again into
+    its own micro-batches. `model` is what `trainer.model` shows (checkpoints save its `state_dict`): by
+    default the stages; `loom.pipeline.stage_parameters` gives them the whole model's names. Every rank of
+    the world runs one pipeline rank (world = pp x dp), so sums over the world (the gradient norm, the
+    finiteness check) cover every stage once per replica.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: nn.Module | None = None,
+        **options: object,
+    ) -> None:
+        super().__init__(model or nn.ModuleList(pipeline.modules), optimizer, **options)  # type: ignore
+        self.pipeline = pipeline
+        self.replicas = dist.get_world_size(pipeline.dp_group) if pipeline.dp_group is not None else 1
+        if pipeline.pp * self.replicas != env.world_size():
+            raise ValueError(
+                f"PipelineTrainer: pp {pipeline.pp} x dp {self.replicas} ranks do not make the world of "
+                f"{env.world_size()}: every rank must hold one pipeline rank"
+            )
+
+    def _forward_backward(self, micro_batches: Sequence[tuple]) -> float:
+        count = len(micro_batches)
+        weight = (self.scaler.scale if self.scaler else 1.0) / count
+        losses = []
+        # unsharded: the stages' operators compute on this process alone, also when recomputed in backward
+        with unsharded(), autocast(self.precision, env.device_type()):
+            for index, (inputs, targets) in enumerate(micro_batches):
+                losses.append(self.pipeline.step(inputs, targets, weight=weight, sync=index == count - 1))
+        return sum(losses) / count
+
+    def _eval_loss(self, batches: Iterable[tuple]) -> float:
+        with unsharded(), autocast(self.precision, env.device_type()):
+            losses = [self.pipeline.evaluate(inputs, targets) for inputs, targets in batches]
+        return sum(losses) / len(losses) if losses else float("nan")
+
+    def _grad_views(self) -> list[GradView]:
+        """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (and, for a
+        tied parameter, on the other pipeline rank that holds a copy)."""
+        views = []
+        for param in self.params:
+            if param.grad is not None:
+                assert not isinstance(param.grad, DTensor), "pipeline stages hold plain tensors (tp = 1)"
+                views.append(GradView(param.grad, self.replicas * self.pipeline.holders(param)))
+        return views

@@ -1,0 +1,229 @@
+"""Pipelines in the Trainer and in `loom train`.
+
+Tier 2: the reference GPT trained 3 steps by `PipelineTrainer` (every schedule at pp=2, 1f1b at pp=4, dp x pp
+on 4 ranks, tied embeddings; clipping on, some cases accumulating) gives the single-device Trainer's losses,
+gradient norms, parameters and evaluation loss; a non-finite step changes nothing on any stage; the mesh's
+pp and dp groups. `loom train`: the combinations not supported yet fail clearly (tier 1); a pipeline run's
+checkpoint equals one device's and resumes on one device; a run with a pipeline learns (tier 3).
+"""
+
+import dataclasses
+import functools
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from test_pipeline_equivalence import CONFIG, batches, optimizer
+
+import loom
+from loom.checkpoint.export import read_model_tensors
+from loom.cli.main import main
+from loom.models.gpt import GPT, GPTConfig
+from loom.pipeline import gpt_pipeline, source_names
+from loom.train.config import TrainConfig
+from loom.train.data import micro_batches, write_token_file
+from loom.train.job import check_pipeline, run
+from loom.train.pipeline_trainer import PipelineTrainer
+from loom.train.trainer import Trainer
+
+CLIP = 0.1  # below every step's gradient norm (about 0.3 to 0.5 here), so that clipping acts
+
+
+def _gpt_config(tied: bool) -> GPTConfig:
+    return dataclasses.replace(CONFIG, tie_embeddings=tied)
+
+
+@functools.cache
+def _reference(accum: int, tied: bool):
+    """The single-device Trainer's losses, gradient norms, parameters and evaluation loss (run in the test
+    process)."""
+    model = GPT(_gpt_config(tied))
+    trainer = Trainer(model, optimizer(model.parameters()), grad_accum=accum, clip_grad_norm=CLIP)
+    metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in batches()]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    evaluation = trainer.evaluate([batches()[0]])
+    return [m.loss for m in metrics], [m.grad_norm for m in metrics], evaluation, params
+
+
+def pipeline_trainer_case(schedule, dp, pp, virtual, microbatches, accum, tied):
+    mesh = loom.init({"pp": pp, "dp": dp})
+    with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
+        model = GPT(_gpt_config(tied))
+    pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
+    trainer = PipelineTrainer(pipe, optimizer(pipe.parameters()), grad_accum=accum, clip_grad_norm=CLIP)
+    rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
+    metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
+    params = {
+        name: p.detach()
+        for stage in pipe.modules
+        for name, p in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
+    # torch's zbv schedule has no forward-only path (Pipeline.evaluate says so)
+    evaluation = trainer.evaluate([rows[0]]) if schedule != "zbv" else None
+    return [m.loss for m in metrics], [m.grad_norm for m in metrics], evaluation, params
+
+
+CASES = [  # (schedule, dp, pp, virtual stages per rank, pipeline micro-batches, Trainer micro-batches, tied)
+    ("gpipe", 1, 2, 1, 4, 1, False),
+    ("1f1b", 1, 2, 1, 4, 2, False),
+    ("interleaved", 1, 2, 2, 4, 1, False),
+    ("zero_bubble", 1, 2, 2, 4, 1, False),
+    ("zbv", 1, 2, 2, 4, 1, False),
+    ("1f1b", 1, 4, 1, 8, 1, False),
+    ("1f1b", 2, 2, 1, 2, 2, False),
+    # tied embeddings: the first and the last stage sum their gradients (zbv: both stages on one rank)
+    ("1f1b", 1, 2, 1, 4, 1, True),
+    ("zbv", 1, 2, 2, 4, 1, True),
+    ("interleaved", 2, 2, 2, 2, 1, True),
+]
+
+
+@pytest.mark.parametrize(("schedule", "dp", "pp", "virtual", "microbatches", "accum", "tied"), CASES)
+def test_pipeline_trainer_matches_one_device(dist_run, schedule, dp, pp, virtual, microbatches, accum, tied):
+    expected, expected_norms, expected_eval, reference = _reference(accum, tied)
+    assert min(expected_norms) > CLIP, "the case must clip"
+    case = (schedule, dp, pp, virtual, microbatches, accum, tied)
+    results = dist_run(dp * pp, pipeline_trainer_case, *case)
+    for losses, norms, evaluation, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-5, atol=0)
+        if evaluation is not None:
+            assert evaluation == pytest.approx(expected_eval, rel=1e-5)
+        # AdamW moves an entry by up to lr = 3e-3 a step (9e-3 in 3 steps); the runs agree to 0.1% of that
+        for name, param in params.items():
+            torch.testing.assert_close(param, reference[name], rtol=0, atol=1e-5, msg=name)
+    trained = set().union(*(params for *_, params in results))
+    assert trained == set(reference), "every parameter lives on some stage"
+
+
+def nonfinite_case():
+    mesh = loom.init({"pp": 2, "dp": 1})
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    pipe = gpt_pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    trainer = PipelineTrainer(pipe, optimizer(pipe.parameters()), clip_grad_norm=CLIP)
+    if pipe.has_first:  # poison one entry of the first stage: the loss on the last stage is NaN
+        with torch.no_grad():
+            model.embedding[0, 0] = float("nan")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    metrics = trainer.train_step([batches()[0]])
+    unchanged = all(
+        torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+        for a, b in zip(before, pipe.parameters(), strict=True)
+    )
+    return metrics.skipped, unchanged, trainer.step
+
+
+def test_a_nonfinite_step_changes_no_stage(dist_run):
+    assert dist_run(2, nonfinite_case) == [(True, True, 1)] * 2
+
+
+def mesh_groups_case():
+    mesh = loom.init({"pp": 2, "dp": 2})
+    ranks = lambda axis: dist.get_process_group_ranks(mesh.axis_group(axis))  # noqa: E731
+    return ranks("pp"), ranks("dp"), mesh.axis_rank("pp"), mesh.axis_group("tp")
+
+
+def test_mesh_axis_groups(dist_run):
+    """pp is the outer axis: a rank's pipeline holds the ranks dp apart; its replicas are consecutive."""
+    results = dist_run(4, mesh_groups_case)
+    assert results == [([0, 2], [0, 1], 0, None), ([1, 3], [0, 1], 0, None)] + [
+        ([0, 2], [2, 3], 1, None),
+        ([1, 3], [2, 3], 1, None),
+    ]
+
+
+# ---- `loom train` with a pipeline --------------------------------------------------------------------------
+
+
+def _config(tmp_path, **sections) -> TrainConfig:
+    tokens = tmp_path / "tokens.bin"
+    if not tokens.exists():  # a skewed distribution over 16 tokens: something to learn in a few steps
+        write_token_file(tokens, np.random.default_rng(0).integers(0, 16, 20_000) ** 2 % 64)
+    base = {
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16},
+        "data": {"kind": "tokens", "path": str(tokens), "seq_len": 16},
+        "parallel": {"pp": 2, "microbatches": 4},
+        "train": {"steps": 8, "global_batch": 8, "workers": 2, "eval_every": 4, "eval_batches": 2,
+                  "log_every": 2, "warmup_steps": 2, "lr": 1e-2},
+    }  # fmt: skip
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return TrainConfig.from_dict(base)
+
+
+def _checkpointed(tmp_path, name: str, **sections) -> TrainConfig:
+    checkpoint = {"dir": str(tmp_path / name), "every_steps": 2, "keep_last": 10}
+    train = {"steps": 6, "eval_every": 0, **sections.pop("train", {})}
+    return _config(tmp_path, checkpoint=checkpoint, train=train, **sections)
+
+
+def test_a_pipeline_checkpoint_resumes_on_one_device(dist_run, tmp_path):
+    """pp=2 saves what one device saves (by the GPT's parameter names), and one device resumes from it."""
+    dist_run(2, run, _checkpointed(tmp_path, "pp"))
+    one_device = {"parallel": {"pp": 1}, "train": {"workers": 1}}
+    dist_run(1, run, _checkpointed(tmp_path, "one", **one_device))
+    final = tmp_path / "one" / "step_000006"
+    _assert_close(read_model_tensors(tmp_path / "pp" / "step_000006"), read_model_tensors(final))
+    shutil.rmtree(tmp_path / "pp" / "step_000006")  # now resume the pipeline's step 4 on one device
+    [resumed] = dist_run(1, run, _checkpointed(tmp_path, "pp", **one_device))
+    assert len(resumed["losses"]) == 2, "steps 5 and 6 only"
+    _assert_close(read_model_tensors(tmp_path / "pp" / "step_000006"), read_model_tensors(final))
+
+
+def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert tensors.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("sections", "fix"),
+    [
+        ({"parallel": {"tp": 2}}, "set parallel.tp = 1"),
+        ({"parallel": {"optimizer_level": 1}}, "set parallel.optimizer_level = 0"),
+        ({"model": {"positions": "rotary"}}, 'set model.positions = "learned"'),
+        ({"parallel": {"schedule": "interleaved"}}, "raise model.n_layers or lower pp"),
+    ],
+)
+def test_unsupported_pipeline_combinations_are_clear_errors(tmp_path, sections, fix):
+    with pytest.raises(ValueError, match="parallel.pp = 2") as error:
+        check_pipeline(_config(tmp_path, **sections))
+    assert fix in str(error.value)
+
+
+def test_fewer_microbatches_than_stages_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="1 micro-batches for 2 pipeline stages"):
+        check_pipeline(_config(tmp_path, parallel={"microbatches": 1}))
+
+
+def test_supported_pipeline_config_passes(tmp_path):
+    check_pipeline(_config(tmp_path))
+    check_pipeline(_config(tmp_path, parallel={"pp": 1, "tp": 2, "optimizer_level": 2}))
+
+
+def test_loom_train_with_a_pipeline_learns(tmp_path, capfd):
+    config = _config(tmp_path, parallel={"pp": 1, "microbatches": 1})  # the command line sets them
+    path = tmp_path / "pp.toml"
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+    path.write_text("\n".join(lines) + "\n")
+    metrics = tmp_path / "metrics.jsonl"
+    code = main(
+        ["train", str(path), "--parallel.pp", "2", "--parallel.microbatches", "4",
+         "--train.metrics_file", str(metrics)]
+    )  # fmt: skip
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert "plan: Mesh(pp=2, dp=1" in out and "schedule 1f1b with 4 micro-batches" in out
+    assert "no samples or accuracy report" in out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "step"]
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    assert len(losses) == 4 and len(evals) == 2
+    assert all(np.isfinite(losses + evals)) and losses[-1] < losses[0] and evals[-1] < evals[0]
