@@ -11,6 +11,7 @@ import loom
 from loom.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointWarning,
     export_model,
     list_step_dirs,
     load_checkpoint,
@@ -18,6 +19,7 @@ from loom.checkpoint import (
     save_checkpoint,
     verify,
 )
+from loom.checkpoint.checkpointer import WRITE_HOOKS
 from loom.cli.main import main as cli_main
 from loom.models.gpt import GPT
 
@@ -150,6 +152,44 @@ def test_failed_save_leaves_earlier_checkpoints(dist_run, tmp_path):
     assert all(error is not None and "disk full" in error for error in errors), errors
     assert [step for step, _ in list_step_dirs(tmp_path)] == [1]
     assert not verify(tmp_path / "step_000001")
+
+
+def save_error_policy_case(root, policy):
+    """A Checkpointer (every step) whose step-2 save fails on rank 1: stop, or warn and train on."""
+    model, trainer, data = setup(2, 1, 0)
+    checkpointer = Checkpointer(root, every_steps=1, keep_last=5, on_save_error=policy)
+    trainer.callbacks.append(checkpointer)
+
+    def disk_full(step, temp):
+        if step == 2 and loom.rank() == 1:
+            raise OSError(28, "No space left on device")
+
+    WRITE_HOOKS.append(disk_full)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                trainer.train_step([next(data)])
+    except CheckpointError as error:
+        return trainer.step, str(error), []
+    finally:
+        WRITE_HOOKS.remove(disk_full)
+    return trainer.step, None, [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_failed_save_stops_or_continues_as_configured(dist_run, tmp_path, policy):
+    results = dist_run(2, save_error_policy_case, str(tmp_path), policy)
+    steps = [step for step, _ in list_step_dirs(tmp_path)]
+    if policy == "stop":
+        assert all(step == 2 and "No space left" in error for step, error, _ in results)
+        assert steps == [1]
+    else:
+        (step, error, warned), (other_step, _, _) = results
+        assert step == other_step == 3 and error is None
+        assert len(warned) == 1 and "saving step 2" in warned[0] and "training continues" in warned[0]
+        assert steps == [1, 3]
+    assert all(not verify(tmp_path / f"step_{step:06d}") for step in steps)
 
 
 def reshard_save_case(root):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from loom.checkpoint.checkpointer import PendingSave, load_checkpoint, save_checkpoint, start_save
-from loom.checkpoint.manifest import CheckpointWarning
+from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
 from loom.dist import env
 
@@ -30,7 +30,11 @@ class Checkpointer:
     step end at which every rank's write has finished (`poll`), or when `wait` is called: before the next
     save starts and at the end of training. A loop that calls `maybe_save` itself calls `wait` at the end.
     `last_blocking_s` is how long the newest finished save held training up (all of a synchronous save;
-    for a background one its copy, the per-step checks and the publishing)."""
+    for a background one its copy, the per-step checks and the publishing).
+
+    `on_save_error` says what a failed save (disk full, permissions; reported on every rank) does: "stop"
+    raises the `CheckpointError`, "continue" warns and trains on. Either way earlier checkpoints are
+    intact."""
 
     def __init__(
         self,
@@ -42,7 +46,10 @@ class Checkpointer:
         data: Any = None,
         config: Any = None,
         async_save: bool = False,
+        on_save_error: str = "stop",
     ) -> None:
+        if on_save_error not in ("stop", "continue"):
+            raise ValueError(f"on_save_error {on_save_error!r}; choose 'stop' or 'continue'")
         if every_steps < 0 or every_minutes < 0 or keep_last < 1:
             raise ValueError(
                 f"every_steps {every_steps} and every_minutes {every_minutes} must be >= 0, "
@@ -50,6 +57,7 @@ class Checkpointer:
             )
         self.directory, self.every_steps, self.every_minutes = Path(directory), every_steps, every_minutes
         self.keep_last, self.data, self.config, self.async_save = keep_last, data, config, async_save
+        self.on_save_error = on_save_error
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None  # the step of the newest checkpoint published or resumed from
         self._pending: PendingSave | None = None
@@ -66,6 +74,7 @@ class Checkpointer:
         return cls(
             section.dir, every_steps=section.every_steps, every_minutes=section.every_minutes,
             keep_last=section.keep_last, data=data, config=config, async_save=section.async_save,
+            on_save_error=section.on_save_error,
         )  # fmt: skip
 
     @property
@@ -147,8 +156,23 @@ class Checkpointer:
         return step
 
     def on_step_end(self, trainer: Trainer, result: object) -> None:
-        """Trainer callback: publish a finished background save; save when due."""
-        self.maybe_save(trainer)
+        """Trainer callback: publish a finished background save; save when due (a failure stops training
+        or is reported and skipped, as `on_save_error` says)."""
+        self.tolerant(self.maybe_save, trainer)
+
+    def tolerant(self, save: Callable[[Trainer], Path | None], trainer: Trainer) -> Path | None:
+        """`save(trainer)`, whose `CheckpointError` (raised on every rank alike) is re-raised with
+        `on_save_error = "stop"` and becomes a warning with "continue"."""
+        try:
+            return save(trainer)
+        except CheckpointError as error:
+            if self.on_save_error == "stop":
+                raise
+            if env.rank() == 0:
+                warnings.warn(
+                    f"{error}; training continues (on_save_error = 'continue')", CheckpointWarning, 2
+                )
+            return None
 
     def on_train_end(self, trainer: Trainer) -> None:
         """Trainer callback: finish a pending background save (never starts one).

@@ -293,8 +293,8 @@ class TrainingConfig(_Section):
 
 @dataclass(kw_only=True)
 class CheckpointConfig(_Section):
-    """`[checkpoint]`: where and how often to save (0 = never by that criterion), how many to keep, and
-    whether saving overlaps training."""
+    """`[checkpoint]`: where and how often to save (0 = never by that criterion), how many to keep,
+    whether saving overlaps training, and whether a failed save stops training or is reported and skipped."""
 
     SECTION: ClassVar[str] = "checkpoint"
     dir: str | None = None
@@ -302,6 +302,7 @@ class CheckpointConfig(_Section):
     every_minutes: float = 0.0
     keep_last: int = 3
     async_save: bool = False
+    on_save_error: Literal["stop", "continue"] = "stop"
 
     def check(self) -> None:
         self._at_least(0, "every_steps", "every_minutes")

@@ -215,7 +215,7 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         steps, t.steps - trainer.step, t.eval_every, lambda: _eval_batches(config, mesh)
     )  # a resumed run does the steps left
     if checkpointer is not None and checkpointer.last_saved_step != trainer.step:
-        checkpointer.save(trainer)  # the final state, whatever the period
+        checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus) and pipeline is None:  # sampling needs the whole model
