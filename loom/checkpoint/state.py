@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.manifest import CheckpointError
@@ -79,7 +79,7 @@ def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: 
     if isinstance(optimizer, ZeroOptimizer):
         state["optim"] = zero_load_template(model, optimizer, saved_optimizer_states(metadata))
     else:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = plain_load_template(model, optimizer, saved_optimizer_states(metadata))
     return state
 
 
@@ -89,7 +89,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     if isinstance(optimizer, ZeroOptimizer):
         defer_zero_load(model, optimizer, state["state"])
     else:
-        set_optimizer_state_dict(model, optimizer, state)
+        load_plain_state(model, optimizer, state)
 
 
 def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -105,6 +105,82 @@ def load_hyper_parameters(optimizer: torch.optim.Optimizer, groups: list[dict[st
         )
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved)
+
+
+# ---- optimizer level 0: a plain torch optimizer ------------------------------------------------------------
+
+
+def plain_load_template(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Empty places for DCP to fill, in `get_optimizer_state_dict`'s structure: the states the checkpoint has
+    for this optimizer's trainable parameters, each laid out like its parameter (a scalar such as `step`:
+    whole), and this optimizer's parameter groups (DCP overwrites their settings with the saved ones).
+
+    Built from the checkpoint's metadata rather than by `get_optimizer_state_dict`, which on an optimizer
+    without states first builds every one of them (a step on zero gradients) only for DCP to overwrite them:
+    most of a load's time. States the metadata does not place (not elementwise) take that path still."""
+    names = _names(model)
+    params = _trainable(optimizer)
+    if not all(_elementwise(param, saved.get(names[param], {})) for param in params):
+        return get_optimizer_state_dict(model, optimizer)
+    template: dict[str, ParamState] = {}
+    for param in params:
+        name = names[param]
+        if name in saved:
+            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+    return {"state": template, "param_groups": _named_groups(optimizer, names)}
+
+
+def load_plain_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put `plain_load_template`'s state, filled in by DCP, into the optimizer, replacing what it holds:
+    trainable parameters without saved states are left without (fresh ones are built at the next step).
+
+    What `set_optimizer_state_dict` does, without its first step on zero gradients (it takes one on an
+    optimizer without states, to build states that `load_state_dict` then replaces): the states go in by
+    parameter name, in the optimizer's parameter order; group i takes the settings DCP read into group i."""
+    names = _names(model)
+    saved = state["state"]
+    states = {names[p]: saved[names[p]] for p in _trainable(optimizer) if names[p] in saved}
+    groups = [
+        {**_settings(loaded), "params": named["params"]}
+        for named, loaded in zip(_named_groups(optimizer, names), state["param_groups"], strict=True)
+    ]
+    # `load_state_dict` pairs the groups' parameter names with the parameters by position, keys the states
+    # by them and casts the states as it does torch's own state dicts (`step` stays on the CPU, ...)
+    optimizer.load_state_dict({"state": states, "param_groups": groups})
+
+
+def _trainable(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The parameters that have optimizer states (those that take gradients), in the optimizer's order."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def _elementwise(param: nn.Parameter, saved: dict[str, Any]) -> bool:
+    """Whether the metadata tells how to lay out each of a parameter's saved states: shaped like it (laid out
+    like it), a scalar (whole) or a Python value. Not for a 0-dimensional DTensor parameter, whose states
+    (DTensors) and `step` (a plain tensor) the metadata describes alike."""
+    if isinstance(param, DTensor) and param.dim() == 0:
+        return not saved
+    return all(
+        not isinstance(meta, TensorStorageMetadata)
+        or len(meta.size) == 0
+        or tuple(meta.size) == tuple(param.shape)
+        for meta in saved.values()
+    )
+
+
+def _named_groups(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str]) -> list[dict[str, Any]]:
+    """The parameter groups as `get_optimizer_state_dict` gives them: settings, and parameters by name."""
+    return [
+        {**_settings(group), "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 # ---- optimizer levels 1-3: chunk states <-> per-parameter states -------------------------------------------
