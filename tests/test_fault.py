@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from job_cases import job_config
 from torch import nn
 
 from loom.checkpoint import read_model_tensors
@@ -20,7 +21,6 @@ from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
 from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
 from loom.train.config import TrainConfig
-from loom.train.data import write_token_file
 from loom.train.job import run
 from loom.train.trainer import Trainer
 
@@ -126,20 +126,8 @@ def test_trainer_skips_a_non_finite_step():
 
 
 def _config(tmp_path, name: str, **fault) -> TrainConfig:
-    tokens = tmp_path / "tokens.bin"
-    if not tokens.exists():
-        write_token_file(tokens, np.random.default_rng(0).integers(0, 256, 20_000))
-    return TrainConfig.from_dict(
-        {
-            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16},
-            "data": {"kind": "tokens", "path": str(tokens), "seq_len": 16},
-            "parallel": {"dp": 2},
-            "train": {"steps": STEPS, "global_batch": 4, "workers": 2, "eval_every": 0, "log_every": 100,
-                      "warmup_steps": 2, "lr": 1e-2},
-            "checkpoint": {"dir": str(tmp_path / name), "every_steps": 2, "keep_last": 10},
-            "fault": {"heartbeat_timeout_s": 20, **fault},
-        }
-    )  # fmt: skip
+    checkpoint = {"dir": str(tmp_path / name), "every_steps": 2, "keep_last": 10}
+    return job_config(tmp_path, checkpoint=checkpoint, fault={"heartbeat_timeout_s": 20, **fault})
 
 
 def _supervised(config: TrainConfig, faults=()):

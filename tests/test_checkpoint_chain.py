@@ -1,0 +1,48 @@
+"""Tier 3: one training run carried through four plans by its checkpoints. `loom train`'s job saves under one
+plan and world size and resumes under the next: dp=4 at optimizer level 1 -> dp=2 x tp=2 at level 2 -> a
+2-stage pipeline on 2 ranks -> one device. The losses must follow the run that never changed plan (fp32,
+relative 1e-5: other meshes sum in other orders), and the final parameters too."""
+
+import pytest
+import torch
+from job_cases import job_config
+
+from loom.checkpoint import read_model_tensors
+from loom.train.job import run
+
+PER_PLAN = 2
+PLANS = [  # (workers, [parallel])
+    (4, {"dp": 4, "optimizer_level": 1}),
+    (4, {"dp": 2, "tp": 2, "optimizer_level": 2}),
+    (2, {"dp": 1, "pp": 2, "microbatches": 2, "optimizer_level": 0}),
+    (1, {"dp": 1, "optimizer_level": 0}),
+]
+STEPS = PER_PLAN * len(PLANS)
+
+
+def _config(tmp_path, name, workers, parallel, steps):
+    # a constant learning rate: each run's schedule must not depend on where the chain stops it
+    return job_config(
+        tmp_path,
+        model={"n_heads": 2, "tie_embeddings": False},
+        parallel=parallel,
+        train={"steps": steps, "global_batch": 8, "workers": workers, "schedule": "constant",
+               "warmup_steps": 0, "lr": 3e-3},
+        checkpoint={"dir": str(tmp_path / name), "every_steps": PER_PLAN, "keep_last": 10},
+    )  # fmt: skip
+
+
+def test_resharding_chain_follows_the_uninterrupted_run(dist_run, tmp_path):
+    workers, parallel = PLANS[0]
+    expected = dist_run(workers, run, _config(tmp_path, "straight", workers, parallel, STEPS))[0]["losses"]
+    losses = []
+    for index, (workers, parallel) in enumerate(PLANS):
+        config = _config(tmp_path, "chain", workers, parallel, PER_PLAN * (index + 1))
+        done = dist_run(workers, run, config)[0]
+        assert len(done["losses"]) == PER_PLAN, f"plan {index} resumed at the wrong step"
+        losses += done["losses"]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    final = f"step_{STEPS:06d}"
+    straight, chained = (read_model_tensors(tmp_path / name / final) for name in ("straight", "chain"))
+    for name, tensor in straight.items():
+        torch.testing.assert_close(chained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
