@@ -23,13 +23,19 @@ class Tokens:
         return ids[:-1], ids[1:]
 
 
-def setup(dp, tp, level):
-    """A fresh GPT, optimizer (AdamW at `level`), schedule, Trainer and data loader on a dp x tp mesh."""
+def parallel_gpt(dp, tp):
+    """A fresh GPT laid out on a dp x tp mesh, and its data loader."""
     mesh = loom.init({"dp": dp, "tp": tp})
     data = DistributedBatches(Tokens(), GLOBAL_BATCH, mesh.dp_rank(), mesh.dp_size, seed=3)
     model = GPT(CONFIG, Strategies(dp, tp))
     example = torch.zeros(GLOBAL_BATCH // dp, SEQ, dtype=torch.long)
     loom.parallelize(model, mode="semi_auto", example_inputs=(example, example))
+    return model, data
+
+
+def setup(dp, tp, level):
+    """A fresh GPT, optimizer (AdamW at `level`), schedule, Trainer and data loader on a dp x tp mesh."""
+    model, data = parallel_gpt(dp, tp)
     optimizer = make_optimizer(model, torch.optim.AdamW, level, lr=3e-3, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     trainer = Trainer(model, optimizer, lr_scheduler=schedule, clip_grad_norm=0.5)

@@ -5,28 +5,21 @@ states without."""
 
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_cases import CONFIG, GLOBAL_BATCH, SEQ, Tokens, setup
+from checkpoint_cases import parallel_gpt, setup
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-import loom
 from loom.checkpoint import load_checkpoint, save_checkpoint
 from loom.checkpoint.state import load_hyper_parameters
-from loom.models.gpt import GPT, Strategies
 from loom.parallel import make_optimizer
 from loom.train import Trainer
-from loom.train.data import DistributedBatches
 
 DP, TP = 1, 2  # tensor parallelism: states are sharded DTensors
 
 
 def _sgd_setup(dp, tp, level):
     """`setup`'s GPT and data with SGD and momentum (a `momentum_buffer`, no `step`)."""
-    mesh = loom.init({"dp": dp, "tp": tp})
-    data = DistributedBatches(Tokens(), GLOBAL_BATCH, mesh.dp_rank(), mesh.dp_size, seed=3)
-    model = GPT(CONFIG, Strategies(dp, tp))
-    example = torch.zeros(GLOBAL_BATCH // dp, SEQ, dtype=torch.long)
-    loom.parallelize(model, mode="semi_auto", example_inputs=(example, example))
+    model, data = parallel_gpt(dp, tp)
     optimizer = make_optimizer(model, torch.optim.SGD, level, lr=0.1, momentum=0.9)
     return model, Trainer(model, optimizer), data
 
