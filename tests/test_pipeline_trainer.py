@@ -1,10 +1,12 @@
 """Pipelines in the Trainer and in `loom train`.
 
 Tier 2: the reference GPT trained 3 steps by `PipelineTrainer` (every schedule at pp=2, 1f1b at pp=4, dp x pp
-on 4 ranks, tied embeddings; clipping on, some cases accumulating) gives the single-device Trainer's losses,
+on 4 ranks, tied embeddings; clipping on, some cases accumulating; tensor parallelism inside the stages: tp x
+pp on 4 ranks and dp x tp x pp on 8, with sequence parallelism) gives the single-device Trainer's losses,
 gradient norms, parameters and evaluation loss; a non-finite step changes nothing on any stage; the mesh's
-pp and dp groups. `loom train`: the combinations not supported yet fail clearly (tier 1); a pipeline run's
-checkpoint equals one device's and resumes on one device; a run with a pipeline learns (tier 3).
+pp and dp groups, and a stage's mesh within one pipeline rank. `loom train`: the combinations not supported
+yet fail clearly (tier 1); a pipeline run's checkpoint (also with tp x pp) equals one device's and resumes
+on one device; a run with a pipeline learns (tier 3).
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ from test_pipeline_equivalence import CONFIG, batches, optimizer
 import loom
 from loom.checkpoint.export import read_model_tensors
 from loom.cli.main import main
-from loom.models.gpt import GPT, GPTConfig
+from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.pipeline import gpt_pipeline, source_names
 from loom.train.config import TrainConfig
 from loom.train.data import micro_batches, write_token_file
@@ -48,16 +50,18 @@ def _reference(accum: int, tied: bool):
     return [m.loss for m in metrics], [m.grad_norm for m in metrics], evaluation, params
 
 
-def pipeline_trainer_case(schedule, dp, pp, virtual, microbatches, accum, tied):
-    mesh = loom.init({"pp": pp, "dp": dp})
+def pipeline_trainer_case(
+    schedule, dp, pp, virtual, microbatches, accum, tied, tp=1, sequence_parallel=False
+):
+    mesh = loom.init({"pp": pp, "dp": dp} | ({"tp": tp} if tp > 1 else {}))
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
-        model = GPT(_gpt_config(tied))
+        model = GPT(_gpt_config(tied), Strategies(dp, tp, sequence_parallel))
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
     trainer = PipelineTrainer(pipe, optimizer(pipe.parameters()), grad_accum=accum, clip_grad_norm=CLIP)
     rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
     metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
-    params = {
-        name: p.detach()
+    params = {  # whole parameters (a tensor-parallel stage's shards gathered over its stage mesh)
+        name: loom.full(p.detach())
         for stage in pipe.modules
         for name, p in zip(source_names(model, stage), stage.parameters(), strict=True)
     }
@@ -83,10 +87,29 @@ CASES = [  # (schedule, dp, pp, virtual stages per rank, pipeline micro-batches,
 
 @pytest.mark.parametrize(("schedule", "dp", "pp", "virtual", "microbatches", "accum", "tied"), CASES)
 def test_pipeline_trainer_matches_one_device(dist_run, schedule, dp, pp, virtual, microbatches, accum, tied):
+    _check_against_one_device(dist_run, (schedule, dp, pp, virtual, microbatches, accum, tied))
+
+
+TP_CASES = [  # (schedule, dp, pp, virtual, micro-batches, Trainer micro-batches, tied, tp, sequence parallel)
+    ("1f1b", 1, 2, 1, 4, 1, False, 2, False),
+    ("zbv", 1, 2, 2, 4, 1, True, 2, True),  # the tied table's two users share one tensor on rank 0
+    ("interleaved", 2, 2, 2, 2, 2, True, 2, True),  # dp x tp x pp on 8 ranks
+]
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-tp{c[7]}-pp{c[2]}-sp{int(c[8])}")
+def test_tensor_parallel_pipeline_matches_one_device(dist_run, case):
+    """Stages laid out tensor-parallel on their own dp x tp ranks give one device's losses, gradient norms,
+    parameters and evaluation loss."""
+    _check_against_one_device(dist_run, case)
+
+
+def _check_against_one_device(dist_run, case):
+    schedule, dp, pp, _, _, accum, tied, *tensor_parallel = case
     expected, expected_norms, expected_eval, reference = _reference(accum, tied)
     assert min(expected_norms) > CLIP, "the case must clip"
-    case = (schedule, dp, pp, virtual, microbatches, accum, tied)
-    results = dist_run(dp * pp, pipeline_trainer_case, *case)
+    tp = tensor_parallel[0] if tensor_parallel else 1
+    results = dist_run(dp * tp * pp, pipeline_trainer_case, *case)
     for losses, norms, evaluation, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-5, atol=0)
@@ -119,6 +142,28 @@ def nonfinite_case():
 
 def test_a_nonfinite_step_changes_no_stage(dist_run):
     assert dist_run(2, nonfinite_case) == [(True, True, 1)] * 2
+
+
+def stage_mesh_case():
+    mesh = loom.init({"pp": 2, "dp": 2, "tp": 2})
+    stage = mesh.without("pp")
+    ranks = lambda axis: dist.get_process_group_ranks(stage.axis_group(axis))  # noqa: E731
+    return (
+        repr(stage),
+        ranks("dp"),
+        ranks("tp"),
+        dist.get_process_group_ranks(stage.sub_mesh((0, 1)).get_group()),
+    )
+
+
+def test_a_stage_mesh_never_spans_pipeline_ranks(dist_run):
+    """`Mesh.without("pp")`: the dp x tp ranks of one pipeline rank (pp outermost: ranks 0-3, then 4-7)."""
+    results = dist_run(8, stage_mesh_case)
+    for rank, (text, dp, tp, both) in enumerate(results):
+        base = rank // 4 * 4
+        assert text == "Mesh(dp=2, tp=2; canonical 2 x 2)"
+        assert dp == [base + rank % 2, base + rank % 2 + 2] and tp == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert both == [base, base + 1, base + 2, base + 3]
 
 
 def mesh_groups_case():
@@ -174,6 +219,15 @@ def test_a_pipeline_checkpoint_resumes_on_one_device(dist_run, tmp_path):
     _assert_close(read_model_tensors(tmp_path / "pp" / "step_000006"), read_model_tensors(final))
 
 
+def test_a_tensor_parallel_pipeline_checkpoint_equals_one_device(dist_run, tmp_path):
+    """`loom train` with pp=2 x tp=2 (sequence parallel) saves what one device saves."""
+    parallel = {"pp": 2, "tp": 2, "sequence_parallel": True}
+    dist_run(4, run, _checkpointed(tmp_path, "tp_pp", parallel=parallel, train={"workers": 4}))
+    dist_run(1, run, _checkpointed(tmp_path, "one", parallel={"pp": 1}, train={"workers": 1}))
+    step = "step_000006"
+    _assert_close(read_model_tensors(tmp_path / "tp_pp" / step), read_model_tensors(tmp_path / "one" / step))
+
+
 def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert tensors.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -183,7 +237,6 @@ def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Te
 @pytest.mark.parametrize(
     ("sections", "fix"),
     [
-        ({"parallel": {"tp": 2}}, "set parallel.tp = 1"),
         ({"parallel": {"optimizer_level": 1}}, "set parallel.optimizer_level = 0"),
         ({"model": {"positions": "rotary"}}, 'set model.positions = "learned"'),
         ({"parallel": {"schedule": "interleaved"}}, "raise model.n_layers or lower pp"),
@@ -203,6 +256,7 @@ def test_fewer_microbatches_than_stages_is_a_clear_error(tmp_path):
 def test_supported_pipeline_config_passes(tmp_path):
     check_pipeline(_config(tmp_path))
     check_pipeline(_config(tmp_path, parallel={"pp": 1, "tp": 2, "optimizer_level": 2}))
+    check_pipeline(_config(tmp_path, parallel={"tp": 2, "sequence_parallel": True}))
 
 
 def test_loom_train_with_a_pipeline_learns(tmp_path, capfd):

@@ -73,3 +73,15 @@ def unsharded() -> Iterator[None]:
         yield
     finally:
         _current = saved
+
+
+@contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[None]:
+    """Inside the block `mesh` is the current mesh (e.g. a pipeline stage's own dp x tp mesh, while the stage
+    is laid out and run), whatever was current before."""
+    global _current
+    saved, _current = _current, mesh
+    try:
+        yield
+    finally:
+        _current = saved

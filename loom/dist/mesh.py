@@ -122,6 +122,7 @@ class Mesh:
     shape: MeshShape
     device_mesh: DeviceMesh
     _sub_meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict, repr=False)
+    _without: dict[str, Mesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, shape: MeshShape, device_type: str = "cpu") -> Mesh:
@@ -197,6 +198,27 @@ class Mesh:
         if self.axis_size(name) == 1:
             return None
         return self[name].get_group()
+
+    def without(self, axis: str) -> Mesh:
+        """The mesh of the other named axes among the ranks that share this rank's index along `axis` (for
+        `"pp"`: this pipeline stage's dp x tp mesh), so that collectives on it never cross `axis`.
+
+        A slice of this mesh's DeviceMesh (DTensor still finds the flattened runs on the root mesh), built
+        on first use by every rank together (flattening may create process groups), then cached.
+        """
+        if axis not in self._without:
+            if self.axis_size(axis) == 1:
+                raise ValueError(f"mesh axis {axis!r} has size 1 in {self}: there is nothing to cut out")
+            kept = tuple((name, size) for name, size in self.shape.sizes if name != axis)
+            shape = MeshShape(sizes=kept, world_size=self.world_size // self.axis_size(axis))
+            names = self.device_mesh.mesh_dim_names
+            dims = [names[d] for name, _ in kept for d in self.shape.canonical_dims_of(name)]
+            if not dims:
+                raise ValueError(f"{self} has no axis of size > 1 besides {axis!r}")
+            mesh = Mesh(shape=shape, device_mesh=self.device_mesh[tuple(dims)])
+            mesh._flatten_all_runs()
+            self._without[axis] = mesh
+        return self._without[axis]
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of named axis `name` (`mesh["dp"]`), e.g. for its process group."""

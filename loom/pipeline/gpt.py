@@ -5,6 +5,12 @@ last.
 tensors of the model it came from and its parameters keep the model's names through `source_names`.
 `gpt_pipeline` builds one rank's part of a pipeline on a mesh's pp axis; from a GPT on the meta device it
 allocates and initialises only that rank's stages.
+
+With a "tp" axis (tp x pp, dp x tp x pp), each stage is laid out by `loom.parallelize` on its own stage
+mesh, the dp x tp ranks that share its pp index (`Mesh.without("pp")`), so that no collective of a stage
+ever spans pipeline ranks (which hold other stages). torch's schedules move plain tensors between stages:
+a stage's input is this rank's piece of the residual stream (its rows of the batch; with sequence
+parallelism also its cut of the sequence), made a DTensor on entry and its local piece again on exit.
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
+from loom.layout.parameters import materialize
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
+from loom.parallel.parallelize import parallelize
 from loom.pipeline.schedule import SCHEDULES, Pipeline, Tied, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
 
@@ -25,8 +35,11 @@ class GPTStage(nn.Module):
 
     The first stage takes token ids (batch, seq); the others the residual stream (batch, seq, d_model); the
     last returns logits (batch, seq, vocab). With tied embeddings the last stage's head is the model's
-    `embedding` (on another rank, that rank's copy: see `Tied`).
+    `embedding` (on another rank, that rank's copy: see `Tied`). A stage laid out on a stage mesh
+    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors.
     """
+
+    boundary: tuple[Placement, ...] | None = None
 
     def __init__(self, model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -50,7 +63,10 @@ class GPTStage(nn.Module):
         for block in self.blocks:
             x = block(x, mask, None)
         if self.last:
-            x = self.logits(self.norm(x), self.head)
+            return self.logits(self.norm(x), self.head)  # on a stage mesh a DTensor, as the loss takes it
+        if self.boundary is not None:  # torch's schedules send plain tensors: this rank's piece of the stream
+            # a copy, not the view `to_local` gives: the zero-bubble schedules detach outputs in place
+            x = x.redistribute(x.device_mesh, self.boundary).to_local().clone()
         return x
 
 
@@ -93,6 +109,28 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_cross_entropy(logits, targets)
 
 
+def sharded_gpt_loss(mesh: Mesh):
+    """The last stage's loss function on a stage mesh: the vocab-parallel cross-entropy of the logits
+    (a DTensor) against this rank's rows of the targets, as a plain scalar, the mean over the micro-batch's
+    rows of every data-parallel replica. Its backward gives each replica the gradient of that global mean,
+    so the stages' gradients are summed over the replicas (pending sums, as in `loom.parallelize`)."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets = DTensor.from_local(
+            targets, mesh.device_mesh, stream_placements(mesh, False), run_check=False
+        )
+        return vocab_parallel_cross_entropy(logits, targets).full_tensor()
+
+    return loss
+
+
+def stream_placements(mesh: Mesh, sequence_parallel: bool) -> tuple[Placement, ...]:
+    """Placements of a (batch, seq, ...) activation on a stage mesh: rows cut over "dp", the sequence cut
+    over "tp" with sequence parallelism (else whole on every tp rank), as `Strategies.stream` lays it."""
+    rows, cut = set(mesh.batch_dims), set(mesh.shape.canonical_dims_of("tp")) if sequence_parallel else set()
+    return tuple(Shard(0) if d in rows else Shard(1) if d in cut else Replicate() for d in range(mesh.ndim))
+
+
 def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1) -> list[GPTStage]:
     """The stages that pipeline rank `pp_rank` holds, in `Pipeline`'s order: the blocks cut into
     `pp * virtual` stages balanced by block count (the blocks are alike)."""
@@ -112,15 +150,76 @@ def materialize_stages(
     constant tables) allocated on `device` and initialised by `GPT.init_weights(seed)`, which seeds each
     parameter by its name: the values are those of the whole model built on one device."""
     for name in [n for stage in stages for n in source_names(model, stage)]:
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        meta = getattr(module, leaf)
-        setattr(module, leaf, nn.Parameter(torch.empty_like(meta, device=device), meta.requires_grad))
-    for name, buffer in list(model.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device=device))
+        meta = model.get_parameter(name)
+        _set(model, name, nn.Parameter(torch.empty_like(meta, device=device), meta.requires_grad))
+    _materialize_buffers(model, device)
     model.init_weights(seed)  # parameters still on the meta device (other ranks' stages) are skipped
     return [GPTStage(model, s.block_indices, first=s.first, last=s.last) for s in stages]
+
+
+def shard_stages(
+    model: GPT, stages: Sequence[GPTStage], mesh: Mesh, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[GPTStage]:
+    """`stages` of a GPT built on the meta device with its tensor-parallel `Strategies`, each laid out on
+    the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
+    with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
+    whole model on one device). Gradients are left pending: `Pipeline` reduces them after a step."""
+    s = model.strategies
+    if (s.dp, s.tp) != (mesh.dp_size, mesh.axis_size("tp")):
+        raise ValueError(
+            f"the GPT's Strategies are for dp {s.dp} x tp {s.tp} but the stage mesh is {mesh}: build the GPT "
+            f"with Strategies(dp={mesh.dp_size}, tp={mesh.axis_size('tp')}, ...)"
+        )
+    _materialize_buffers(model, device)
+    stages = [GPTStage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
+    names = [source_names(model, stage) for stage in stages]
+    with use_mesh(mesh):
+        for stage in stages:
+            parallelize(stage, mode="semi_auto", example_inputs=(_example_input(model, stage),))
+            stage.loom.grad_sync.remove()  # the schedule runs many backward passes a step: reduced once after
+            materialize(stage, device)
+            stage.boundary = stream_placements(mesh, s.sequence_parallel)
+            if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
+                stage.register_forward_pre_hook(_enter(mesh, stage.boundary), prepend=True)
+    for stage, stage_names in zip(stages, names, strict=True):  # the model (init_weights) sees the shards
+        for (path, param), name in zip(list(stage.named_parameters()), stage_names, strict=True):
+            if not isinstance(model.get_parameter(name), DTensor):
+                _set(model, name, param)
+            _set(stage, path, model.get_parameter(name))  # one tensor for a table two stages share
+    model.init_weights(seed)  # this rank's shards; other ranks' stages are still on the meta device
+    for stage in stages:
+        stage.causal_mask.copy_(model.causal_mask)  # allocated empty by `materialize`
+    return stages
+
+
+def _example_input(model: GPT, stage: GPTStage) -> torch.Tensor:
+    """One row of what `stage` takes (token ids or the residual stream), for parallelize's dry run."""
+    seq = model.config.max_seq_len
+    if stage.first:
+        return torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return torch.zeros(1, seq, model.config.d_model, device="meta")
+
+
+def _enter(mesh: Mesh, placements: tuple[Placement, ...]):
+    """A forward pre-hook: the received local piece of the residual stream becomes the global DTensor."""
+
+    def hook(_: nn.Module, args: tuple) -> tuple:
+        (x, *rest) = args
+        return (DTensor.from_local(x, mesh.device_mesh, placements, run_check=False), *rest)
+
+    return hook
+
+
+def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` (a parameter or a buffer) at dotted `name` in `module`."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, tensor)
+
+
+def _materialize_buffers(model: GPT, device: torch.device | str) -> None:
+    """Allocate the model's constant tables on `device` (filled by `init_weights`)."""
+    for name, buffer in list(model.named_buffers()):
+        _set(model, name, torch.empty_like(buffer, device=device))
 
 
 def gpt_pipeline(
@@ -128,31 +227,45 @@ def gpt_pipeline(
 ) -> Pipeline:
     """This rank's part of `model` as a pipeline over `mesh`'s `"pp"` axis, its stages' gradients averaged
     over the `"dp"` axis. A model on the meta device gets only this rank's stages materialised (see
-    `materialize_stages`). The stages compute on this process alone (tp = 1): run them with no current
-    mesh (`loom.dist.context.unsharded`, as `PipelineTrainer` does), so that their operators' strategies
-    are ignored."""
+    `materialize_stages`).
+
+    Without a "tp" axis the stages compute on this process alone: run them with no current mesh
+    (`loom.dist.context.unsharded`, as `PipelineTrainer` does), so that their operators' strategies are
+    ignored. With one, `model` must be on the meta device, built with `Strategies` for the mesh's dp and
+    tp; its stages are laid out on the stage mesh (`shard_stages`), which `Pipeline` makes current while
+    they run."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
     stages = rank_stages(model, schedule, pp, mesh.axis_rank("pp"), virtual)
-    if any(p.is_meta for stage in stages for p in stage.parameters()):
+    stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
+    if stage_mesh is not None:
+        if not all(p.is_meta for p in model.parameters()):
+            raise ValueError("tensor-parallel pipeline stages are laid out from a GPT on the meta device")
+        stages = shard_stages(model, stages, stage_mesh, seed=seed)
+    elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
     return Pipeline(
         stages,
         schedule=schedule,
         microbatches=microbatches,
-        loss_fn=gpt_loss,
+        loss_fn=gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh),
         group=mesh.axis_group("pp"),
         dp_group=mesh.axis_group("dp"),
-        tied=tied_embedding(model, stages, schedule),
+        tied=tied_embedding(model, stages, schedule, tp=mesh.axis_size("tp")),
+        mesh=stage_mesh,
     )
 
 
-def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str) -> list[Tied]:
+def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, tp: int = 1) -> list[Tied]:
     """The embedding as a `Tied` parameter when the model ties it to the head and the first and the last
-    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor)."""
+    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). With
+    stages tensor-parallel over `tp` ranks, each rank holds (and sums) its shard: the vocab-parallel
+    table's rows cut over tp."""
     if not model.config.tie_embeddings or SCHEDULES[schedule].placement == "v":
         return []
     holds = any(stage.first or stage.last for stage in stages)
     table = model.embedding
-    return [Tied(param=table if holds else None, shape=table.shape, dtype=table.dtype, holders=2)]
+    rows, width = table.shape
+    shape = torch.Size((rows // tp, width))
+    return [Tied(param=table if holds else None, shape=shape, dtype=table.dtype, holders=2)]

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 
 class _Saved:
@@ -41,10 +42,12 @@ class SavedActivations:
         self.peak = self.live
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        key = tensor.untyped_storage().data_ptr()
+        # a DTensor (tensor-parallel stages) has no storage of its own: count its local piece's
+        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        key = storage.data_ptr()
         if key == 0 or key in self._excluded:
             return tensor
-        entry = self._storages.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
+        entry = self._storages.setdefault(key, [storage.nbytes(), 0])
         if entry[1] == 0:
             self.live += entry[0]
             self.peak = max(self.peak, self.live)

@@ -13,10 +13,15 @@ weight gradient (run later, in what would have been a bubble). The loss is compu
 averaged over the micro-batches (each weighted by 1/micro-batches in backward), broadcast to every rank of
 the pipeline and averaged over the data-parallel replicas, so `step` returns the global loss on every rank;
 gradients are those of that mean.
+
+Stages laid out on a stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current;
+their gradients (DTensors) are left pending by backward and reduced once after the batch, by route (one
+all-reduce per group of mesh dims, as `loom.parallelize` would), then given their parameters' placements.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +35,11 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
+from loom.dist.context import use_mesh
+from loom.dist.mesh import Mesh
+from loom.parallel.routes import dtensor_route, fix_placements
 from loom.pipeline.stage import TimedStage
 from loom.pipeline.timeline import Recorder
 
@@ -80,7 +89,8 @@ class Tied:
     """A parameter that several pipeline ranks hold a copy of (a GPT's tied embedding: the lookup table on
     the first stage, the output head on the last). The copies start equal and stay equal, because their
     gradients are summed over the pipeline after backward. `param` is None on a rank without a copy (it
-    then sends zeros of `shape` and `dtype`); `holders` is how many ranks of a pipeline hold one."""
+    then sends zeros of `shape` and `dtype`, this rank's local shape); `holders` is how many ranks of a
+    pipeline hold one."""
 
     param: nn.Parameter | None
     shape: torch.Size
@@ -104,7 +114,9 @@ class Pipeline:
     virtual)`. Each takes the previous stage's output (the first: the model inputs) and the last returns
     what `loss_fn(output, target)` takes. `group` is the pipeline's process group (default: the world);
     `dp_group` the data-parallel replicas of these stages, whose gradients and losses are averaged. `tied`
-    lists the parameters that several stages share (see `Tied`).
+    lists the parameters that several stages share (see `Tied`). `mesh`: the stage mesh (dp x tp ranks
+    of this pipeline rank) when the stages are laid out on it; their losses are then global already and
+    their gradients reduced by their pending sums (see the module's docstring).
     """
 
     def __init__(
@@ -118,6 +130,7 @@ class Pipeline:
         dp_group: dist.ProcessGroup | None = None,
         recorder: Recorder | None = None,
         tied: Sequence[Tied] = (),
+        mesh: Mesh | None = None,
     ) -> None:
         self.pp, self.pp_rank = dist.get_world_size(group), dist.get_rank(group)
         kind = schedule_kind(schedule, len(modules))
@@ -128,7 +141,7 @@ class Pipeline:
             TimedStage(m, k, total, group=group, recorder=recorder)
             for m, k in zip(modules, indices, strict=True)
         ]
-        self.group, self.dp_group, self.microbatches = group, dp_group, microbatches
+        self.group, self.dp_group, self.microbatches, self.mesh = group, dp_group, microbatches, mesh
         self.modules = list(modules)
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
@@ -175,9 +188,9 @@ class Pipeline:
         """
         self._weight = weight / self.microbatches
         loss = self._run(self.schedule.step, inputs, targets)
-        if sync:
-            self.sum_tied_gradients()
+        if sync:  # replicas first: a tied table's copies are then laid out alike on both pipeline ranks
             self.sync_gradients()
+            self.sum_tied_gradients()
         return loss
 
     @torch.no_grad()
@@ -194,7 +207,8 @@ class Pipeline:
     def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
+        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
         # the schedule keeps the weighted losses: unweight their mean (fp32, as the other ranks receive it)
         loss = (
             torch.stack(losses).detach().float().mean() / self._weight if self.has_last else torch.zeros(())
@@ -214,13 +228,17 @@ class Pipeline:
             grad = param.grad if param is not None else None
             if grad is None:
                 grad = torch.zeros(tied.shape, dtype=tied.dtype, device=device)
-            dist.all_reduce(grad, group=self.group)
+            dist.all_reduce(_local(grad), group=self.group)
             if param is not None:
                 param.grad = grad
 
     def sync_gradients(self) -> None:
         """Average this rank's gradients over its data-parallel replicas: one all-reduce of all of them
-        packed flat (no overlap with backward; a parameter without a gradient counts as zeros)."""
+        packed flat (no overlap with backward; a parameter without a gradient counts as zeros). On a stage
+        mesh, reduce the DTensor gradients' pending sums instead (`reduce_pending`)."""
+        if self.mesh is not None:
+            reduce_pending(self.parameters(), self.mesh)
+            return
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return
         params = self.parameters()
@@ -233,6 +251,12 @@ class Pipeline:
         for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.grad.copy_(piece.view_as(p.grad))
 
+    def stage_ranks(self) -> int:
+        """How many ranks run this pipeline rank's stages together (its stage mesh, or its dp replicas)."""
+        if self.mesh is not None:
+            return self.mesh.world_size
+        return dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+
     def peak_activation_bytes(self) -> list[int]:
         """Peak bytes of saved activations of each of this rank's stages since the last reset."""
         return [s.activations.peak for s in self.stages]
@@ -240,3 +264,30 @@ class Pipeline:
     def reset_peaks(self) -> None:
         for s in self.stages:
             s.activations.reset_peak()
+
+
+def reduce_pending(params: Sequence[nn.Parameter], mesh: Mesh) -> None:
+    """Reduce the pending sums (Partial placements) of DTensor gradients on `mesh`: gradients that wait on
+    the same mesh dims are packed into one flat buffer and all-reduced together (loom.parallelize's routes,
+    without its bucketing and overlap, since a schedule runs many backward passes per step); whatever
+    else differs from a parameter's placements is then redistributed by DTensor."""
+    route = dtensor_route(mesh)
+    groups: dict[tuple, tuple] = {}
+    for param in params:
+        if param.grad is not None:
+            where, _ = route(param)
+            if where is not None:
+                groups.setdefault(where.key, (where, []))[1].append(param)
+    for where, members in groups.values():  # in the same order on every rank: the stage's parameter order
+        flat = torch.cat([_local(p.grad).reshape(-1) for p in members])
+        dist.all_reduce(flat, group=where.group)
+        if where.scale != 1:
+            flat *= where.scale
+        for param, piece in zip(members, flat.split([_local(p.grad).numel() for p in members]), strict=True):
+            where.finish(param, piece)
+    fix_placements(list(params))()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (a plain tensor as it is)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

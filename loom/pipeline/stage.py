@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from loom.pipeline.memory import SavedActivations
 from loom.pipeline.timeline import Recorder
@@ -36,7 +37,10 @@ class TimedStage(PipelineStage):
     ) -> None:
         super().__init__(module, stage_index, num_stages, device or torch.device("cpu"), group=group)
         self.recorder = recorder
-        self.activations = SavedActivations(module.parameters())
+        # parameters are not activations (a DTensor parameter: its local shard is what autograd saves)
+        self.activations = SavedActivations(
+            p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()
+        )
         self._posted: dict[tuple[str, int], float] = {}
 
     def _note_post(self, direction: str, chunk: int, ops: list) -> list:

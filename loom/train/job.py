@@ -75,8 +75,6 @@ def check_pipeline(config: TrainConfig) -> None:
         return
     virtual = SCHEDULES[par.schedule].min_virtual
     unsupported = [
-        (par.tp > 1, f"parallel.tp = {par.tp}: tensor x pipeline parallelism is not supported yet; set "
-         "parallel.tp = 1"),
         (par.optimizer_level > 0, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
          "pipelines yet; set parallel.optimizer_level = 0"),
         (model.positions != "learned", f"model.positions = {model.positions!r} is not supported by pipeline "
@@ -92,10 +90,12 @@ def check_pipeline(config: TrainConfig) -> None:
 
 def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[GPT, Pipeline]:
     """The GPT of `[model]` on the meta device, cut into stages balanced by blocks, and this rank's part of
-    the pipeline, with only its stages materialised (initialised as the whole model would be)."""
+    the pipeline, with only its stages materialised (initialised as the whole model would be). With
+    `parallel.tp > 1` each stage is laid out tensor-parallel on its own dp x tp ranks (the strategies are
+    ignored at tp = 1, where the stages run unsharded)."""
     par = config.parallel
     with torch.device("meta"):
-        model = GPT(gpt_config(config))
+        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
     pipeline = gpt_pipeline(
         model, mesh, schedule=par.schedule, microbatches=par.microbatches,
         virtual=SCHEDULES[par.schedule].min_virtual, seed=config.train.seed,
@@ -263,7 +263,13 @@ def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
     lines = [
         f"plan: {mesh}, pipeline schedule {par.schedule} with {par.microbatches} micro-batches, "
         f"{par.pp * virtual} stages, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
-        f"precision {config.train.precision}",
+        f"precision {config.train.precision}"
+        + (
+            f", tensor parallel {par.tp} inside each stage (sequence parallel "
+            f"{'on' if par.sequence_parallel else 'off'})"
+            if par.tp > 1
+            else ""
+        ),
         f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
         f"d_model {config.model.d_model}, {config.model.n_heads} heads",
     ]

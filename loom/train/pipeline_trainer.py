@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.dist import env
 from loom.dist.context import unsharded
-from loom.parallel.grads import GradView
+from loom.parallel.grads import GradView, grad_views
 from loom.pipeline import Pipeline
 from loom.train.precision import autocast
 from loom.train.trainer import Trainer
@@ -31,8 +31,9 @@ class PipelineTrainer(Trainer):
     each of `train_step`'s micro-batches is an `(inputs, targets)` pair that the pipeline cuts again into
     its own micro-batches. `model` is what `trainer.model` shows (checkpoints save its `state_dict`): by
     default the stages; `loom.pipeline.stage_parameters` gives them the whole model's names. Every rank of
-    the world runs one pipeline rank (world = pp x dp), so sums over the world (the gradient norm, the
-    finiteness check) cover every stage once per replica.
+    the world runs one pipeline rank (world = pp x dp x tp), so sums over the world (the gradient norm, the
+    finiteness check) cover every stage once per replica. Stages laid out on a stage mesh (tp > 1) run with
+    that mesh current (`Pipeline` sets it inside the `unsharded` block).
     """
 
     def __init__(
@@ -46,10 +47,10 @@ class PipelineTrainer(Trainer):
         super().__init__(model or nn.ModuleList(pipeline.modules), optimizer, **options)  # type: ignore
         self.pipeline = pipeline
         self.replicas = dist.get_world_size(pipeline.dp_group) if pipeline.dp_group is not None else 1
-        if pipeline.pp * self.replicas != env.world_size():
+        if pipeline.pp * pipeline.stage_ranks() != env.world_size():
             raise ValueError(
-                f"PipelineTrainer: pp {pipeline.pp} x dp {self.replicas} ranks do not make the world of "
-                f"{env.world_size()}: every rank must hold one pipeline rank"
+                f"PipelineTrainer: pp {pipeline.pp} x {pipeline.stage_ranks()} ranks per stage do not make the "
+                f"world of {env.world_size()}: every rank must hold one pipeline rank"
             )
 
     def _forward_backward(self, micro_batches: Sequence[tuple]) -> float:
@@ -68,11 +69,18 @@ class PipelineTrainer(Trainer):
         return sum(losses) / len(losses) if losses else float("nan")
 
     def _grad_views(self) -> list[GradView]:
-        """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (and, for a
-        tied parameter, on the other pipeline rank that holds a copy)."""
+        """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (a DTensor
+        gradient: on the stage mesh's ranks it is replicated over) and, for a tied parameter, on the other
+        pipeline rank that holds a copy. Only this pipeline rank's stage mesh holds these stages, so the
+        world-wide sum of the norm counts every element once."""
         views = []
         for param in self.params:
-            if param.grad is not None:
-                assert not isinstance(param.grad, DTensor), "pipeline stages hold plain tensors (tp = 1)"
-                views.append(GradView(param.grad, self.replicas * self.pipeline.holders(param)))
+            if param.grad is None:
+                continue
+            holders = self.pipeline.holders(param)
+            if isinstance(param.grad, DTensor):
+                (view,) = grad_views([param])
+                views.append(GradView(view.local, view.copies * holders))
+            else:
+                views.append(GradView(param.grad, self.replicas * holders))
         return views
