@@ -1,6 +1,7 @@
 """Tier 3: one training run carried through four plans by its checkpoints. `loom train`'s job saves under one
 plan and world size and resumes under the next: dp=4 at optimizer level 1 -> dp=2 x tp=2 at level 2 -> a
-2-stage pipeline on 2 ranks -> one device. The losses must follow the run that never changed plan (fp32,
+2-stage pipeline with dp=2 at level 1 (states sharded over each stage's replicas) -> a 2-stage pipeline on 2
+ranks -> one device. The losses must follow the run that never changed plan (fp32,
 relative 1e-5: other meshes sum in other orders), and the final parameters too."""
 
 import pytest
@@ -14,6 +15,7 @@ PER_PLAN = 2
 PLANS = [  # (workers, [parallel])
     (4, {"dp": 4, "optimizer_level": 1}),
     (4, {"dp": 2, "tp": 2, "optimizer_level": 2}),
+    (4, {"dp": 2, "pp": 2, "microbatches": 2, "optimizer_level": 1}),
     (2, {"dp": 1, "pp": 2, "microbatches": 2, "optimizer_level": 0}),
     (1, {"dp": 1, "optimizer_level": 0}),
 ]

@@ -2,11 +2,12 @@
 
 Tier 2: the reference GPT trained 3 steps by `PipelineTrainer` (every schedule at pp=2, 1f1b at pp=4, dp x pp
 on 4 ranks, tied embeddings; clipping on, some cases accumulating; tensor parallelism inside the stages: tp x
-pp on 4 ranks and dp x tp x pp on 8, with sequence parallelism) gives the single-device Trainer's losses,
-gradient norms, parameters and evaluation loss; a non-finite step changes nothing on any stage; the mesh's
-pp and dp groups, and a stage's mesh within one pipeline rank. `loom train`: the combinations not supported
-yet fail clearly (tier 1); a pipeline run's checkpoint (also with tp x pp) equals one device's and resumes
-on one device; a run with a pipeline learns (tier 3).
+pp on 4 ranks and dp x tp x pp on 8, with sequence parallelism; optimizer levels 1 and 2 over dp x pp and
+dp x tp x pp) gives the single-device Trainer's losses, gradient norms, parameters and evaluation loss; a
+non-finite step changes nothing on any stage; the mesh's pp and dp groups, and a stage's mesh within one
+pipeline rank. `loom train`: the combinations not supported
+yet fail clearly (tier 1); a pipeline run's checkpoint (also with tp x pp, and at optimizer levels 1-2)
+equals one device's and resumes on one device; a run with a pipeline learns (tier 3).
 """
 
 import dataclasses
@@ -19,18 +20,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_pipeline_equivalence import CONFIG, batches, optimizer
+from torch.distributed.tensor import DTensor
 
 import loom
 from loom.checkpoint.export import read_model_tensors
 from loom.cli.main import main
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.pipeline import gpt_pipeline, source_names
+from loom.pipeline import gpt_pipeline, pipeline_optimizer, source_names
 from loom.train.config import TrainConfig
 from loom.train.data import micro_batches, write_token_file
 from loom.train.job import check_pipeline, run
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer
 
+OPTIMIZER = {"lr": 3e-3, "weight_decay": 0.1}  # test_pipeline_equivalence's `optimizer`
 CLIP = 0.1  # below every step's gradient norm (about 0.3 to 0.5 here), so that clipping acts
 
 
@@ -51,15 +54,19 @@ def _reference(accum: int, tied: bool):
 
 
 def pipeline_trainer_case(
-    schedule, dp, pp, virtual, microbatches, accum, tied, tp=1, sequence_parallel=False
+    schedule, dp, pp, virtual, microbatches, accum, tied, tp=1, sequence_parallel=False, level=0
 ):
     mesh = loom.init({"pp": pp, "dp": dp} | ({"tp": tp} if tp > 1 else {}))
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
         model = GPT(_gpt_config(tied), Strategies(dp, tp, sequence_parallel))
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
-    trainer = PipelineTrainer(pipe, optimizer(pipe.parameters()), grad_accum=accum, clip_grad_norm=CLIP)
+    optim = pipeline_optimizer(pipe, torch.optim.AdamW, level, **OPTIMIZER)
+    trainer = PipelineTrainer(pipe, optim, grad_accum=accum, clip_grad_norm=CLIP)
     rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
     metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
+    if level:  # each replica keeps states for its chunk of the stage's elements only
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pipe.parameters())
+        assert sum(shard.master.numel() for shard in optim.shards) < local * 0.6
     params = {  # whole parameters (a tensor-parallel stage's shards gathered over its stage mesh)
         name: loom.full(p.detach())
         for stage in pipe.modules
@@ -102,6 +109,40 @@ def test_tensor_parallel_pipeline_matches_one_device(dist_run, case):
     """Stages laid out tensor-parallel on their own dp x tp ranks give one device's losses, gradient norms,
     parameters and evaluation loss."""
     _check_against_one_device(dist_run, case)
+
+
+LEVEL_CASES = [  # TP_CASES' fields, then the optimizer level: states (level 2: gradients) sharded over dp
+    ("gpipe", 2, 2, 1, 2, 1, False, 1, False, 1),
+    ("1f1b", 2, 2, 1, 2, 2, True, 1, False, 1),
+    ("interleaved", 2, 2, 2, 2, 1, True, 1, False, 1),  # two stages per rank
+    ("1f1b", 2, 2, 1, 2, 2, True, 1, False, 2),
+    ("interleaved", 2, 2, 2, 2, 1, True, 1, False, 2),
+    ("zbv", 2, 2, 2, 2, 1, True, 1, False, 2),  # the tied table's two users share one tensor on rank 0
+    ("1f1b", 2, 2, 1, 2, 1, True, 2, True, 1),  # dp x tp x pp on 8 ranks
+    ("interleaved", 2, 2, 2, 2, 2, True, 2, True, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "case", LEVEL_CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-tp{c[7]}-pp{c[2]}-v{c[3]}-level{c[9]}"
+)
+def test_optimizer_levels_with_a_pipeline_match_one_device(dist_run, case):
+    """Optimizer levels 1 and 2 shard a stage's states (and gradients) over the ranks that run it, and give
+    one device's losses, gradient norms, parameters and evaluation loss."""
+    _check_against_one_device(dist_run, case)
+
+
+def optimizer_level_3_case():
+    mesh = loom.init({"pp": 2, "dp": 2})
+    with torch.device("meta"):
+        model = GPT(_gpt_config(False))
+    pipe = gpt_pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    with pytest.raises(ValueError, match="optimizer_level = 2"):
+        pipeline_optimizer(pipe, torch.optim.AdamW, 3, **OPTIMIZER)
+
+
+def test_optimizer_level_3_with_a_pipeline_is_a_clear_error(dist_run):
+    dist_run(4, optimizer_level_3_case)
 
 
 def _check_against_one_device(dist_run, case):
@@ -206,9 +247,14 @@ def _checkpointed(tmp_path, name: str, **sections) -> TrainConfig:
     return _config(tmp_path, checkpoint=checkpoint, train=train, **sections)
 
 
-def test_a_pipeline_checkpoint_resumes_on_one_device(dist_run, tmp_path):
-    """pp=2 saves what one device saves (by the GPT's parameter names), and one device resumes from it."""
-    dist_run(2, run, _checkpointed(tmp_path, "pp"))
+@pytest.mark.parametrize(
+    ("workers", "level"), [(2, 0), (4, 1), (4, 2)], ids=["pp2", "dp2-pp2-level1", "dp2-pp2-level2"]
+)
+def test_a_pipeline_checkpoint_resumes_on_one_device(dist_run, tmp_path, workers, level):
+    """pp=2 (with dp=2: at optimizer levels 1 and 2, the states sharded over each stage's replicas) saves what
+    one device saves (by the GPT's parameter names), and one device resumes from it."""
+    parallel = {"optimizer_level": level}
+    dist_run(workers, run, _checkpointed(tmp_path, "pp", parallel=parallel, train={"workers": workers}))
     one_device = {"parallel": {"pp": 1}, "train": {"workers": 1}}
     dist_run(1, run, _checkpointed(tmp_path, "one", **one_device))
     final = tmp_path / "one" / "step_000006"
@@ -237,7 +283,7 @@ def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Te
 @pytest.mark.parametrize(
     ("sections", "fix"),
     [
-        ({"parallel": {"optimizer_level": 1}}, "set parallel.optimizer_level = 0"),
+        ({"parallel": {"optimizer_level": 3}}, "set parallel.optimizer_level = 2"),
         ({"model": {"positions": "rotary"}}, 'set model.positions = "learned"'),
         ({"parallel": {"schedule": "interleaved"}}, "raise model.n_layers or lower pp"),
     ],

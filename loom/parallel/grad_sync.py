@@ -127,7 +127,11 @@ class GradSync:
         route: Callable[[nn.Parameter], tuple[Route | None, torch.Tensor]],
         bucket_mb: float = 25.0,
         after_sync: Callable[[], None] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        # the ranks that run `module` together (None: the world); their usage agreement never leaves them, so
+        # that pipeline ranks, which hold other stages and are elsewhere in the schedule, take no part
+        self.group = group
         self.shard_gradients = False  # ZeRO level 2: reduce-scatter, keep only this rank's chunk
         self.unit_of: dict[nn.Parameter, int] = {}  # ZeRO level 3: buckets never span two units
         self.route = route
@@ -178,6 +182,21 @@ class GradSync:
         if not self._queued:
             self._queued = True
             queue_backward_callback(self._finish)
+        self._take(param)
+
+    def reduce_now(self) -> None:
+        """Reduce the gradients accumulated so far, outside backward: for a module whose hooks are removed
+        because many backward passes make one step (a pipeline schedule's micro-batches). Gradients are taken
+        in reverse parameter order (the same on every rank, roughly backward's), then reduced as at the end
+        of a backward pass."""
+        self._reset_pass()
+        for param in reversed(self.params):
+            if param.grad is not None:
+                self._take(param)
+        self._finish()
+
+    def _take(self, param: nn.Parameter) -> None:
+        """Pack a ready gradient into its bucket, and launch the buckets completed in order."""
         route, local_grad = self.route(param)
         if route is None:
             return
@@ -217,7 +236,8 @@ class GradSync:
             flags[0, 0, i] = float(id(param) in seen)
             flags[0, 1, i] = float(id(param) in leftover_here)
         flags[1] = -flags[0]
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [0]: any rank; [1]: minus "every rank"
+        # [0]: any rank; [1]: minus "every rank"
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         anywhere, everywhere = flags[0], -flags[1]
         if self.static is None and not torch.equal(anywhere, everywhere):
             differ = [

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.dist.collectives import all_gather_flat
-from loom.parallel.grad_sync import Bucket
+from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.zero3 import ParameterSharding
 
@@ -82,24 +82,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """`optimizer_class` (e.g. `torch.optim.AdamW`) with its states sharded over data-parallel replicas.
 
     Holds the model's parameters in `param_groups` (so learning-rate schedulers work as usual) and builds the
-    sharded optimizer at the first step, when the gradient buckets are known.
+    sharded optimizer at the first step, when the gradient buckets are known. The buckets are those of the
+    model's `GradSync` (`model.loom.grad_sync`), or of `grad_sync` when given (a pipeline's stages, which
+    reduce their gradients once after the schedule: see `loom.pipeline.optimizer`).
     """
 
     def __init__(
-        self, model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], level: int = 1, **hyper
+        self,
+        model: nn.Module,
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        level: int = 1,
+        *,
+        grad_sync: GradSync | None = None,
+        **hyper,
     ) -> None:
         if level not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer takes level 1, 2 or 3, got {level} (level 0: a plain optimizer)")
         state = getattr(model, "loom", None)
-        if state is None:
+        if state is None and grad_sync is None:
             raise ValueError("ZeroOptimizer needs a model made parallel by loom.parallelize")
+        if level == 3 and state is None:
+            raise ValueError(
+                "ZeroOptimizer level 3 shards parameters at rest through the model's ParallelState, which a "
+                "module with its own grad_sync (a pipeline's stages) lacks; use level 1 or 2"
+            )
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         super().__init__(params, hyper)
-        self.sync = state.grad_sync
+        self.sync = grad_sync if grad_sync is not None else state.grad_sync
         self.sync.shard_gradients = level >= 2
         self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
         self.sharding = ParameterSharding(model, self.sync) if level == 3 else None
-        state.parameter_sharding = self.sharding
+        if state is not None:
+            state.parameter_sharding = self.sharding
         self._on_build: list[Callable[[], None]] = []
         self.shards: list[BucketShard] = []
         self.whole: list[nn.Parameter] = []
@@ -137,6 +151,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if bucket.shard_grad is not None
         ]
         return chunks + grad_views(self._unbucketed())
+
+    def whole_params(self) -> list[nn.Parameter]:
+        """The parameters in no gradient bucket (updated whole): their gradients are kept whole."""
+        return self._unbucketed()
 
     def _unbucketed(self) -> list[nn.Parameter]:
         in_buckets = {param for bucket in self.sync.buckets for param in bucket.params}

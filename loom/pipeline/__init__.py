@@ -13,6 +13,7 @@ from loom.pipeline.gpt import (
     tied_embedding,
 )
 from loom.pipeline.memory import SavedActivations
+from loom.pipeline.optimizer import pipeline_optimizer, stage_grad_sync
 from loom.pipeline.schedule import (
     SCHEDULES,
     Pipeline,
@@ -34,6 +35,8 @@ from loom.pipeline.stages import (
 from loom.pipeline.timeline import Event, Recorder, bubble_fraction, plot_timeline, theoretical_bubble
 
 __all__ = [
+    "pipeline_optimizer",
+    "stage_grad_sync",
     "SCHEDULES",
     "Event",
     "GPTStage",

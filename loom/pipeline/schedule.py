@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
+from loom.parallel.grad_sync import GradSync
 from loom.parallel.routes import dtensor_route, fix_placements
 from loom.pipeline.stage import TimedStage
 from loom.pipeline.timeline import Recorder
@@ -149,6 +150,8 @@ class Pipeline:
         self.kind = kind
         self.loss_fn = loss_fn
         self.tied = list(tied)
+        # set by `loom.pipeline.optimizer` at optimizer levels 1-2: it reduces the gradients in its buckets
+        self.grad_sync: GradSync | None = None
         self._weight = 1.0
         # scale_grads=False: the loss is weighted instead (`_weighted_loss`), because torch's scaling divides
         # whatever `.grad` holds, which would also shrink gradients accumulated by earlier `step` calls
@@ -188,7 +191,11 @@ class Pipeline:
         """
         self._weight = weight / self.microbatches
         loss = self._run(self.schedule.step, inputs, targets)
-        if sync:  # replicas first: a tied table's copies are then laid out alike on both pipeline ranks
+        if sync and self.grad_sync is not None and self.grad_sync.shard_gradients:
+            # tied copies first: a sharded reduction keeps only chunks, which the copies no longer hold whole
+            self.sum_tied_gradients()
+            self.sync_gradients()
+        elif sync:  # replicas first: a tied table's copies are then laid out alike on both pipeline ranks
             self.sync_gradients()
             self.sum_tied_gradients()
         return loss
@@ -235,7 +242,11 @@ class Pipeline:
     def sync_gradients(self) -> None:
         """Average this rank's gradients over its data-parallel replicas: one all-reduce of all of them
         packed flat (no overlap with backward; a parameter without a gradient counts as zeros). On a stage
-        mesh, reduce the DTensor gradients' pending sums instead (`reduce_pending`)."""
+        mesh, reduce the DTensor gradients' pending sums instead (`reduce_pending`). With a `grad_sync`
+        (optimizer levels 1-2), it reduces them in its buckets (reduce-scattered at level 2)."""
+        if self.grad_sync is not None:
+            self.grad_sync.reduce_now()
+            return
         if self.mesh is not None:
             reduce_pending(self.parameters(), self.mesh)
             return

@@ -33,6 +33,7 @@ from loom.pipeline import (
     SCHEDULES,
     Pipeline,
     gpt_pipeline,
+    pipeline_optimizer,
     rank_stages,
     stage_parameters,
     validate_microbatches,
@@ -75,8 +76,9 @@ def check_pipeline(config: TrainConfig) -> None:
         return
     virtual = SCHEDULES[par.schedule].min_virtual
     unsupported = [
-        (par.optimizer_level > 0, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
-         "pipelines yet; set parallel.optimizer_level = 0"),
+        (par.optimizer_level > 2, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
+         "pipelines yet (the schedule runs the stages outside level 3's parameter gathering); set "
+         "parallel.optimizer_level = 2 or lower"),
         (model.positions != "learned", f"model.positions = {model.positions!r} is not supported by pipeline "
          "stages yet; set model.positions = \"learned\""),
         (model.n_layers < par.pp * virtual, f"schedule {par.schedule!r} puts {virtual} stages on each of "
@@ -128,8 +130,11 @@ def build_trainer(
     else:
         optimizer_class, hyper = torch.optim.SGD, {"momentum": t.momentum, "weight_decay": t.weight_decay}
     level = config.parallel.optimizer_level
-    # level 0 only with a pipeline (check_pipeline): a plain optimizer over this rank's stage parameters
-    optimizer = make_optimizer(pipeline or model, optimizer_class, level, lr=t.lr, **hyper)
+    optimizer = (  # a pipeline: over this rank's stages, sharded over the ranks that run them
+        make_optimizer(model, optimizer_class, level, lr=t.lr, **hyper)
+        if pipeline is None
+        else pipeline_optimizer(pipeline, optimizer_class, level, lr=t.lr, **hyper)
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )

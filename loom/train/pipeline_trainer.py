@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from loom.dist import env
 from loom.dist.context import unsharded
 from loom.parallel.grads import GradView, grad_views
+from loom.parallel.zero import ZeroOptimizer
 from loom.pipeline import Pipeline
 from loom.train.precision import autocast
 from loom.train.trainer import Trainer
@@ -72,9 +73,21 @@ class PipelineTrainer(Trainer):
         """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (a DTensor
         gradient: on the stage mesh's ranks it is replicated over) and, for a tied parameter, on the other
         pipeline rank that holds a copy. Only this pipeline rank's stage mesh holds these stages, so the
-        world-wide sum of the norm counts every element once."""
+        world-wide sum of the norm counts every element once. At optimizer level 2 the gradients are the
+        chunks of the stages' buckets (a tied parameter has buckets of its own)."""
+        if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.level >= 2:
+            chunks = [
+                GradView(bucket.shard_grad, bucket.route.copies * self.pipeline.holders(bucket.params[0]))
+                for bucket in self.optimizer.sync.buckets
+                if bucket.shard_grad is not None
+            ]
+            return chunks + self._param_views(self.optimizer.whole_params())
+        return self._param_views(self.params)
+
+    def _param_views(self, params: Iterable[nn.Parameter]) -> list[GradView]:
+        """The views of whole parameters' gradients (see `_grad_views`)."""
         views = []
-        for param in self.params:
+        for param in params:
             if param.grad is None:
                 continue
             holders = self.pipeline.holders(param)
