@@ -54,9 +54,10 @@ from loom.pipeline import (
     bubble_fraction,
     plot_timeline,
     stage_indices,
+    step_bubbles,
     theoretical_bubble,
 )
-from loom.pipeline.timeline import Event, busy_time
+from loom.pipeline.timeline import Event
 
 PP = 4
 RUNS = (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2), ("gpipe", 1))
@@ -165,13 +166,6 @@ def _span(per_rank: list[list[Event]]) -> float:
     return max(e.end for events in per_rank for e in events) - min(
         e.start for events in per_rank for e in events
     )
-
-
-def step_bubbles(per_rank: list[list[Event]]) -> list[float]:
-    """Each rank's idle share of the whole step: from the first event on any rank to the last on any rank
-    (the span (p-1)/(m+p-1) refers to; perf_counter is one clock for the processes of a machine)."""
-    span = _span(per_rank)
-    return [1.0 - busy_time(events) / span for events in per_rank]
 
 
 def _median_ms(per_rank: list[list[Event]], kind: str, stage: int | None = None) -> str:

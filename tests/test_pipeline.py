@@ -15,6 +15,7 @@ from loom.pipeline import (
     plot_timeline,
     stage_indices,
     stage_of_blocks,
+    step_bubbles,
     theoretical_bubble,
     validate_microbatches,
 )
@@ -75,6 +76,10 @@ def _event(kind, start, end):
 def test_bubble_fraction_counts_idle_and_waiting_time(tmp_path):
     events = [_event("forward", 0, 2), _event("recv", 2, 3), _event("backward", 3, 5), _event("weight", 4, 6)]
     assert bubble_fraction(events) == pytest.approx(1 / 6)
+    later = [Event(rank=1, kind="forward", stage=1, microbatch=0, start=2, end=4)]
+    # over the whole step (0..6) rank 1 idles 4 of 6; over its own events it never idles
+    assert step_bubbles([events, later]) == pytest.approx([1 / 6, 4 / 6])
+    assert bubble_fraction(later) == 0.0
     assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
     plot_timeline(events + [_event("send", 2, 2)], str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0

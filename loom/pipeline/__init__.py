@@ -32,7 +32,14 @@ from loom.pipeline.stages import (
     pipeline_stage,
     stage_of_blocks,
 )
-from loom.pipeline.timeline import Event, Recorder, bubble_fraction, plot_timeline, theoretical_bubble
+from loom.pipeline.timeline import (
+    Event,
+    Recorder,
+    bubble_fraction,
+    plot_timeline,
+    step_bubbles,
+    theoretical_bubble,
+)
 
 __all__ = [
     "pipeline_optimizer",
@@ -62,6 +69,7 @@ __all__ = [
     "split_gpt",
     "stage_indices",
     "stage_of_blocks",
+    "step_bubbles",
     "stage_parameters",
     "tied_embedding",
     "theoretical_bubble",

@@ -84,11 +84,23 @@ def busy_time(events: Sequence[Event]) -> float:
 
 def bubble_fraction(events: Sequence[Event]) -> float:
     """Idle share of one rank's step: time between its first and last event not spent computing, over that
-    span (waiting for a receive counts as idle)."""
+    span (waiting for a receive counts as idle). For the whole step's bubble, see `step_bubbles`."""
     if not events:
         return 0.0
     span = max(e.end for e in events) - min(e.start for e in events)
     return 0.0 if span <= 0 else 1.0 - busy_time(events) / span
+
+
+def step_bubbles(per_rank: Sequence[Sequence[Event]]) -> list[float]:
+    """Each rank's idle share of the whole step, from the first event on any rank to the last on any rank:
+    the quantity (p-1)/(m+p-1) describes (`bubble_fraction` spans one rank's own events, which leaves out
+    the end of the step after a later rank has finished). The ranks' clocks must agree (`perf_counter` is
+    one clock for the processes of a machine)."""
+    events = [e for rank in per_rank for e in rank]
+    if not events:
+        return [0.0 for _ in per_rank]
+    span = max(e.end for e in events) - min(e.start for e in events)
+    return [0.0 if span <= 0 else 1.0 - busy_time(rank) / span for rank in per_rank]
 
 
 def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
