@@ -95,13 +95,13 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
     if "nccl" in backend:
         torch.cuda.set_device(local)
     timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    if _rendezvous_from_env() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        _join_through_agent_store(backend, timeout)
-    elif _rendezvous_from_env():
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    else:
+    if not _rendezvous_from_env():
         init = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _join_through_agent_store(backend, timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     # A script under torchrun rarely tears its group down; leaving together avoids gloo's abort at exit.
     atexit.register(shutdown_process_group)
 

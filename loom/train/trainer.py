@@ -103,8 +103,9 @@ class Trainer:
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
         norm = global_grad_norm(views) if finite else torch.tensor(float("nan"))
+        norm_value = norm.item()  # one device sync, read by the check and the metrics
         if self.skip_nonfinite:  # the loss and the norm are global: every rank decides alike
-            finite = finite and math.isfinite(loss) and math.isfinite(norm.item())
+            finite = finite and math.isfinite(loss) and math.isfinite(norm_value)
         if self.clip_grad_norm is not None and finite:
             clip_grads_(views, self.clip_grad_norm, norm)
         if finite:
@@ -116,7 +117,7 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        metrics = self._metrics(loss, norm.item(), lr, not finite, time.perf_counter() - start)
+        metrics = self._metrics(loss, norm_value, lr, not finite, time.perf_counter() - start)
         self._call("on_step_end", self, metrics)
         return metrics
 
