@@ -183,17 +183,17 @@ def _prepare(root: Path, step: int) -> tuple[Path, Path]:
 
 
 def _conclude(
-    temp: Path, final: Path, info: dict[str, Any], keep_last: int | None, error: str | None, manifest: bool
+    temp: Path, final: Path, step: int, keep_last: int | None, error: str | None, info: dict[str, Any] | None
 ) -> Path:
     """The end of every save (collective): any rank's `error` is every rank's `CheckpointError`; without
-    one, rank 0 writes the manifest last (unless `manifest` is False: written already) and renames the
-    directory into place."""
+    one, rank 0 writes the manifest of `info` last (None: written already, in the background) and renames
+    the directory into place."""
     error = _first_error(error)
     if error is None and env.rank() == 0:
-        error = _publish(temp, final, info if manifest else None, keep_last)
+        error = _publish(temp, final, info, keep_last)
     error = _broadcast(error)
     if error is not None:
-        raise _failure(info["step"], final, error)
+        raise _failure(step, final, error)
     return final
 
 
@@ -208,7 +208,7 @@ def save_checkpoint(
     """
     step = trainer.step
     temp, final = _prepare(Path(root), step)
-    error, info = None, {"step": step}
+    error, info = None, None
     try:
         plan = _plan(trainer, config)
         info = _manifest_info(step, plan)
@@ -216,7 +216,7 @@ def save_checkpoint(
         _run_hooks(step, temp)
     except _SAVE_ERRORS as exc:  # reported on every rank by _conclude, so that no rank waits forever
         error = _describe(exc)
-    return _conclude(temp, final, info, keep_last, error, manifest=True)
+    return _conclude(temp, final, step, keep_last, error, info)
 
 
 def _publish(temp: Path, final: Path, info: dict[str, Any] | None, keep_last: int | None) -> str | None:
@@ -248,7 +248,6 @@ class PendingSave:
     step: int
     temp: Path
     final: Path
-    info: dict[str, Any]
     keep_last: int | None
     upload: Future
 
@@ -266,7 +265,7 @@ class PendingSave:
             _run_hooks(self.step, self.temp)
         except _SAVE_ERRORS as exc:
             error = _describe(exc)
-        return _conclude(self.temp, self.final, self.info, self.keep_last, error, manifest=False)
+        return _conclude(self.temp, self.final, self.step, self.keep_last, error, None)  # manifest written
 
 
 def start_save(
@@ -292,7 +291,7 @@ def start_save(
     error = _first_error(error)
     if error is not None:
         raise _failure(step, final, error)
-    return PendingSave(step, temp, final, info, keep_last, _launch(staged, temp, info))
+    return PendingSave(step, temp, final, keep_last, _launch(staged, temp, info))
 
 
 def _staged_state(trainer: Trainer) -> dict[str, Any]:
@@ -430,7 +429,7 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     manifest = mf.read_manifest(path)
     model, optimizer = trainer.model, trainer.optimizer
     st.require_unbuilt(optimizer)
-    if manifest.get("kind") == "weights":  # `loom checkpoint import`: a model to start training from
+    if manifest.get("kind") == mf.WEIGHTS:  # `loom checkpoint import`: a model to start training from
         load_model_weights(path, model)
         trainer.step = int(manifest.get("step", 0))
         return

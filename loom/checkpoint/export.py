@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -34,8 +33,7 @@ from loom.checkpoint.manifest import CheckpointError
 PREFIX = "model."
 SAFETENSORS = ".safetensors"
 # The manifest's "kind": what a checkpoint directory holds ("full" when absent, as save_checkpoint writes).
-FULL, WEIGHTS = "full", "weights"
-_STEP_NAME = re.compile(r"^step_(\d+)$")
+FULL, WEIGHTS = mf.FULL, mf.WEIGHTS
 
 
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
@@ -108,8 +106,7 @@ def _checkpoint_step(checkpoint: Path) -> int | None:
     try:
         return int(mf.read_manifest(checkpoint)["step"])
     except (CheckpointError, KeyError, TypeError, ValueError):
-        match = _STEP_NAME.match(checkpoint.name)
-        return int(match.group(1)) if match else None
+        return mf.step_of(checkpoint.name)
 
 
 def _export_metadata(checkpoint: Path, plan: dict[str, Any], config: Any) -> dict[str, str]:
@@ -229,13 +226,12 @@ def _check_tensors(source: Path, tensors: Any) -> None:
 
 def _import_target(path: Path, step: int | None) -> tuple[int, Path]:
     """(step, checkpoint directory) for an import into `path` (a root, or a `step_N` directory)."""
-    match = _STEP_NAME.match(path.name)
-    if match is None:
+    named = mf.step_of(path.name)
+    if named is None:
         step = 0 if step is None else step
         if step < 0:
             raise CheckpointError(f"step {step}: must be >= 0")
         return step, path / mf.step_dir_name(step)
-    named = int(match.group(1))
     if step is not None and step != named:
         raise CheckpointError(f"{path}: named for step {named}, but step {step} was asked for")
     return named, path
@@ -267,7 +263,7 @@ def _write_weights_checkpoint(
 ) -> None:
     """dcp/ and plan.json into a temporary directory, manifest last, then rename into place (as
     `save_checkpoint` publishes): a reader never sees a half-written checkpoint."""
-    temp = final.with_name(f".tmp_{final.name}")  # what `prune` clears should an import die half-way
+    temp = final.parent / mf.temp_dir_name(step)  # what `prune` clears should an import die half-way
     shutil.rmtree(temp, ignore_errors=True)
     (temp / "dcp").mkdir(parents=True)
     try:

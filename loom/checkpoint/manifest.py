@@ -22,6 +22,8 @@ from typing import Any
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# What a manifest's "kind" says: a whole training state, or model weights alone (`loom checkpoint import`).
+FULL, WEIGHTS = "full", "weights"
 
 
 class CheckpointWarning(UserWarning):
@@ -42,6 +44,12 @@ def temp_dir_name(step: int) -> str:
     return f".tmp_{step_dir_name(step)}"
 
 
+def step_of(name: str) -> int | None:
+    """The step in a `step_000100` directory name (None for any other name)."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     """Every `step_*` directory under `root` as (step, path), oldest first (complete or not)."""
     root = Path(root)
@@ -49,9 +57,9 @@ def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
+        step = step_of(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
     return sorted(found)
 
 

@@ -183,7 +183,7 @@ class Checkpointer:
         if sys.exc_info()[1] is not None:
             self._abandon()
             return
-        self.wait()
+        self.tolerant(lambda _: self.wait(), trainer)  # a failed last save: as `on_save_error` says
 
     def _finish(self) -> Path:
         pending, self._pending = self._pending, None

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.manifest import CheckpointError
-from loom.dist.collectives import all_gather_flat
 from loom.parallel.zero import BucketShard, ZeroOptimizer
 
 # One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
@@ -306,10 +305,8 @@ def _gather_chunk_state(
                     f"optimizer state {key!r} of shape {tuple(value.shape)} is not elementwise; levels 1-3 "
                     "checkpoint elementwise optimizer states only (Adam, AdamW, SGD, ...)"
                 )
-            gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=value.dtype, device=value.device)
-            all_gather_flat(gathered, value.contiguous(), group=bucket.route.group)
-            for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
-                states[names[param]][key] = _laid_out_like(gathered[offset:end], param)
+            for param, flat in shard.gather(value):
+                states[names[param]][key] = _laid_out_like(flat, param)
         else:  # a scalar (`step`): every rank of the group stepped its chunk alike
             for param in bucket.params:
                 states[names[param]][key] = value
@@ -355,12 +352,7 @@ def _cut_chunk_state(shard: BucketShard, saved: dict[nn.Parameter, ParamState | 
             chunk[key] = sample.clone() if torch.is_tensor(sample) else sample
             continue
         dtype = shard.master.dtype if sample.is_floating_point() else sample.dtype
-        flat = torch.zeros_like(shard.master, dtype=dtype)
-        for param, lo, hi, at in shard.pieces:
-            state = saved[param]
-            if state and key in state:
-                flat[at : at + hi - lo].copy_(_local(state[key]).reshape(-1)[lo:hi])
-        chunk[key] = flat
+        chunk[key] = shard.cut(lambda param, key=key: (saved[param] or {}).get(key), dtype)
     return chunk
 
 

@@ -44,23 +44,40 @@ class BucketShard:
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
         start = bucket.group_rank * bucket.chunk
-        self.master = torch.zeros(bucket.chunk, dtype=torch.float32)
         self.pieces = []  # (param, first element in param, last, first element in master)
         for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
             lo, hi = max(offset, start), min(end, start + bucket.chunk)
             if lo < hi:
                 self.pieces.append((param, lo - offset, hi - offset, lo - start))
         with torch.no_grad():
-            for param, lo, hi, at in self.pieces:
-                self.master[at : at + hi - lo].copy_(_local(param).reshape(-1)[lo:hi])
+            self.master = self.cut(lambda param: param)
+
+    def cut(
+        self, values: Callable[[nn.Parameter], torch.Tensor | None], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """This rank's chunk of one tensor per parameter of the bucket (`values(param)`, shaped like the
+        parameter's local shard; None reads as zeros), in the bucket's order; the padding is zero."""
+        chunk = torch.zeros(self.bucket.chunk, dtype=dtype)
+        for param, lo, hi, at in self.pieces:
+            value = values(param)
+            if value is not None:
+                chunk[at : at + hi - lo].copy_(_local(value).reshape(-1)[lo:hi])
+        return chunk
+
+    def gather(self, chunk: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Every rank's `chunk` of the bucket, all-gathered (collective over the bucket's group), as each
+        parameter's flat local elements (views of one buffer that lives as long as they do)."""
+        bucket = self.bucket
+        gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=chunk.dtype, device=chunk.device)
+        all_gather_flat(gathered, chunk.contiguous(), group=bucket.route.group)
+        return [
+            (param, gathered[offset:end])
+            for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False)
+        ]
 
     def load_full_grads(self) -> None:
         """Level 1: this rank's chunk of the all-reduced gradients."""
-        grad = torch.zeros_like(self.master)
-        for param, lo, hi, at in self.pieces:
-            if param.grad is not None:
-                grad[at : at + hi - lo].copy_(_local(param.grad).reshape(-1)[lo:hi])
-        self.master.grad = grad
+        self.master.grad = self.cut(lambda param: param.grad)
 
     def load_shard_grad(self) -> None:
         """Level 2: the chunk the reduce-scatter left on this rank."""
@@ -70,12 +87,9 @@ class BucketShard:
     @torch.no_grad()
     def publish(self) -> None:
         """All-gather the updated chunks and write the parameters of the bucket."""
-        bucket = self.bucket
-        gathered = torch.empty(bucket.chunk * bucket.group_size, dtype=torch.float32)  # lives for this call
-        all_gather_flat(gathered, self.master, group=bucket.route.group)
-        for param, offset, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+        for param, flat in self.gather(self.master):
             local = _local(param)
-            _alias(local).copy_(gathered[offset:end].view_as(local))
+            _alias(local).copy_(flat.view_as(local))
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
