@@ -17,6 +17,7 @@ from torch import nn
 
 from loom.checkpoint import read_model_tensors
 from loom.cli.main import main
+from loom.cli.train import restart_policy
 from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
 from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
@@ -38,14 +39,13 @@ def _beat_then_hang(hang_rank: int) -> int:
 
 
 def test_silent_rank_is_taken_for_hung():
-    group = WorkerGroup(2)
-    start = time.monotonic()
-    with pytest.raises(WorkerHangError) as info:
-        group.run(_beat_then_hang, 1, heartbeat_timeout=2.0)
+    with WorkerGroup(2) as group:
+        # a missed hang ends in the task timeout instead (WorkerTimeoutError, not the WorkerHangError expected)
+        with pytest.raises(WorkerHangError) as info:
+            group.run(_beat_then_hang, 1, heartbeat_timeout=10.0, timeout=120)
+        assert group.broken  # torn down by the hang, before the group is closed
     assert info.value.ranks == [1] and info.value.last_steps == {1: 3}
     assert "rank 1 after step 3" in str(info.value)
-    assert time.monotonic() - start < 60  # detected, not waited out
-    assert group.broken
 
 
 def _fails_in_first_attempt(kind: str) -> int:
@@ -131,12 +131,10 @@ def _config(tmp_path, name: str, **fault) -> TrainConfig:
 
 
 def _supervised(config: TrainConfig, faults=()):
-    policy = RestartPolicy(
-        max_restarts=config.fault.max_restarts,
-        heartbeat_timeout_s=config.fault.heartbeat_timeout_s,
-        events_file=f"{config.checkpoint.dir}/events.jsonl",
+    """As `loom train` supervises the job (its restart policy), with `faults` injected."""
+    return supervise(
+        run, config.train.workers, config, list(faults), policy=restart_policy(config), log=print
     )
-    return supervise(run, config.train.workers, config, list(faults), policy=policy, log=print)
 
 
 def _final(config: TrainConfig) -> dict[str, torch.Tensor]:
@@ -186,14 +184,15 @@ def test_sigkill_while_writing_a_checkpoint(uninterrupted):
 
 def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     tmp_path, expected = uninterrupted
-    config = _config(tmp_path, "hang", heartbeat_timeout_s=5)
+    config = _config(tmp_path, "hang", heartbeat_timeout_s=15)
     done = _supervised(config, [Fault(kind="hang", rank=1, step=3)])
     (event,) = done.events
     assert event.kind == "hung" and event.step == 2
     _assert_same(_final(config), expected)
 
 
-def test_non_finite_steps_roll_back_and_skip_their_data(tmp_path):
+def test_non_finite_steps_roll_back_and_skip_their_data(uninterrupted):
+    tmp_path, clean = uninterrupted
     config = _config(tmp_path, "nan", rollback_after=2)
     done = _supervised(config, [Fault(kind="nan", rank=0, step=3, repeat=2)])
     (event,) = done.events
@@ -202,7 +201,10 @@ def test_non_finite_steps_roll_back_and_skip_their_data(tmp_path):
     assert marker["checkpoint_step"] == 2 and marker["failed_at_step"] == 4
     losses = done.results[0]["losses"]  # the attempt after the rollback: steps 3..6 on fresh data
     assert len(losses) == STEPS - 2 and all(np.isfinite(losses))
-    assert all(torch.isfinite(t).all() for t in _final(config).values())
+    final = _final(config)
+    assert all(torch.isfinite(t).all() for t in final.values())
+    # re-running steps 3..6 on the same batches would give the clean run's parameters bitwise
+    assert any(not torch.equal(final[name], tensor) for name, tensor in clean.items())
 
 
 # ---- tier 3 through the command line: `loom train` supervising, and torchrun restarting ---------------------
