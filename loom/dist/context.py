@@ -7,7 +7,7 @@ Internal layers take a `Mesh` argument; only the public entry points (`loom.shar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch.distributed as dist
 
@@ -63,22 +63,16 @@ def forget_meshes() -> None:
     _built.clear()
 
 
-@contextmanager
-def unsharded() -> Iterator[None]:
+def unsharded() -> AbstractContextManager[None]:
     """Inside the block there is no current mesh: loom operators compute on this process alone, ignoring
     their strategies (for reference runs on one device)."""
-    global _current
-    saved, _current = _current, None
-    try:
-        yield
-    finally:
-        _current = saved
+    return use_mesh(None)
 
 
 @contextmanager
-def use_mesh(mesh: Mesh) -> Iterator[None]:
+def use_mesh(mesh: Mesh | None) -> Iterator[None]:
     """Inside the block `mesh` is the current mesh (e.g. a pipeline stage's own dp x tp mesh, while the stage
-    is laid out and run), whatever was current before."""
+    is laid out and run; None: no mesh), whatever was current before."""
     global _current
     saved, _current = _current, mesh
     try:

@@ -60,11 +60,9 @@ def stage_grad_sync(pipeline: Pipeline, bucket_mb: float = 25.0) -> GradSync:
         sync = GradSync(module, data_parallel_route(group), bucket_mb, group=group)
     else:
         mesh = pipeline.mesh
-        params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         group = mesh.sub_mesh(tuple(range(mesh.ndim))).get_group()
-        sync = GradSync(
-            module, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params), group=group
-        )
+        sync = GradSync(module, dtensor_route(mesh), bucket_mb, group=group)
+        sync.after_sync = fix_placements(sync.params)  # as ParallelState.materialize sets it
     sync.remove()  # reduced once after the schedule (`Pipeline.sync_gradients`), not per backward pass
     for tied in pipeline.tied:
         if tied.param is not None:
