@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from job_cases import job_config
 from test_pipeline_equivalence import CONFIG, batches, optimizer
 from torch.distributed.tensor import DTensor
 
@@ -28,7 +29,7 @@ from loom.cli.main import main
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.pipeline import gpt_pipeline, pipeline_optimizer, source_names
 from loom.train.config import TrainConfig
-from loom.train.data import micro_batches, write_token_file
+from loom.train.data import micro_batches
 from loom.train.job import check_pipeline, run
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer
@@ -225,20 +226,17 @@ def test_mesh_axis_groups(dist_run):
 # ---- `loom train` with a pipeline --------------------------------------------------------------------------
 
 
+# the tiny job of job_cases, as a 2-stage pipeline evaluated every 4 of its 8 steps
+PIPELINE_JOB = {
+    "parallel": {"dp": -1, "pp": 2, "microbatches": 4},
+    "train": {"steps": 8, "global_batch": 8, "workers": 2, "eval_every": 4, "eval_batches": 2, "log_every": 2,
+              "warmup_steps": 2, "lr": 1e-2},
+}  # fmt: skip
+
+
 def _config(tmp_path, **sections) -> TrainConfig:
-    tokens = tmp_path / "tokens.bin"
-    if not tokens.exists():  # a skewed distribution over 16 tokens: something to learn in a few steps
-        write_token_file(tokens, np.random.default_rng(0).integers(0, 16, 20_000) ** 2 % 64)
-    base = {
-        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16},
-        "data": {"kind": "tokens", "path": str(tokens), "seq_len": 16},
-        "parallel": {"pp": 2, "microbatches": 4},
-        "train": {"steps": 8, "global_batch": 8, "workers": 2, "eval_every": 4, "eval_batches": 2,
-                  "log_every": 2, "warmup_steps": 2, "lr": 1e-2},
-    }  # fmt: skip
-    for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values}
-    return TrainConfig.from_dict(base)
+    names = {*PIPELINE_JOB, *sections}
+    return job_config(tmp_path, **{n: {**PIPELINE_JOB.get(n, {}), **sections.get(n, {})} for n in names})
 
 
 def _checkpointed(tmp_path, name: str, **sections) -> TrainConfig:
