@@ -258,6 +258,7 @@ class TrainingConfig(_Section):
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8  # AdamW's epsilon
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.9
     clip_grad_norm: float | None = 1.0
@@ -277,7 +278,7 @@ class TrainingConfig(_Section):
         self._at_least(1, "steps", "global_batch", "grad_accum", "loss_scale_growth_interval")
         self._at_least(1, "eval_batches", "log_every", "workers")
         self._at_least(0, "warmup_steps", "weight_decay", "min_lr", "eval_every", "sample_every")
-        for key in ("lr", "loss_scale_init", "clip_grad_norm"):
+        for key in ("lr", "eps", "loss_scale_init", "clip_grad_norm"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 self._fail(
