@@ -8,7 +8,8 @@ from loom.train.data import write_token_file
 
 def job_config(tmp_path, **sections) -> TrainConfig:
     """The tiny job's config (2 workers, 6 steps), each of `sections` (e.g. `parallel={"pp": 2}`) merged
-    over its defaults. The token file is written once per directory."""
+    over its defaults. The token file is written once per directory. AdamW's `eps` is large enough that its
+    steps are Lipschitz in the gradient, so runs on other meshes can be compared (tests/equivalence.py)."""
     tokens = tmp_path / "tokens.bin"
     if not tokens.exists():  # a skewed distribution over 16 tokens: something to learn in a few steps
         write_token_file(tokens, np.random.default_rng(0).integers(0, 16, 20_000) ** 2 % 64)
@@ -17,7 +18,7 @@ def job_config(tmp_path, **sections) -> TrainConfig:
         "data": {"kind": "tokens", "path": str(tokens), "seq_len": 16},
         "parallel": {"dp": 2},
         "train": {"steps": 6, "global_batch": 4, "workers": 2, "eval_every": 0, "log_every": 100,
-                  "warmup_steps": 2, "lr": 1e-2},
+                  "warmup_steps": 2, "lr": 1e-2, "eps": 1e-3},
     }  # fmt: skip
     for section, values in sections.items():
         config[section] = {**config.get(section, {}), **values}

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from equivalence import ADAMW, RTOL, assert_params_close
 from job_cases import job_config
-from test_pipeline_equivalence import CONFIG, batches, optimizer
+from test_pipeline_equivalence import CONFIG, STEPS, batches, optimizer
 from torch.distributed.tensor import DTensor
 
 import loom
@@ -34,7 +35,6 @@ from loom.train.job import check_pipeline, run
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer
 
-OPTIMIZER = {"lr": 3e-3, "weight_decay": 0.1}  # test_pipeline_equivalence's `optimizer`
 CLIP = 0.1  # below every step's gradient norm (about 0.3 to 0.5 here), so that clipping acts
 
 
@@ -61,7 +61,7 @@ def pipeline_trainer_case(
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
         model = GPT(_gpt_config(tied), Strategies(dp, tp, sequence_parallel))
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
-    optim = pipeline_optimizer(pipe, torch.optim.AdamW, level, **OPTIMIZER)
+    optim = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
     trainer = PipelineTrainer(pipe, optim, grad_accum=accum, clip_grad_norm=CLIP)
     rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
     metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
@@ -139,7 +139,7 @@ def optimizer_level_3_case():
         model = GPT(_gpt_config(False))
     pipe = gpt_pipeline(model, mesh, schedule="1f1b", microbatches=2)
     with pytest.raises(ValueError, match="optimizer_level = 2"):
-        pipeline_optimizer(pipe, torch.optim.AdamW, 3, **OPTIMIZER)
+        pipeline_optimizer(pipe, torch.optim.AdamW, 3, **ADAMW)
 
 
 def test_optimizer_level_3_with_a_pipeline_is_a_clear_error(dist_run):
@@ -153,13 +153,11 @@ def _check_against_one_device(dist_run, case):
     tp = tensor_parallel[0] if tensor_parallel else 1
     results = dist_run(dp * tp * pp, pipeline_trainer_case, *case)
     for losses, norms, evaluation, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=RTOL, atol=0)
         if evaluation is not None:
-            assert evaluation == pytest.approx(expected_eval, rel=1e-5)
-        # AdamW moves an entry by up to lr = 3e-3 a step (9e-3 in 3 steps); the runs agree to 0.1% of that
-        for name, param in params.items():
-            torch.testing.assert_close(param, reference[name], rtol=0, atol=1e-5, msg=name)
+            assert evaluation == pytest.approx(expected_eval, rel=RTOL)
+        assert_params_close(params, {name: reference[name] for name in params}, lr=ADAMW["lr"], steps=STEPS)
     trained = set().union(*(params for *_, params in results))
     assert trained == set(reference), "every parameter lives on some stage"
 
@@ -273,9 +271,8 @@ def test_a_tensor_parallel_pipeline_checkpoint_equals_one_device(dist_run, tmp_p
 
 
 def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert tensors.keys() == expected.keys()
-    for name, tensor in expected.items():
-        torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=1e-5, msg=name)
+    """The 6 steps' parameters of two runs of the tiny job (Lipschitz AdamW: job_cases sets train.eps)."""
+    assert_params_close(tensors, expected, lr=PIPELINE_JOB["train"]["lr"], steps=6)
 
 
 @pytest.mark.parametrize(

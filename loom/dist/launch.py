@@ -260,8 +260,10 @@ def _worker_main(
             stream.reconfigure(line_buffering=True)
     _exit_with_parent()
     _set_worker_env(rank, nprocs, port, extra_env)
-    # Ranks share the machine's cores; without this 8 ranks on 2 cores oversubscribe badly.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    # Ranks share the machine's cores; without this 8 ranks on 2 cores oversubscribe badly. A thread count
+    # the user set (OMP_NUM_THREADS, as torchrun sets it) is kept: torch read it at import.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     try:
         env.ensure_process_group(backend)
     except BaseException as exc:
