@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint format bench clean
+.PHONY: setup test test-all demo lint format bench clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,13 @@ format: setup
 	$(BIN)/ruff format loom tests benchmarks examples
 	$(BIN)/ruff check --fix loom tests benchmarks examples
 
+# `make test` samples the slow cases (tests marked `slow`: more combinations of the same features);
+# `make test-all` runs every case. Both print the 15 slowest tests.
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+
+test-all: setup lint
+	$(BIN)/python -m pytest -q --durations=15
 
 # The main job (a small GPT learning arithmetic on 4 workers, dp=2 x tp=2, optimizer level 1), then the two
 # MindSpore layout examples checked against one device.
