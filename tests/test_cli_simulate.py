@@ -140,3 +140,14 @@ def test_bench_writes_a_profile_that_simulate_loads(tmp_path, capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] and data["iteration_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "flag", ["--gpus", "--gpus-per-node", "--tp", "--pp", "--dp", "--interleave", "--ep", "--micro-batch",
+             "--global-batch", "--seq", "--layers"],
+)  # fmt: skip
+@pytest.mark.parametrize("value", ["0", "-8"])
+def test_counts_below_one_are_refused_not_taken_for_the_default(capsys, flag, value):
+    assert main(["simulate", "--model", "llama3-8b", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a whole number >= 1, got {value}" in err

@@ -40,6 +40,19 @@ exit status: 0 when the plan fits; 1 when it is impossible or does not fit in me
 """
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a count, a degree, a size); 0 is never "the default"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= 1, got {value} (leave it out for the default)"
+        )
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `loom simulate`'s arguments to `parser`."""
     model = parser.add_argument_group("model (a preset, a file, or the shape)")
@@ -50,16 +63,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model-config", metavar="FILE", help="TOML/JSON of model fields, or a Hugging Face config.json"
     )
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "experts", "top-k", "vocab"):
-        model.add_argument(f"--{flag}", type=int, metavar="N")
+        model.add_argument(f"--{flag}", type=positive_int, metavar="N")
     model.add_argument("--swiglu", action="store_true", help="gated (SwiGLU) MLP, Llama-style")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--hardware", default="a100-80gb", help="profile name or file (default a100-80gb)")
-    hardware.add_argument("--gpus", type=int, help="devices (default dp * tp * pp)")
-    hardware.add_argument("--gpus-per-node", type=int, help="devices per node (default: the profile's)")
+    hardware.add_argument("--gpus", type=positive_int, help="devices (default dp * tp * pp)")
+    hardware.add_argument(
+        "--gpus-per-node", type=positive_int, help="devices per node (default: the profile's)"
+    )
     plan = parser.add_argument_group("plan")
     for axis in ("dp", "tp", "pp", "interleave", "ep", "micro-batch", "global-batch"):
-        plan.add_argument(f"--{axis}", type=int, metavar="N")
-    plan.add_argument("--seq", type=int, default=2048, metavar="N", help="sequence length (default 2048)")
+        plan.add_argument(f"--{axis}", type=positive_int, metavar="N")
+    plan.add_argument(
+        "--seq", type=positive_int, default=2048, metavar="N", help="sequence length (default 2048)"
+    )
     plan.add_argument("--recompute", choices=RECOMPUTE, default="none")
     plan.add_argument("--sequence-parallel", action="store_true")
     plan.add_argument("--optimizer-level", type=int, choices=(0, 1, 2, 3), default=0)
