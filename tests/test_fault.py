@@ -22,7 +22,7 @@ from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
 from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
 from loom.train.config import TrainConfig
-from loom.train.job import run
+from loom.train.job import STARTUP_PHASES, _startup_faults, run
 from loom.train.trainer import Trainer
 
 STEPS = 6
@@ -82,6 +82,7 @@ def test_restart_budget_is_enforced():
 
 
 def _setup_error() -> None:
+    heartbeat(phase="building the model")  # start-up beats do not make a setup error worth a retry
     raise ValueError("bad config")
 
 
@@ -90,6 +91,51 @@ def test_setup_errors_are_not_retried():
     with pytest.raises(WorkerError, match="bad config"):
         supervise(_setup_error, 2, policy=RestartPolicy(max_restarts=3), log=lines.append)
     assert lines == []
+
+
+def _slow_start_then_hang(hang_rank: int) -> int:
+    for _ in range(10):  # 5 s of start-up, longer than the heartbeat timeout, but never silent for long
+        heartbeat(phase="warming up")
+        time.sleep(0.5)
+    if int(os.environ["RANK"]) == hang_rank:
+        heartbeat(phase="loading the checkpoint")
+        time.sleep(600)
+    return 0
+
+
+def test_start_up_phases_beat_and_a_start_up_hang_is_caught():
+    with WorkerGroup(2) as group:
+        with pytest.raises(WorkerHangError) as info:  # not for "warming up": it kept beating
+            group.run(_slow_start_then_hang, 1, heartbeat_timeout=4.0, timeout=120)
+    assert info.value.ranks == [1] and info.value.last_steps == {1: None}
+    assert "rank 1 in start-up phase 'loading the checkpoint'" in str(info.value)
+
+
+def _silent_in_first_attempt() -> int:
+    if restart_count() == 0 and int(os.environ["RANK"]) == 1:
+        time.sleep(600)  # hangs before any heartbeat: its clock started with the task
+    return restart_count()
+
+
+def test_a_hang_before_the_first_heartbeat_is_restarted():
+    lines = []
+    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=4)
+    done = supervise(_silent_in_first_attempt, 2, policy=policy, log=lines.append)
+    assert done.results == [1, 1]
+    (event,) = done.events
+    assert event.kind == "hung" and event.ranks == (1,) and event.step is None
+    assert "rank 1 at the start of the task" in event.cause
+    assert "hung before its first step" in lines[0] and "restarting" in lines[0]
+
+
+def test_start_up_faults_name_a_phase_of_the_job():
+    with pytest.raises(ValueError, match="names its start-up phase"):
+        Fault(kind="hang", rank=1, during="startup")
+    with pytest.raises(ValueError, match="names its step"):
+        Fault(kind="hang", rank=1, step=2, during="startup", phase="loading the checkpoint")
+    with pytest.raises(ValueError, match="unknown start-up phase 'loading'"):
+        _startup_faults([Fault(kind="hang", rank=1, during="startup", phase="loading")])
+    assert set(STARTUP_PHASES) >= {"building the model", "loading the checkpoint"}
 
 
 def test_died_error_names_the_last_step():
@@ -188,6 +234,17 @@ def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     done = _supervised(config, [Fault(kind="hang", rank=1, step=3)])
     (event,) = done.events
     assert event.kind == "hung" and event.step == 2
+    _assert_same(_final(config), expected)
+
+
+def test_hang_while_loading_the_checkpoint_is_detected_and_the_job_restarts(uninterrupted):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "starthang", heartbeat_timeout_s=15)
+    done = _supervised(config, [Fault(kind="hang", rank=1, during="startup", phase="loading the checkpoint")])
+    (event,) = done.events
+    assert event.kind == "hung" and event.step is None  # before its first step
+    assert 1 in event.ranks and "start-up phase 'loading the checkpoint'" in event.cause
+    assert len(done.results[0]["losses"]) == STEPS  # no checkpoint yet: the restart trained from step 0
     _assert_same(_final(config), expected)
 
 
