@@ -180,6 +180,7 @@ def build_trainer(
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
         skip_nonfinite=config.fault.skip_nonfinite,
+        seed=t.seed, mesh=loom.current_mesh(),  # generators per step and rank on the whole mesh (pp included)
     )  # fmt: skip
     if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
         return PipelineTrainer(
