@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from fault_cases import HEARTBEAT_TIMEOUT_S, silent_in_first_attempt, slow_start_then_hang
 from job_cases import job_config
 from torch import nn
 
@@ -93,34 +94,18 @@ def test_setup_errors_are_not_retried():
     assert lines == []
 
 
-def _slow_start_then_hang(hang_rank: int) -> int:
-    for _ in range(10):  # 5 s of start-up, longer than the heartbeat timeout, but never silent for long
-        heartbeat(phase="warming up")
-        time.sleep(0.5)
-    if int(os.environ["RANK"]) == hang_rank:
-        heartbeat(phase="loading the checkpoint")
-        time.sleep(600)
-    return 0
-
-
 def test_start_up_phases_beat_and_a_start_up_hang_is_caught():
     with WorkerGroup(2) as group:
-        with pytest.raises(WorkerHangError) as info:  # not for "warming up": it kept beating
-            group.run(_slow_start_then_hang, 1, heartbeat_timeout=4.0, timeout=120)
+        with pytest.raises(WorkerHangError) as info:  # not in "warming up": it kept beating
+            group.run(slow_start_then_hang, 1, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, timeout=120)
     assert info.value.ranks == [1] and info.value.last_steps == {1: None}
     assert "rank 1 in start-up phase 'loading the checkpoint'" in str(info.value)
 
 
-def _silent_in_first_attempt() -> int:
-    if restart_count() == 0 and int(os.environ["RANK"]) == 1:
-        time.sleep(600)  # hangs before any heartbeat: its clock started with the task
-    return restart_count()
-
-
 def test_a_hang_before_the_first_heartbeat_is_restarted():
     lines = []
-    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=4)
-    done = supervise(_silent_in_first_attempt, 2, policy=policy, log=lines.append)
+    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    done = supervise(silent_in_first_attempt, 2, policy=policy, log=lines.append)
     assert done.results == [1, 1]
     (event,) = done.events
     assert event.kind == "hung" and event.ranks == (1,) and event.step is None

@@ -7,8 +7,9 @@
 
 Model parameters and optimizer states reshard on load: a checkpoint of any optimizer level (0-3) loads at
 any level, on any mesh or on one process (random generators are restored as saved on as many processes as
-saved them; on any other mesh a `Trainer(seed=...)` derives them per step and rank, see `loom.dist.rng`). `export_model` writes one checkpoint's model as a single safetensors (or torch.save) file;
-`import_model` turns such a file into a weights-only checkpoint.
+saved them; on any other mesh a `Trainer(seed=...)` derives them per step and rank, see `loom.dist.rng`).
+`export_model` writes one checkpoint's model as a single safetensors (or torch.save) file; `import_model`
+turns such a file into a weights-only checkpoint.
 """
 
 from loom.checkpoint.checkpointer import load_checkpoint, load_from, load_model_weights, save_checkpoint

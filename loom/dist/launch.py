@@ -458,8 +458,9 @@ class WorkerGroup:
         """Run `fn(*args, **kwargs)` on every rank; return the results, index = rank.
 
         `timeout` is in seconds (None: no limit); `heartbeat_timeout` (seconds, None: off) is how long a
-        rank may stay silent: between two `heartbeat` calls, and from the task's start to its first. Raises `WorkerError`, `WorkerDiedError`,
-        `WorkerTimeoutError` or `WorkerHangError`; see the module docstring for when the group survives.
+        rank may stay silent: between two `heartbeat` calls, and from the task's start to its first. Raises
+        `WorkerError`, `WorkerDiedError`, `WorkerTimeoutError` or `WorkerHangError`; see the module
+        docstring for when the group survives.
         """
         task = f"running {_describe(fn)}"
         return self._run_payload(_dump_task(fn, args, kwargs), task, timeout, heartbeat_timeout)
@@ -536,12 +537,17 @@ class WorkerGroup:
         if dead:
             self._raise_died(dead, task)
 
+    def _last_sign(self, rank: int) -> float:
+        """When `rank` was last heard of: its last heartbeat, else the start of the task."""
+        beat = self.heartbeats.get(rank)
+        return beat.received if beat is not None else self._task_started
+
     def _check_heartbeats(self, pending: list[int], limit: float, task: str) -> None:
         """Tear the group down when a rank is silent for longer than `limit`: since its last heartbeat, or
         since the task started when it has not beaten yet (a rank that hangs while starting up)."""
         now = time.monotonic()
         beats = self.heartbeats
-        silent = [r for r in pending if now - (beats[r].received if r in beats else self._task_started) > limit]
+        silent = [r for r in pending if now - self._last_sign(r) > limit]
         if not silent:
             return
         steps = {r: beats[r].step if r in beats else None for r in silent}
@@ -550,8 +556,8 @@ class WorkerGroup:
         raise WorkerHangError(
             f"{_ranks(silent)} sent no heartbeat for more than {limit:g} s while {task} (last heard: {where}); "
             "every worker was stopped. A rank stuck in a collective usually waits for a peer that is stuck "
-            "elsewhere: the lowest last step (or start-up phase) points at it. If steps or start-up phases are "
-            "just slow, raise the heartbeat timeout",
+            "elsewhere: the lowest last step (or start-up phase) points at it. If steps or start-up phases "
+            "are just slow, raise the heartbeat timeout",
             ranks=silent,
             timeout=limit,
             last_steps=steps,

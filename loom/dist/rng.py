@@ -64,11 +64,13 @@ class StepSeeds:
         """The seed of a host generator ("torch": the CPU one, "python", "numpy") for the step after `step`
         completed steps (each its own, so that Python and NumPy, both Mersenne twisters, do not repeat each
         other)."""
-        return _fold(self.seed, step, generator, [(a, i) for a, i in self.coordinates if a not in SHARED_AXES])
+        counted = [(axis, index) for axis, index in self.coordinates if axis not in SHARED_AXES]
+        return _fold(self.seed, step, generator, counted)
 
     def device_seed(self, step: int) -> int:
         """The seed of the accelerator's generators for the step after `step` completed steps."""
-        return _fold(self.seed, step, "device", [(a, i) for a, i in self.coordinates if a in DEVICE_AXES])
+        counted = [(axis, index) for axis, index in self.coordinates if axis in DEVICE_AXES]
+        return _fold(self.seed, step, "device", counted)
 
     def apply(self, step: int) -> None:
         """Seed every generator of this process for the step after `step` completed steps."""

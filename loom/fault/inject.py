@@ -61,12 +61,11 @@ class Fault:
             raise ValueError(f"fault during {self.during!r}; choose one of {WHEN}")
         if self.kind == "nan" and self.during != "step":
             raise ValueError("a 'nan' fault poisons a step's loss: it needs during='step'")
-        if (self.during == "startup") != (self.step is None) or (self.during == "startup") != bool(
-            self.phase
-        ):
+        startup = self.during == "startup"
+        if startup != (self.step is None) or startup != bool(self.phase):
             raise ValueError(
-                f"{self}: a fault during 'step' or 'save' names its step (and no phase); one during 'startup' "
-                "names its start-up phase (and no step), e.g. phase='loading the checkpoint'"
+                f"{self}: a fault during 'step' or 'save' names its step (and no phase); one during "
+                "'startup' names its start-up phase (and no step), e.g. phase='loading the checkpoint'"
             )
         if (self.step is not None and self.step < 1) or self.repeat < 1 or self.rank < 0 or self.attempt < 0:
             raise ValueError(f"{self}: step and repeat must be >= 1, rank and attempt >= 0")

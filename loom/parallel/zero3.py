@@ -118,9 +118,9 @@ class ParameterSharding:
                     name = self.names.get(id(param))
                     label = repr(name) if name else f"of shape {tuple(param.shape)}"
                     raise ValueError(
-                        f"optimizer level 3 cannot {action} parameter {label}: its memory is shared with a "
-                        "NumPy array (made by `.numpy()`), which pins the size of that memory. Between uses a "
-                        "level-3 parameter holds no memory, so take a copy instead: "
+                        f"optimizer level 3 cannot {action} parameter {label}: its memory is shared with "
+                        "a NumPy array (made by `.numpy()`), which pins the size of that memory. Between "
+                        "uses a level-3 parameter holds no memory, so take a copy instead: "
                         "`param.detach().clone().numpy()` for this rank's shard, or "
                         "`loom.full(param).detach().clone().numpy()` inside "
                         "`with model.loom.full_parameters():` for the whole tensor"

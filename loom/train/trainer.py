@@ -41,9 +41,10 @@ class Trainer:
     loss or gradient norm is not finite changes nothing (`StepMetrics.skipped`; in fp16 the loss scaler's
     overflow check does the same). With `seed`, each step starts by seeding every random generator from the
     seed, the step and this rank's position on `mesh` (default: the model's mesh, else the current one; see
-    `loom.dist.rng`), so that a resumed run, on any mesh, draws what a fresh run on that mesh would. Callbacks (see `loom.train.metrics.Callback`) get
-    `on_train_begin(trainer)`, `on_step_end(trainer, metrics)`, `on_eval_end(trainer, {"loss": ...})` and
-    `on_train_end(trainer)`: the hook points for logging and checkpoints.
+    `loom.dist.rng`), so that a resumed run, on any mesh, draws what a fresh run on that mesh would.
+    Callbacks (see `loom.train.metrics.Callback`) get `on_train_begin(trainer)`, `on_step_end(trainer,
+    metrics)`, `on_eval_end(trainer, {"loss": ...})` and `on_train_end(trainer)`: the hook points for logging
+    and checkpoints.
     """
 
     def __init__(
