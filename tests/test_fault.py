@@ -228,7 +228,8 @@ def test_hang_while_loading_the_checkpoint_is_detected_and_the_job_restarts(unin
     done = _supervised(config, [Fault(kind="hang", rank=1, during="startup", phase="loading the checkpoint")])
     (event,) = done.events
     assert event.kind == "hung" and event.step is None  # before its first step
-    assert 1 in event.ranks and "start-up phase 'loading the checkpoint'" in event.cause
+    # rank 0 waits for rank 1 in the load's first collective: either may be the first found silent
+    assert "start-up phase 'loading the checkpoint'" in event.cause
     assert len(done.results[0]["losses"]) == STEPS  # no checkpoint yet: the restart trained from step 0
     _assert_same(_final(config), expected)
 
