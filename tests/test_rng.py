@@ -87,7 +87,7 @@ def test_resume_on_another_world_size_draws_what_a_fresh_run_would(dist_run, tmp
         assert rank["fresh"] == by_dp[rank["dp"]]  # the tp size does not change what a dp rank draws
 
 
-def test_axes_of_size_one_do_not_count():
+def test_which_coordinates_each_generator_counts():
     seeds = StepSeeds(7, (("dp", 1), ("tp", 0)))
     assert seeds.host_seed(3) == StepSeeds(7, (("dp", 1), ("tp", 1))).host_seed(3)  # tp peers
     assert seeds.host_seed(3) != StepSeeds(7, (("dp", 0), ("tp", 0))).host_seed(3)  # dp replicas
