@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from equivalence import assert_params_close
+from fault_cases import HEARTBEAT_TIMEOUT_S, silent_in_first_attempt, slow_start_then_hang
 from job_cases import job_config
 from torch import nn
 
@@ -23,7 +24,7 @@ from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
 from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
 from loom.train.config import TrainConfig
-from loom.train.job import run
+from loom.train.job import STARTUP_PHASES, _startup_faults, run
 from loom.train.trainer import Trainer
 
 STEPS = 6
@@ -83,6 +84,7 @@ def test_restart_budget_is_enforced():
 
 
 def _setup_error() -> None:
+    heartbeat(phase="building the model")  # start-up beats do not make a setup error worth a retry
     raise ValueError("bad config")
 
 
@@ -91,6 +93,35 @@ def test_setup_errors_are_not_retried():
     with pytest.raises(WorkerError, match="bad config"):
         supervise(_setup_error, 2, policy=RestartPolicy(max_restarts=3), log=lines.append)
     assert lines == []
+
+
+def test_start_up_phases_beat_and_a_start_up_hang_is_caught():
+    with WorkerGroup(2) as group:
+        with pytest.raises(WorkerHangError) as info:  # not in "warming up": it kept beating
+            group.run(slow_start_then_hang, 1, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, timeout=120)
+    assert info.value.ranks == [1] and info.value.last_steps == {1: None}
+    assert "rank 1 in start-up phase 'loading the checkpoint'" in str(info.value)
+
+
+def test_a_hang_before_the_first_heartbeat_is_restarted():
+    lines = []
+    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    done = supervise(silent_in_first_attempt, 2, policy=policy, log=lines.append)
+    assert done.results == [1, 1]
+    (event,) = done.events
+    assert event.kind == "hung" and event.ranks == (1,) and event.step is None
+    assert "rank 1 at the start of the task" in event.cause
+    assert "hung before its first step" in lines[0] and "restarting" in lines[0]
+
+
+def test_start_up_faults_name_a_phase_of_the_job():
+    with pytest.raises(ValueError, match="names its start-up phase"):
+        Fault(kind="hang", rank=1, during="startup")
+    with pytest.raises(ValueError, match="names its step"):
+        Fault(kind="hang", rank=1, step=2, during="startup", phase="loading the checkpoint")
+    with pytest.raises(ValueError, match="unknown start-up phase 'loading'"):
+        _startup_faults([Fault(kind="hang", rank=1, during="startup", phase="loading")])
+    assert set(STARTUP_PHASES) >= {"building the model", "loading the checkpoint"}
 
 
 def test_died_error_names_the_last_step():
@@ -189,6 +220,18 @@ def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     done = _supervised(config, [Fault(kind="hang", rank=1, step=3)])
     (event,) = done.events
     assert event.kind == "hung" and event.step == 2
+    _assert_same(_final(config), expected)
+
+
+def test_hang_while_loading_the_checkpoint_is_detected_and_the_job_restarts(uninterrupted):
+    tmp_path, expected = uninterrupted
+    config = _config(tmp_path, "starthang", heartbeat_timeout_s=15)
+    done = _supervised(config, [Fault(kind="hang", rank=1, during="startup", phase="loading the checkpoint")])
+    (event,) = done.events
+    assert event.kind == "hung" and event.step is None  # before its first step
+    # rank 0 waits for rank 1 in the load's first collective: either may be the first found silent
+    assert "start-up phase 'loading the checkpoint'" in event.cause
+    assert len(done.results[0]["losses"]) == STEPS  # no checkpoint yet: the restart trained from step 0
     _assert_same(_final(config), expected)
 
 

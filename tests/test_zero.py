@@ -1,5 +1,6 @@
 """Tier 2: what each optimizer level keeps per rank (states, gradients, parameters), measured on the GPT."""
 
+import pytest
 import torch
 
 import loom
@@ -59,3 +60,33 @@ def test_each_level_keeps_its_share(dist_run):
     assert results[3]["resting"] == 0  # level 3: no parameter memory between uses
     assert results[3]["seen"] == [1, 1, 1]  # only the running block is gathered during forward
     assert results[2]["seen"] == [3, 3, 3]
+
+
+def numpy_view_case():
+    loom.init({"dp": 2})
+    model = GPT(CONFIG, Strategies(2, 1))
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = (ids[:, :-1], ids[:, 1:])
+    loom.parallelize(model, mode="semi_auto", example_inputs=batch)
+    trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, 3, lr=1e-3))
+    for _ in range(2):  # level 3 shards the parameters from the second step on
+        trainer.train_step([batch])
+    weight = model.blocks[0].mlp.w_up
+    with model.loom.full_parameters():
+        copy = loom.full(weight).detach().clone().numpy()  # the fix the error message gives: no error
+    with pytest.raises(ValueError) as caught:
+        with model.loom.full_parameters():
+            view = weight.to_local().detach().numpy()  # shares the parameter's memory
+    gathered = weight.to_local().untyped_storage().nbytes() > 0  # the pinned unit stays as it was
+    others = _bytes(p.to_local() for p in model.blocks[1].parameters())  # the other units were released
+    return {"message": str(caught.value), "shapes": [copy.shape, view.shape], "gathered": gathered,
+            "others": others}  # fmt: skip
+
+
+def test_numpy_view_of_a_level_3_parameter_is_a_clear_error(dist_run):
+    result = dist_run(2, numpy_view_case)[0]
+    message = result["message"]
+    assert "release parameter 'blocks.0.mlp.w_up'" in message and "NumPy" in message
+    assert ".detach().clone()" in message and "full_parameters()" in message
+    assert result["shapes"] == [(CONFIG.d_model, 4 * CONFIG.d_model)] * 2
+    assert result["gathered"] and result["others"] == 0

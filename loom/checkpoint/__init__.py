@@ -6,9 +6,10 @@
     ckpt.wait()                      # async_save=True writes in the background: finish the last save
 
 Model parameters and optimizer states reshard on load: a checkpoint of any optimizer level (0-3) loads at
-any level, on any mesh or on one process (random generators are restored only on as many processes as saved
-them). `export_model` writes one checkpoint's model as a single safetensors (or torch.save) file;
-`import_model` turns such a file into a weights-only checkpoint.
+any level, on any mesh or on one process (random generators are restored as saved on as many processes as
+saved them; on any other mesh a `Trainer(seed=...)` derives them per step and rank, see `loom.dist.rng`).
+`export_model` writes one checkpoint's model as a single safetensors (or torch.save) file; `import_model`
+turns such a file into a weights-only checkpoint.
 """
 
 from loom.checkpoint.checkpointer import load_checkpoint, load_from, load_model_weights, save_checkpoint

@@ -4,7 +4,8 @@ or minutes, keep the last k), on `torch.distributed.checkpoint` with loom's mani
 Layout of `step_000100/`: `dcp/` (DCP's files: model parameters and optimizer states by parameter name, the
 same at every optimizer level, all resharded at load time: a checkpoint loads at any level, on any mesh or
 number of processes), `train_state.pt` (step, schedule, loss scaler, optimizer settings, data position),
-`rank_00000.pt`... (each rank's generators, restored only on as many processes as saved them), `plan.json`
+`rank_00000.pt`... (each rank's generators, restored on as many processes as saved them; elsewhere a
+trainer with a seed derives them at each step, see `loom.dist.rng`), `plan.json`
 (config, mesh, layouts) and `manifest.json`, written last. The directory must be on storage every rank sees
 (as DCP's own metadata requires).
 
@@ -442,7 +443,7 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
         st.load_optimizer_state(model, optimizer, state["optim"])
     shared = torch.load(path / "train_state.pt", weights_only=True)
     _load_shared(trainer, data, shared)
-    _load_rank(path, manifest)
+    _load_rank(path, manifest, seeded=getattr(trainer, "rng", None) is not None)
 
 
 def _refuse_rank_local_zero(path: Path, manifest: dict[str, Any], metadata: Metadata) -> None:
@@ -469,13 +470,16 @@ def _load_shared(trainer: Trainer, data: Any, shared: dict[str, Any]) -> None:
         data.load_state_dict(shared["data"])
 
 
-def _load_rank(path: Path, manifest: dict[str, Any]) -> None:
-    """This rank's generators: only under the world size they were saved with (they are per process)."""
+def _load_rank(path: Path, manifest: dict[str, Any], seeded: bool = False) -> None:
+    """This rank's generators, under the world size they were saved with (they are per process). On another
+    world size a `seeded` trainer (`Trainer(seed=...)`) derives them at each step, as a fresh run on this
+    mesh does (see `loom.dist.rng`); without a seed they are not restored."""
     if manifest.get("world_size") != env.world_size():
-        if env.rank() == 0:
+        if env.rank() == 0 and not seeded:
             warnings.warn(
                 f"{path}: saved on {manifest.get('world_size')} ranks, resumed on {env.world_size()}: "
-                "random number generator states are not restored",
+                "random number generator states are not restored (give the Trainer a seed to derive "
+                "them per step and rank on any mesh)",
                 CheckpointWarning,
                 stacklevel=3,
             )

@@ -22,13 +22,15 @@ Train the reference GPT as CONFIG.toml says: mesh (dp x tp), optimizer level, re
 data and schedule. Keys can be overridden on the command line as --section.key value.
 
 The workers are supervised: a worker that dies, raises during training or hangs (no heartbeat for
-fault.heartbeat_timeout_s) stops the job, which restarts from the last checkpoint ([checkpoint] dir) up to
-fault.max_restarts times; every event is logged, and appended to DIR/events.jsonl.
+fault.heartbeat_timeout_s: one per step and one per start-up phase) stops the job, which restarts from the
+last checkpoint ([checkpoint] dir) up to fault.max_restarts times; every event is logged, and appended to
+DIR/events.jsonl.
 
 Under torchrun (several nodes) each process is one rank and torchrun restarts them (--max-restarts); the job
 resumes from the last checkpoint the same way, and a collective that waits past fault.collective_timeout_s
 fails its rank. LOOM_FAULTS='[{"kind": "sigkill", "rank": 1, "step": 7}]' injects faults on purpose (see
-loom/fault/inject.py) in the first attempt, to rehearse recovery.
+loom/fault/inject.py; '{"kind": "hang", "rank": 1, "during": "startup", "phase": "loading the checkpoint"}'
+strikes before the first step) in the first attempt, to rehearse recovery.
 
 examples:
   loom train configs/demo.toml

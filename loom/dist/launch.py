@@ -10,9 +10,12 @@ Failures are reported as `LaunchError` subclasses and never leave a worker behin
 answer in time (`WorkerTimeoutError`). After a death, a timeout, or an error that leaves peers stuck, the
 group is torn down and marked broken.
 
-Heartbeats: a task may call `heartbeat(step)` (a no-op outside a loom worker); with `heartbeat_timeout`, a
-rank that has sent one and then stays silent longer than that is taken for hung (`WorkerHangError`), and
-the group is torn down. The last beat of every rank stays readable in `WorkerGroup.heartbeats`.
+Heartbeats: a task calls `heartbeat(step)` once per training step and `heartbeat(phase=...)` as it enters
+each start-up phase (building the model, loading a checkpoint); outside a loom worker both are no-ops. With
+`heartbeat_timeout`, a rank that stays silent longer than that is taken for hung (`WorkerHangError`) and the
+group is torn down; the clock of a rank that has not beaten yet starts when it receives the task, so a rank
+that hangs before its first step is caught too, while a slow start-up that keeps beating is not. The last
+beat of every rank stays readable in `WorkerGroup.heartbeats`.
 """
 
 from __future__ import annotations
@@ -100,22 +103,28 @@ class WorkerTimeoutError(LaunchError):
 
 
 class WorkerHangError(WorkerTimeoutError):
-    """Ranks that had sent heartbeats went silent for longer than the heartbeat timeout; `.ranks` lists
-    them, `.last_steps` maps each rank to the step of its last heartbeat."""
+    """Ranks went silent for longer than the heartbeat timeout; `.ranks` lists them, `.last_steps` maps each
+    rank to the step of its last heartbeat (None: it had not reported a step yet, it hung starting up)."""
 
     def __init__(
         self, message: str, *, ranks: Iterable[int] = (), timeout: float | None = None, last_steps=None
     ) -> None:
         super().__init__(message, ranks=ranks, timeout=timeout)
-        self.last_steps: dict[int, int] = dict(last_steps or {})
+        self.last_steps: dict[int, int | None] = dict(last_steps or {})
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """A rank's sign of life: the step it reported and when the caller received it (monotonic seconds)."""
+    """A rank's sign of life: the step it reported (None during start-up) or the start-up `phase` it
+    entered, and when the caller received it (monotonic seconds)."""
 
-    step: int
+    step: int | None
     received: float
+    phase: str | None = None
+
+    def describe(self) -> str:
+        """"step 3", or "start-up phase 'loading the checkpoint'"."""
+        return f"step {self.step}" if self.step is not None else f"start-up phase {self.phase!r}"
 
 
 @dataclass
@@ -189,12 +198,23 @@ def _send(conn: Connection, kind: str, value: Any) -> None:
 # The worker's end of its pipe to the caller, while it serves tasks (None elsewhere).
 _CALLER: Connection | None = None
 
+# Called in the worker as `hook(step, phase)` after each heartbeat (also outside a loom worker): where
+# fault-injection tests stop a rank in a start-up phase (see loom/fault/inject.py).
+BEAT_HOOKS: list[Callable[[int | None, str | None], None]] = []
 
-def heartbeat(step: int) -> None:
-    """Tell the caller this worker is alive at `step` (no-op outside a `WorkerGroup` worker). Training
-    loops call it once per step; the caller's `heartbeat_timeout` then detects a hung rank."""
+
+def heartbeat(step: int | None = None, *, phase: str | None = None) -> None:
+    """Tell the caller this worker is alive: at training step `step`, or entering start-up phase `phase`
+    (e.g. "loading the checkpoint"); a no-op outside a `WorkerGroup` worker. Training loops beat once per
+    step and start-up code once per phase, so that the caller's `heartbeat_timeout` bounds every silence:
+    each phase, like each step, must take less than that timeout."""
+    if (step is None) == (phase is None):
+        raise ValueError(f"heartbeat takes a step or a start-up phase, got step={step!r}, phase={phase!r}")
+    step = None if step is None else int(step)
     if _CALLER is not None:
-        _CALLER.send_bytes(pickle.dumps(("beat", int(step))))
+        _CALLER.send_bytes(pickle.dumps(("beat", (step, phase))))
+    for hook in BEAT_HOOKS:
+        hook(step, phase)
 
 
 def _exit_with_parent() -> None:
@@ -320,6 +340,12 @@ def _port_was_taken(error: WorkerError) -> bool:
     return "eaddrinuse" in text or "address already in use" in text
 
 
+def _last_heard(beat: Heartbeat | None) -> str:
+    if beat is None:
+        return "at the start of the task (no heartbeat yet)"
+    return f"after step {beat.step}" if beat.step is not None else f"in {beat.describe()}"
+
+
 def _dump_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
         return pickle.dumps((fn, args, kwargs))
@@ -381,6 +407,7 @@ class WorkerGroup:
         self.start_timeout = start_timeout
         self.extra_env = dict(env or {})
         self.heartbeats: dict[int, Heartbeat] = {}  # each rank's latest, kept after a failure
+        self._task_started = 0.0  # when the current task was sent: the clock of ranks that have not beaten
         self.pids: list[int] = []
         self._problem: str | None = None  # why this group can no longer run tasks
         self._procs: list[mp.process.BaseProcess] = []
@@ -433,8 +460,9 @@ class WorkerGroup:
         """Run `fn(*args, **kwargs)` on every rank; return the results, index = rank.
 
         `timeout` is in seconds (None: no limit); `heartbeat_timeout` (seconds, None: off) is how long a
-        rank that has called `heartbeat` may stay silent. Raises `WorkerError`, `WorkerDiedError`,
-        `WorkerTimeoutError` or `WorkerHangError`; see the module docstring for when the group survives.
+        rank may stay silent: between two `heartbeat` calls, and from the task's start to its first. Raises
+        `WorkerError`, `WorkerDiedError`, `WorkerTimeoutError` or `WorkerHangError`; see the module
+        docstring for when the group survives.
         """
         task = f"running {_describe(fn)}"
         return self._run_payload(_dump_task(fn, args, kwargs), task, timeout, heartbeat_timeout)
@@ -445,6 +473,7 @@ class WorkerGroup:
         if self._problem is not None:
             raise LaunchError(f"this WorkerGroup cannot run tasks: {self._problem}; create a new one")
         self.heartbeats = {}
+        self._task_started = time.monotonic()
         try:
             for rank, conn in enumerate(self._conns):
                 self._send_task(rank, conn, payload)
@@ -500,7 +529,8 @@ class WorkerGroup:
                     if kind != "beat":
                         answers[rank] = (kind, value)
                         break
-                    self.heartbeats[rank] = Heartbeat(value, time.monotonic())
+                    step, phase = value
+                    self.heartbeats[rank] = Heartbeat(step, time.monotonic(), phase)
             except (EOFError, OSError):
                 dead.append(rank)
                 continue
@@ -509,19 +539,27 @@ class WorkerGroup:
         if dead:
             self._raise_died(dead, task)
 
+    def _last_sign(self, rank: int) -> float:
+        """When `rank` was last heard of: its last heartbeat, else the start of the task."""
+        beat = self.heartbeats.get(rank)
+        return beat.received if beat is not None else self._task_started
+
     def _check_heartbeats(self, pending: list[int], limit: float, task: str) -> None:
-        """Tear the group down when a rank that has beaten before is silent for longer than `limit`."""
+        """Tear the group down when a rank is silent for longer than `limit`: since its last heartbeat, or
+        since the task started when it has not beaten yet (a rank that hangs while starting up)."""
         now = time.monotonic()
-        silent = [r for r in pending if r in self.heartbeats and now - self.heartbeats[r].received > limit]
+        beats = self.heartbeats
+        silent = [r for r in pending if now - self._last_sign(r) > limit]
         if not silent:
             return
-        steps = {r: self.heartbeats[r].step for r in silent}
+        steps = {r: beats[r].step if r in beats else None for r in silent}
         self._stop_all(f"{_ranks(silent)} hung")
-        where = ", ".join(f"rank {r} after step {s}" for r, s in steps.items())
+        where = ", ".join(f"rank {r} {_last_heard(beats.get(r))}" for r in silent)
         raise WorkerHangError(
             f"{_ranks(silent)} sent no heartbeat for more than {limit:g} s while {task} (last heard: {where}); "
             "every worker was stopped. A rank stuck in a collective usually waits for a peer that is stuck "
-            "elsewhere: the lowest last step points at it. If steps are just slow, raise the heartbeat timeout",
+            "elsewhere: the lowest last step (or start-up phase) points at it. If steps or start-up phases "
+            "are just slow, raise the heartbeat timeout",
             ranks=silent,
             timeout=limit,
             last_steps=steps,
@@ -542,7 +580,7 @@ class WorkerGroup:
         code = self._procs[rank].exitcode
         message = f"rank {rank} {_exit_reason(code)} while {task}"
         if rank in self.heartbeats:
-            message += f" (its last heartbeat: step {self.heartbeats[rank].step})"
+            message += f" (its last heartbeat: {self.heartbeats[rank].describe()})"
         if len(dead) > 1:
             message += f" ({_ranks(dead[1:])} died too)"
         message += (

@@ -3,9 +3,12 @@
     faults = [Fault(kind="sigkill", rank=1, step=7)]                  # SIGKILL rank 1 during step 7
     faults = [Fault(kind="sigkill", rank=0, step=4, during="save")]  # ... while it writes step 4's checkpoint
     faults = [Fault(kind="nan", rank=0, step=5, repeat=3)]           # non-finite losses in steps 5-7
+    faults = [Fault(kind="hang", rank=1, during="startup", phase="loading the checkpoint")]  # before step 1
 
 A fault fires only in the attempt it names (`attempt`, default 0: the first run, not the restarts), so a
-restarted job runs clean. `loom.train.job.run(config, faults=...)` installs them in every worker.
+restarted job runs clean. `loom.train.job.run(config, faults=...)` installs them in every worker: start-up
+faults first (they strike when the job announces the phase they name with a heartbeat, see
+`loom.train.job.STARTUP_PHASES`), the others once its trainer exists.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import torch
 from torch import nn
 
 from loom.checkpoint import checkpointer
-from loom.dist import env
+from loom.dist import env, launch
 
 __all__ = ["Fault", "InjectedFault"]
 
 KINDS = ("sigkill", "exit", "raise", "hang", "nan")
+WHEN = ("step", "save", "startup")
 
 
 class InjectedFault(RuntimeError):
@@ -36,14 +40,16 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class Fault:
     """What to do (`kind`), on which rank, in which step (1-based, as `Trainer.step` counts after it), for
-    how many steps in a row (`repeat`), and when: during the step's forward pass, or while the rank writes
+    how many steps in a row (`repeat`), and when: during the step's forward pass, while the rank writes
     that step's checkpoint (`during="save"`, after its files are written and before the checkpoint is
-    published). `seconds` is how long a hang lasts."""
+    published), or before training, as the rank enters start-up phase `phase` (`during="startup"`, no
+    step). `seconds` is how long a hang lasts."""
 
     kind: Literal["sigkill", "exit", "raise", "hang", "nan"]
     rank: int
-    step: int
-    during: Literal["step", "save"] = "step"
+    step: int | None = None
+    during: Literal["step", "save", "startup"] = "step"
+    phase: str | None = None
     repeat: int = 1
     attempt: int = 0
     seconds: float = 3600.0
@@ -51,17 +57,29 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"fault kind {self.kind!r}; choose one of {KINDS}")
-        if self.during not in ("step", "save"):
-            raise ValueError(f"fault during {self.during!r}; choose 'step' or 'save'")
+        if self.during not in WHEN:
+            raise ValueError(f"fault during {self.during!r}; choose one of {WHEN}")
         if self.kind == "nan" and self.during != "step":
             raise ValueError("a 'nan' fault poisons a step's loss: it needs during='step'")
-        if self.step < 1 or self.repeat < 1 or self.rank < 0 or self.attempt < 0:
+        startup = self.during == "startup"
+        if startup != (self.step is None) or startup != bool(self.phase):
+            raise ValueError(
+                f"{self}: a fault during 'step' or 'save' names its step (and no phase); one during "
+                "'startup' names its start-up phase (and no step), e.g. phase='loading the checkpoint'"
+            )
+        if (self.step is not None and self.step < 1) or self.repeat < 1 or self.rank < 0 or self.attempt < 0:
             raise ValueError(f"{self}: step and repeat must be >= 1, rank and attempt >= 0")
 
-    def install(self, trainer: object) -> Callable[[], None]:
-        """Arm the fault on this rank for `trainer` (a `loom.Trainer`); returns a function that disarms it."""
+    def install(self, trainer: object | None = None) -> Callable[[], None]:
+        """Arm the fault on this rank for `trainer` (a `loom.Trainer`; none for a start-up fault, which is
+        armed before the trainer exists); returns a function that disarms it."""
         if env.rank() != self.rank or env.restart_count() != self.attempt:
             return lambda: None
+        if self.during == "startup":
+            launch.BEAT_HOOKS.append(self._on_beat)
+            return lambda: launch.BEAT_HOOKS.remove(self._on_beat)
+        if trainer is None:
+            raise ValueError(f"{self} strikes during a step or a save: install it with the trainer")
         if self.during == "save":
             checkpointer.WRITE_HOOKS.append(self._on_save)
             return lambda: checkpointer.WRITE_HOOKS.remove(self._on_save)
@@ -82,6 +100,10 @@ class Fault:
 
     def _poison(self, trainer: object, output: torch.Tensor) -> torch.Tensor | None:
         return output * float("nan") if self._due(trainer) else None
+
+    def _on_beat(self, step: int | None, phase: str | None) -> None:
+        if phase == self.phase:
+            self._fire(f"start-up phase {phase!r}")
 
     def _on_save(self, step: int, temp: Path) -> None:
         if step == self.step:

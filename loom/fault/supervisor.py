@@ -1,14 +1,18 @@
 """Supervised runs: start the workers, watch them, and restart the whole job when one fails.
 
 `supervise(fn, nprocs, ...)` runs `fn` on a fresh `WorkerGroup` and waits. A worker that dies (SIGKILL,
-`os._exit`, a crash), raises after training began, or stops sending heartbeats (`loom.dist.launch.heartbeat`,
-once per step) for longer than the heartbeat timeout ends the attempt: every worker is stopped, the event is
-logged with rank, step and cause, and a new group starts, up to `max_restarts` times. Each attempt sees its
-number in TORCHELASTIC_RESTART_COUNT, as under `torchrun --max-restarts`; the job itself resumes from its
-last committed checkpoint (see `loom/train/job.py`).
+`os._exit`, a crash), raises after training began, or stays silent for longer than the heartbeat timeout ends
+the attempt: every worker is stopped, the event is logged with rank, step and cause, and a new group starts,
+up to `max_restarts` times. Silence counts from a rank's last heartbeat (`loom.dist.launch.heartbeat`: once
+per step, and once per start-up phase such as building the model or loading a checkpoint), or from the start
+of the attempt before its first. Each attempt sees its number in TORCHELASTIC_RESTART_COUNT, as under
+`torchrun --max-restarts`; the job itself resumes from its last committed checkpoint (see
+`loom/train/job.py`).
 
-An exception raised before a rank's first heartbeat (a bad config, a model that does not fit the mesh) is
-not retried: it would fail the same way again.
+An exception raised before a rank reported its first step (a bad config, a model that does not fit the mesh)
+is not retried: it would fail the same way again. A hang before the first step is restarted like any other:
+its usual causes (a stalled file system, a peer that never arrived, a deadlock that depends on timing) pass,
+and one that does not spends the restart budget, which bounds it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ class RestartPolicy:
     """How a supervised job reacts to failures.
 
     `max_restarts`: restarts allowed after the first attempt (0: fail at the first failure).
-    `heartbeat_timeout_s`: how long a rank that has reported a step may stay silent (None: never a hang).
+    `heartbeat_timeout_s`: how long a rank may stay silent, between heartbeats (steps and start-up phases) or
+    from the start of an attempt to its first (None: never a hang).
     `collective_timeout_s`: the process group's timeout for one collective (None: torch's 30 minutes).
     `events_file`: a JSON-lines file every failure event is appended to (None: only logged).
     """
@@ -55,7 +60,8 @@ class RestartPolicy:
 @dataclass(frozen=True)
 class FailureEvent:
     """One failed attempt: what happened (`kind`: died, hung, raised, rollback), on which ranks, at which
-    step (the last one the rank reported; None before its first), and the cause in a line."""
+    step (the last one the rank reported; None before its first: while starting up), and the cause in a
+    line."""
 
     attempt: int
     kind: str
@@ -130,7 +136,8 @@ def _event(attempt: int, error: LaunchError, group: WorkerGroup) -> FailureEvent
     """The failure as an event, or None when restarting cannot help."""
     beats = group.heartbeats
     if isinstance(error, WorkerHangError):
-        step = min(error.last_steps.values()) if error.last_steps else None
+        steps = list(error.last_steps.values())
+        step = None if not steps or None in steps else min(steps)  # a rank still starting up is the lowest
         return FailureEvent(attempt, "hung", tuple(error.ranks), step, _first_line(str(error)))
     if isinstance(error, WorkerDiedError):
         step = beats[error.rank].step if error.rank in beats else None

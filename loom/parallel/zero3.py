@@ -6,6 +6,10 @@ parameters left over. Gradient buckets never span two units. Between uses a unit
 (one all-gather per bucket) just before its forward, freed after it, gathered again when backward reaches
 it (a hook on its outputs' gradients) and freed once all its gradients are ready. Autograd's saved tensors
 point at the same storage, which is refilled before it is read, as in FSDP.
+
+Resizing needs storage that nobody else pins: a NumPy view (`.numpy()`) of a parameter makes its storage
+non-resizable for good, so gathering or freeing its unit raises a `ValueError` that names the parameter and
+says how to take a copy instead (checked before any resize: the unit stays as it was).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ParameterSharding:
 
     def __init__(self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None) -> None:
         self.units = units or default_units(model)
+        self.names = {id(p): name for name, p in model.named_parameters()}  # for error messages
         self.params: list[list[nn.Parameter]] = []
         claimed: set[nn.Parameter] = set()
         for unit in self.units:
@@ -65,6 +70,7 @@ class ParameterSharding:
         """Refill unit `index`'s parameters from every rank's chunk (one all-gather per bucket)."""
         if not self.active or self.gathered[index]:
             return
+        self._require_resizable(index, "gather")
         for shard in self.shards.get(index, []):
             for param in shard.bucket.params:
                 _storage(param).resize_(_local(param).numel() * _local(param).element_size())
@@ -75,6 +81,7 @@ class ParameterSharding:
         """Release unit `index`'s parameter memory (only bucketed parameters: the others are not sharded)."""
         if not self.active or not self.gathered[index]:
             return
+        self._require_resizable(index, "release")
         for shard in self.shards.get(index, []):
             for param in shard.bucket.params:
                 _storage(param).resize_(0)
@@ -88,8 +95,36 @@ class ParameterSharding:
         try:
             yield
         finally:
-            for index in range(len(self.units)):
+            self._free_all()
+
+    def _free_all(self) -> None:
+        """Free every unit; a unit that cannot be freed (see `_require_resizable`) does not keep the others
+        gathered: its error is raised once all the others are freed."""
+        errors = []
+        for index in range(len(self.units)):
+            try:
                 self.free(index)
+            except ValueError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _require_resizable(self, index: int, action: str) -> None:
+        """A `ValueError` when a parameter of unit `index` has storage that cannot be resized: a NumPy array
+        shares it (torch pins the size of storage that `.numpy()` exposes, so that the array stays valid)."""
+        for shard in self.shards.get(index, []):
+            for param in shard.bucket.params:
+                if not _storage(param).resizable():
+                    name = self.names.get(id(param))
+                    label = repr(name) if name else f"of shape {tuple(param.shape)}"
+                    raise ValueError(
+                        f"optimizer level 3 cannot {action} parameter {label}: its memory is shared with "
+                        "a NumPy array (made by `.numpy()`), which pins the size of that memory. Between "
+                        "uses a level-3 parameter holds no memory, so take a copy instead: "
+                        "`param.detach().clone().numpy()` for this rank's shard, or "
+                        "`loom.full(param).detach().clone().numpy()` inside "
+                        "`with model.loom.full_parameters():` for the whole tensor"
+                    )
 
     def _before_forward(self, index: int) -> None:
         self.pending[index] = len(self.params[index])

@@ -317,8 +317,10 @@ class CheckpointConfig(_Section):
 @dataclass(kw_only=True)
 class FaultConfig(_Section):
     """`[fault]`: how `loom train` survives failures. A worker that dies, raises during training or sends no
-    heartbeat for `heartbeat_timeout_s` (0: no hang detection) stops the job, which restarts from the last
-    checkpoint up to `max_restarts` times; `collective_timeout_s` bounds one collective. A step whose loss
+    heartbeat for `heartbeat_timeout_s` (0: no hang detection; one beat per step and per start-up phase, so
+    a rank that hangs while building the model or loading a checkpoint is caught too) stops the job, which
+    restarts from the last checkpoint up to `max_restarts` times; `collective_timeout_s` bounds one
+    collective. A step whose loss
     or gradient norm is not finite is skipped (`skip_nonfinite`); after `rollback_after` such steps in a row
     (0: never) the job rolls back to the last checkpoint and skips the data that failed."""
 

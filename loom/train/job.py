@@ -9,8 +9,8 @@ task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into p
 blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device (no
 samples or accuracy yet, and see `check_pipeline`). `loom train` runs `run` under
-`loom.fault.supervise`, which restarts it after a failure; each step sends a heartbeat so that a hung rank
-is noticed.
+`loom.fault.supervise`, which restarts it after a failure; each start-up phase (`STARTUP_PHASES`) and each
+step sends a heartbeat, so that a rank that hangs, before its first step as well as later, is noticed.
 """
 
 from __future__ import annotations
@@ -108,6 +108,34 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[GPT, Pipeline]
     return model, pipeline
 
 
+# What `run` does before its first step, in order; each phase begins with a heartbeat, so each must take less
+# than `fault.heartbeat_timeout_s` (start-up faults name one: `Fault(during="startup", phase=...)`).
+STARTUP_PHASES = (
+    "joining the mesh",
+    "loading the data",
+    "building the model",
+    "building the trainer",
+    "loading the checkpoint",
+)
+
+
+def _startup_faults(faults: Sequence[Fault]) -> list[Fault]:
+    """The faults that strike in a start-up phase (a ValueError for a phase `run` does not have)."""
+    startup = [fault for fault in faults if fault.during == "startup"]
+    for fault in startup:
+        if fault.phase not in STARTUP_PHASES:
+            raise ValueError(
+                f"{fault}: unknown start-up phase {fault.phase!r}; choose one of {STARTUP_PHASES}"
+            )
+    return startup
+
+
+def _phase(name: str) -> None:
+    """Announce start-up phase `name` to the supervisor (a heartbeat; where start-up faults strike)."""
+    assert name in STARTUP_PHASES, name
+    heartbeat(phase=name)
+
+
 class Heartbeat:
     """Trainer callback: report each step to the supervisor (see `loom.dist.launch.heartbeat`)."""
 
@@ -152,6 +180,7 @@ def build_trainer(
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
         skip_nonfinite=config.fault.skip_nonfinite,
+        seed=t.seed, mesh=loom.current_mesh(),  # generators per step and rank on the whole mesh (pp included)
     )  # fmt: skip
     if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
         return PipelineTrainer(
@@ -178,7 +207,9 @@ def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> s
 def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
     """Train as `config` says, inside a worker of `loom.launch` or `loom.fault.supervise`; returns the
     summary (losses of the steps this attempt ran). `faults` are injected on purpose (tests of recovery)."""
+    disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
+    _phase("joining the mesh")
     mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
     config.validate(mesh.world_size)
     check_pipeline(config)
@@ -186,9 +217,11 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         raise ValueError("faults during a step hook the model's forward, which pipeline runs do not call yet")
     t, is_main = config.train, loom.rank() == 0
     torch.manual_seed(t.seed)
+    _phase("loading the data")
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
     pipeline = None
+    _phase("building the model")
     if config.parallel.pp > 1:
         model, pipeline = build_pipeline(config, mesh)
     else:
@@ -205,13 +238,18 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
             callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
         callbacks.append(checkpointer)
+    _phase("building the trainer")
     trainer = build_trainer(config, model, callbacks, pipeline)
     if checkpointer is not None:
+        _phase("loading the checkpoint")
         resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
         if apply_rollback(config.checkpoint.dir, resumed, batches) and is_main:
             print("rolled back: skipping the data of the steps that were not finite", flush=True)
+    for undo in disarm:
+        undo()
     for fault in faults:
-        fault.install(trainer)
+        if fault.during != "startup":
+            fault.install(trainer)
     if is_main:
         print(
             plan_text(config, model) if pipeline is None else pipeline_plan_text(config, model, mesh),

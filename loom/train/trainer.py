@@ -1,6 +1,7 @@
 """`loom.Trainer`: the training loop, readable top to bottom.
 
-One step: split the rank's batch into micro-batches; for each, forward under autocast and backward of the
+One step: seed the random generators for the step (with a `seed`: see `loom.dist.rng`); split the rank's
+batch into micro-batches; for each, forward under autocast and backward of the
 (scaled) loss, letting gradients synchronise only on the last one (`_forward_backward`); then, on the whole
 step's gradients (`_update`): check finiteness (fp16), unscale, skip a step whose loss or gradient norm is
 not finite, clip to a global norm taken across every shard and rank, update (unless skipped), adjust the loss
@@ -21,6 +22,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.dist import env
+from loom.dist.context import current_mesh
+from loom.dist.mesh import Mesh
+from loom.dist.rng import StepSeeds
 from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, grad_views, scale_grads_
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
@@ -35,9 +39,12 @@ class Trainer:
     `tokens_per_step` (the global batch's tokens) they include throughput, and with `flops_per_token` and
     `peak_flops` (per device) the model FLOPs utilisation. With `skip_nonfinite` (the default) a step whose
     loss or gradient norm is not finite changes nothing (`StepMetrics.skipped`; in fp16 the loss scaler's
-    overflow check does the same). Callbacks (see `loom.train.metrics.Callback`) get
-    `on_train_begin(trainer)`, `on_step_end(trainer, metrics)`, `on_eval_end(trainer, {"loss": ...})` and
-    `on_train_end(trainer)`: the hook points for logging and checkpoints.
+    overflow check does the same). With `seed`, each step starts by seeding every random generator from the
+    seed, the step and this rank's position on `mesh` (default: the model's mesh, else the current one; see
+    `loom.dist.rng`), so that a resumed run, on any mesh, draws what a fresh run on that mesh would.
+    Callbacks (see `loom.train.metrics.Callback`) get `on_train_begin(trainer)`, `on_step_end(trainer,
+    metrics)`, `on_eval_end(trainer, {"loss": ...})` and `on_train_end(trainer)`: the hook points for logging
+    and checkpoints.
     """
 
     def __init__(
@@ -55,6 +62,8 @@ class Trainer:
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         skip_nonfinite: bool = True,
+        seed: int | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
@@ -71,6 +80,7 @@ class Trainer:
             peak_flops,
         )
         self.skip_nonfinite = skip_nonfinite
+        self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(model))
         self.step = 0
         self.is_main = env.rank() == 0
         autocast(precision)  # validates the name now rather than at the first step
@@ -78,6 +88,8 @@ class Trainer:
     def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
         """One optimizer step over `micro_batches` (this rank's parts of the global batch)."""
         start = time.perf_counter()
+        if self.rng is not None:  # what the step draws depends on the seed, the step and the rank alone
+            self.rng.apply(self.step)
         loss = self._forward_backward(micro_batches)
         return self._update(loss, start)
 
@@ -182,6 +194,12 @@ class Trainer:
             method = getattr(callback, hook, None)
             if method is not None:
                 method(*args)
+
+
+def _mesh_of(model: nn.Module) -> Mesh | None:
+    """The mesh `model` is laid out on, else the current one (None outside `loom.init`)."""
+    state = getattr(model, "loom", None)
+    return state.mesh if state is not None else current_mesh()
 
 
 def global_mean(losses: Sequence[torch.Tensor]) -> float:
