@@ -1,4 +1,4 @@
-"""Worker bodies of the start-up heartbeat tests, in a module that imports next to nothing: a rank's clock
+"""Worker bodies of the heartbeat tests, in a module that imports next to nothing: a rank's clock
 starts when it receives its task, and unpickling a task imports the module of its function (seconds for a
 test module on a loaded machine), which would count against these tests' short heartbeat timeouts."""
 
@@ -9,6 +9,15 @@ from loom.dist.env import restart_count
 from loom.dist.launch import heartbeat
 
 HEARTBEAT_TIMEOUT_S = 5.0
+
+
+def beat_then_hang(hang_rank: int) -> int:
+    """Steps 1-3 beat; then `hang_rank` hangs."""
+    for step in range(1, 4):
+        heartbeat(step)
+    if int(os.environ["RANK"]) == hang_rank:
+        time.sleep(600)
+    return 0
 
 
 def slow_start_then_hang(hang_rank: int) -> int:

@@ -7,13 +7,12 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from equivalence import assert_params_close
-from fault_cases import HEARTBEAT_TIMEOUT_S, silent_in_first_attempt, slow_start_then_hang
+from fault_cases import HEARTBEAT_TIMEOUT_S, beat_then_hang, silent_in_first_attempt, slow_start_then_hang
 from job_cases import job_config
 from torch import nn
 
@@ -32,19 +31,11 @@ STEPS = 6
 # ---- heartbeats and the supervisor, on small functions -----------------------------------------------------
 
 
-def _beat_then_hang(hang_rank: int) -> int:
-    for step in range(1, 4):
-        heartbeat(step)
-    if int(os.environ["RANK"]) == hang_rank:
-        time.sleep(600)
-    return 0
-
-
 def test_silent_rank_is_taken_for_hung():
     with WorkerGroup(2) as group:
         # a missed hang ends in the task timeout instead (WorkerTimeoutError, not the WorkerHangError expected)
         with pytest.raises(WorkerHangError) as info:
-            group.run(_beat_then_hang, 1, heartbeat_timeout=10.0, timeout=120)
+            group.run(beat_then_hang, 1, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, timeout=120)
         assert group.broken  # torn down by the hang, before the group is closed
     assert info.value.ranks == [1] and info.value.last_steps == {1: 3}
     assert "rank 1 after step 3" in str(info.value)
@@ -188,7 +179,9 @@ def _assert_same(final: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert torch.equal(final[name], tensor), name
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_sigkill_of_a_random_rank_at_a_random_step(uninterrupted, seed):
     tmp_path, expected = uninterrupted
     rng = random.Random(seed)
@@ -223,6 +216,7 @@ def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     _assert_same(_final(config), expected)
 
 
+@pytest.mark.slow  # the supervisor's restart after a start-up hang: test_a_hang_before_the_first_heartbeat_is_restarted
 def test_hang_while_loading_the_checkpoint_is_detected_and_the_job_restarts(uninterrupted):
     tmp_path, expected = uninterrupted
     config = _config(tmp_path, "starthang", heartbeat_timeout_s=15)
