@@ -13,11 +13,11 @@ from loom.pipeline.gpt import (
     tied_embedding,
 )
 from loom.pipeline.memory import SavedActivations
-from loom.pipeline.optimizer import pipeline_optimizer, stage_grad_sync
+from loom.pipeline.optimizer import pipeline_optimizer
+from loom.pipeline.reduction import stage_grad_sync
 from loom.pipeline.schedule import (
     SCHEDULES,
     Pipeline,
-    Tied,
     schedule_kind,
     stage_indices,
     validate_microbatches,
@@ -32,6 +32,7 @@ from loom.pipeline.stages import (
     pipeline_stage,
     stage_of_blocks,
 )
+from loom.pipeline.tied import Tied
 from loom.pipeline.timeline import (
     Event,
     Recorder,

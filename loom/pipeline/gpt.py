@@ -26,8 +26,9 @@ from loom.dist.mesh import Mesh
 from loom.layout.parameters import materialize
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.parallel.parallelize import parallelize
-from loom.pipeline.schedule import SCHEDULES, Pipeline, Tied, stage_indices
+from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
+from loom.pipeline.tied import Tied
 
 
 class GPTStage(nn.Module):
@@ -35,39 +36,56 @@ class GPTStage(nn.Module):
 
     The first stage takes token ids (batch, seq); the others the residual stream (batch, seq, d_model); the
     last returns logits (batch, seq, vocab). With tied embeddings the last stage's head is the model's
-    `embedding` (on another rank, that rank's copy: see `Tied`). A stage laid out on a stage mesh
-    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors.
+    `embedding` (on another rank, that rank's copy: see `Tied`). Positions are learned (a table on the first
+    stage) or rotary (every block rotates its queries and keys by the model's tables). The model's constant
+    tables (causal mask, rotary tables) are shared, not copied. A stage laid out on a stage mesh
+    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors, and
+    copies what it sends when `copy_output` (a zero-bubble schedule detaches its stages' outputs in place,
+    which a view of the stream does not allow).
     """
 
     boundary: tuple[Placement, ...] | None = None
+    copy_output: bool = False
 
     def __init__(self, model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        if model.config.positions != "learned":
-            raise ValueError("pipeline stages of the GPT support positions='learned' only for now")
         self.first, self.last, self.block_indices = first, last, list(block_indices)
+        self.rotary = model.config.positions == "rotary"
         self.blocks = nn.ModuleList(model.blocks[i] for i in block_indices)
         if first:
-            self.embedding, self.positions = model.embedding, model.positions
-            self.lookup, self.add_positions = model.lookup, model.add_positions
+            self.embedding, self.lookup = model.embedding, model.lookup
+            if self.rotary:
+                self.enter = model.enter
+            else:
+                self.positions, self.add_positions = model.positions, model.add_positions
         if last:
             self.norm, self.logits = model.norm, model.logits
             self.head = model.embedding if model.config.tie_embeddings else model.head
-        self.register_buffer("causal_mask", model.causal_mask.clone(), persistent=False)
+        for name in constant_tables(model):
+            self.register_buffer(name, getattr(model, name), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1]
         if self.first:
-            x = self.add_positions(self.lookup(self.embedding, x), self.positions[:seq])
+            x = self.lookup(self.embedding, x)
+            x = self.enter(x) if self.rotary else self.add_positions(x, self.positions[:seq])
         mask = self.causal_mask[:seq, :seq]
+        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.rotary else None
         for block in self.blocks:
-            x = block(x, mask, None)
+            x = block(x, mask, rope)
         if self.last:
             return self.logits(self.norm(x), self.head)  # on a stage mesh a DTensor, as the loss takes it
         if self.boundary is not None:  # torch's schedules send plain tensors: this rank's piece of the stream
-            # a copy, not the view `to_local` gives: the zero-bubble schedules detach outputs in place
-            x = x.redistribute(x.device_mesh, self.boundary).to_local().clone()
+            x = x.redistribute(x.device_mesh, self.boundary).to_local()
+            if self.copy_output:
+                x = x.clone()
         return x
+
+
+def constant_tables(model: GPT) -> list[str]:
+    """The names of the model's constant tables (buffers every stage reads: the causal mask, rotary
+    tables)."""
+    return [name for name, _ in model.named_buffers(recurse=False)]
 
 
 def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[GPTStage]:
@@ -187,8 +205,6 @@ def shard_stages(
                 _set(model, name, param)
             _set(stage, path, model.get_parameter(name))  # one tensor for a table two stages share
     model.init_weights(seed)  # this rank's shards; other ranks' stages are still on the meta device
-    for stage in stages:
-        stage.causal_mask.copy_(model.causal_mask)  # allocated empty by `materialize`
     return stages
 
 
@@ -245,6 +261,8 @@ def gpt_pipeline(
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
+    for stage in stages:
+        stage.copy_output = SCHEDULES[schedule].split_backward
     return Pipeline(
         stages,
         schedule=schedule,
@@ -252,20 +270,22 @@ def gpt_pipeline(
         loss_fn=gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh),
         group=mesh.axis_group("pp"),
         dp_group=mesh.axis_group("dp"),
-        tied=tied_embedding(model, stages, schedule, tp=mesh.axis_size("tp")),
+        stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
+        tied=tied_embedding(model, stages, schedule, mesh),
         mesh=stage_mesh,
     )
 
 
-def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, tp: int = 1) -> list[Tied]:
+def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, mesh: Mesh) -> list[Tied]:
     """The embedding as a `Tied` parameter when the model ties it to the head and the first and the last
-    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). With
-    stages tensor-parallel over `tp` ranks, each rank holds (and sums) its shard: the vocab-parallel
-    table's rows cut over tp."""
+    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). Its
+    copies are reduced on the group of the first and the last pipeline rank's data-parallel replicas (with
+    tensor-parallel stages, those with this rank's tp index: each holds and sums its shard, the
+    vocab-parallel table's rows cut over tp). A collective call on every rank of `mesh`."""
     if not model.config.tie_embeddings or SCHEDULES[schedule].placement == "v":
         return []
+    ends = (0, mesh.axis_size("pp") - 1)
+    group = mesh.group({"pp": ends} | ({"dp": None} if "dp" in mesh.shape.names else {}))
     holds = any(stage.first or stage.last for stage in stages)
-    table = model.embedding
-    rows, width = table.shape
-    shape = torch.Size((rows // tp, width))
-    return [Tied(param=table if holds else None, shape=shape, dtype=table.dtype, holders=2)]
+    assert holds == (group is not None), "the first and the last stage sit on the first and the last rank"
+    return [Tied(param=model.embedding if holds else None, holders=2, group=group)]

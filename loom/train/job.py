@@ -126,7 +126,10 @@ def build_trainer(
     `PipelineTrainer` whose optimizer holds the stages' parameters."""
     t = config.train
     if t.optimizer == "adamw":
-        optimizer_class, hyper = torch.optim.AdamW, {"betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay}
+        optimizer_class, hyper = (
+            torch.optim.AdamW,
+            {"betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay},
+        )
     else:
         optimizer_class, hyper = torch.optim.SGD, {"momentum": t.momentum, "weight_decay": t.weight_decay}
     level = config.parallel.optimizer_level
