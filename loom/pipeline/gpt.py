@@ -239,11 +239,12 @@ def _materialize_buffers(model: GPT, device: torch.device | str) -> None:
 
 
 def gpt_pipeline(
-    model: GPT, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int = 1, seed: int = 0
-) -> Pipeline:
+    model: GPT, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int = 1, seed: int = 0,
+    bucket_mb: float = 25.0,
+) -> Pipeline:  # fmt: skip
     """This rank's part of `model` as a pipeline over `mesh`'s `"pp"` axis, its stages' gradients averaged
-    over the `"dp"` axis. A model on the meta device gets only this rank's stages materialised (see
-    `materialize_stages`).
+    over the `"dp"` axis in buckets of about `bucket_mb` megabytes. A model on the meta device gets only
+    this rank's stages materialised (see `materialize_stages`).
 
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as `PipelineTrainer` does), so that their operators' strategies are
@@ -273,6 +274,7 @@ def gpt_pipeline(
         stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
         tied=tied_embedding(model, stages, schedule, mesh),
         mesh=stage_mesh,
+        bucket_mb=bucket_mb,
     )
 
 
