@@ -150,6 +150,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.tied = list(tied)
         self.grad_sync = self._grad_sync(bucket_mb)
+        self.sharding = None  # optimizer level 3: see `loom.pipeline.optimizer`
         self._syncing = False  # this step's last backward passes reduce the gradients
         for stage in self.stages:
             stage.work = self._work
@@ -194,6 +195,16 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (of all its stages; one that two of them share, once)."""
         return list(dict.fromkeys(p for m in self.modules for p in m.parameters()))
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter of this rank's stages whole in memory inside the block (at optimizer level 3 they
+        are sharded at rest)."""
+        if self.sharding is None:
+            yield
+            return
+        with self.sharding.full_parameters():
+            yield
 
     def holders(self, param: nn.Parameter) -> int:
         """How many ranks of the pipeline hold a copy of `param` (1 unless it is tied)."""

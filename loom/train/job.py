@@ -79,8 +79,6 @@ def check_pipeline(config: TrainConfig) -> None:
         (par.optimizer_level > 2, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
          "pipelines yet (the schedule runs the stages outside level 3's parameter gathering); set "
          "parallel.optimizer_level = 2 or lower"),
-        (model.positions != "learned", f"model.positions = {model.positions!r} is not supported by pipeline "
-         "stages yet; set model.positions = \"learned\""),
         (model.n_layers < par.pp * virtual, f"schedule {par.schedule!r} puts {virtual} stages on each of "
          f"{par.pp} ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"),
     ]  # fmt: skip
