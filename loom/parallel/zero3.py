@@ -10,7 +10,7 @@ point at the same storage, which is refilled before it is read, as in FSDP.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -27,9 +27,12 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 class ParameterSharding:
-    """Gathers and frees the parameters of each unit around its forward and backward."""
+    """Gathers and frees the parameters of each unit around its forward and backward (with `hooks`; else
+    where the caller says, `gathering`)."""
 
-    def __init__(self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None, *, hooks: bool = True
+    ) -> None:
         self.units = units or default_units(model)
         self.params: list[list[nn.Parameter]] = []
         claimed: set[nn.Parameter] = set()
@@ -45,6 +48,10 @@ class ParameterSharding:
         self.gathered = [True] * len(self.units)
         self.in_backward = [False] * len(self.units)
         self.pending = [0] * len(self.units)
+        if hooks:
+            self._install_hooks()
+
+    def _install_hooks(self) -> None:
         for index, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
             unit.register_forward_hook(lambda _m, _a, out, i=index: self._after_forward(i, out))
@@ -81,15 +88,20 @@ class ParameterSharding:
         self.gathered[index] = False
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """All parameters gathered inside the block (to read or save them); freed again afterwards."""
-        for index in range(len(self.units)):
+    def gathering(self, indices: Sequence[int]) -> Iterator[None]:
+        """Units `indices` gathered inside the block (in that order: a collective per bucket, so every rank
+        of their groups gathers the same units in the same order), freed again afterwards."""
+        for index in indices:
             self.gather(index)
         try:
             yield
         finally:
-            for index in range(len(self.units)):
+            for index in indices:
                 self.free(index)
+
+    def full_parameters(self):
+        """All parameters gathered inside the block (to read or save them); freed again afterwards."""
+        return self.gathering(range(len(self.units)))
 
     def _before_forward(self, index: int) -> None:
         self.pending[index] = len(self.params[index])

@@ -11,6 +11,7 @@ from loom.pipeline.gpt import (
     split_gpt,
     stage_parameters,
     tied_embedding,
+    whole_gpt,
 )
 from loom.pipeline.memory import SavedActivations
 from loom.pipeline.optimizer import pipeline_optimizer
@@ -74,5 +75,6 @@ __all__ = [
     "stage_parameters",
     "tied_embedding",
     "theoretical_bubble",
+    "whole_gpt",
     "validate_microbatches",
 ]

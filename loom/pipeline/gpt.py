@@ -11,19 +11,25 @@ mesh, the dp x tp ranks that share its pp index (`Mesh.without("pp")`), so that 
 ever spans pipeline ranks (which hold other stages). torch's schedules move plain tensors between stages:
 a stage's input is this rank's piece of the residual stream (its rows of the batch; with sequence
 parallelism also its cut of the sequence), made a DTensor on entry and its local piece again on exit.
+
+`whole_gpt` gathers a trained pipeline's parameters into the whole model on every rank, to sample from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.layout.parameters import materialize
+from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.parallel.parallelize import parallelize
 from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
@@ -105,11 +111,29 @@ def source_names(model: GPT, stage: nn.Module) -> list[str]:
     return [names[id(p)] for p in stage.parameters()]
 
 
-def stage_parameters(model: GPT, stages: Sequence[nn.Module]) -> nn.Module:
+class StageParameters(nn.Module):
+    """This rank's part of the whole model's parameters under the model's names (see `stage_parameters`).
+    `full_parameters()` has them whole in memory inside the block (at optimizer level 3 they are sharded at
+    rest), as a parallelised model's `model.loom.full_parameters()` does: checkpoints read them there."""
+
+    def __init__(self, full_parameters: Callable[[], AbstractContextManager] | None = None) -> None:
+        super().__init__()
+        self._full_parameters = full_parameters
+
+    def full_parameters(self) -> AbstractContextManager:
+        return self._full_parameters() if self._full_parameters is not None else contextlib.nullcontext()
+
+
+def stage_parameters(
+    model: GPT,
+    stages: Sequence[nn.Module],
+    full_parameters: Callable[[], AbstractContextManager] | None = None,
+) -> StageParameters:
     """A module that holds the parameters of `stages` (the very tensors) under the model's names, empty
     modules in between: its `state_dict` is this rank's part of the whole model's, which is what a
-    checkpoint saves, so that it loads on any other split of the model."""
-    root = nn.Module()
+    checkpoint saves, so that it loads on any other split of the model. `full_parameters`: the pipeline's
+    (`Pipeline.full_parameters`), where its parameters are sharded at rest."""
+    root = StageParameters(full_parameters)
     for stage in stages:
         for name, param in zip(source_names(model, stage), stage.parameters(), strict=True):
             *path, leaf = name.split(".")
@@ -181,7 +205,8 @@ def shard_stages(
     """`stages` of a GPT built on the meta device with its tensor-parallel `Strategies`, each laid out on
     the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
     with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
-    whole model on one device). Gradients are left pending: `Pipeline` reduces them after a step."""
+    whole model on one device). Gradients are left pending: the pipeline's one `GradSync` reduces them (see
+    `loom.pipeline.reduction`)."""
     s = model.strategies
     if (s.dp, s.tp) != (mesh.dp_size, mesh.axis_size("tp")):
         raise ValueError(
@@ -194,7 +219,7 @@ def shard_stages(
     with use_mesh(mesh):
         for stage in stages:
             parallelize(stage, mode="semi_auto", example_inputs=(_example_input(model, stage),))
-            stage.loom.grad_sync.remove()  # the schedule runs many backward passes a step: reduced once after
+            stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
             materialize(stage, device)
             stage.boundary = stream_placements(mesh, s.sequence_parallel)
             if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
@@ -291,3 +316,31 @@ def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, mesh: 
     holds = any(stage.first or stage.last for stage in stages)
     assert holds == (group is not None), "the first and the last stage sit on the first and the last rank"
     return [Tied(param=model.embedding if holds else None, holders=2, group=group)]
+
+
+def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:
+    """The whole `model` unsharded on every rank, with the values `pipeline` trained (to sample from it):
+    each parameter taken whole on the pipeline rank that holds it (gathered over its stage mesh; at optimizer
+    level 3 from its shards) and broadcast over the pipeline. A collective call on every rank of `mesh`;
+    memory for one whole model per rank."""
+    pp, here = mesh.axis_size("pp"), mesh.axis_rank("pp")
+    owner: dict[str, int] = {}
+    for pp_rank in range(pp):
+        for stage in rank_stages(model, schedule, pp, pp_rank, virtual):
+            for name in source_names(model, stage):
+                owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
+    mine = {
+        name: param
+        for stage in pipeline.modules
+        for name, param in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
+    with use_mesh(None), torch.device("meta"):
+        whole = GPT(model.config)
+    whole.to_empty(device="cpu")
+    whole.init_weights()  # its constant tables; every parameter is overwritten below
+    with torch.no_grad(), pipeline.full_parameters():
+        for name, param in whole.named_parameters():
+            if owner[name] == here:
+                param.copy_(full(mine[name]))
+            dist.broadcast(param, group=mesh.axis_group("pp"), group_src=owner[name])
+    return whole

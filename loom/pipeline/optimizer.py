@@ -1,12 +1,12 @@
-"""Optimizer levels 1 and 2 for a pipeline rank's stages: states (and at level 2 gradients) sharded over the
-ranks that run the same stages (the stage's data-parallel replicas, or with tensor parallelism its stage
-mesh), never over pipeline ranks, which hold other stages.
+"""Optimizer levels 1-3 for a pipeline rank's stages: states (level 2: also gradients; level 3: also
+parameters) sharded over the ranks that run the same stages (the stage's data-parallel replicas, or with
+tensor parallelism its stage mesh), never over pipeline ranks, which hold other stages.
 
 `ZeroOptimizer` shards its states over the buckets of the pipeline's one `GradSync` (see
 `loom.pipeline.reduction`), which reduces them while each stage's last backward runs (reduce-scattered at
-level 2). A tied parameter's bucket spans the ranks that hold its copies, so its chunks are cut alike on
-each of them and its copies take the same update. Level 3 (parameters sharded at rest) is not supported:
-the schedule runs the stages' modules outside of what `ParameterSharding` hooks.
+levels 2-3). A tied parameter's bucket spans the ranks that hold its copies, so its chunks are cut alike on
+each of them and its copies take the same update. At level 3 each stage is gathered around each of its
+pieces of work inside the schedule (`Pipeline.shard_parameters`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,15 @@ def pipeline_optimizer(
     **hyper,
 ) -> torch.optim.Optimizer:
     """The optimizer of `pipeline`'s parameters at optimizer level `level`: 0 (or a stage run by one rank
-    alone, where there is nothing to shard over) a plain `optimizer_class`; 1 and 2 a `ZeroOptimizer` over
-    this rank's stages, on the buckets in which the pipeline reduces their gradients."""
+    alone, where there is nothing to shard over) a plain `optimizer_class`; 1-3 a `ZeroOptimizer` over this
+    rank's stages, on the buckets in which the pipeline reduces their gradients."""
     if level not in LEVELS:
         raise ValueError(f"optimizer level {level}; loom supports {LEVELS}")
-    if level == 3:
-        raise ValueError(
-            "optimizer level 3 is not supported with pipelines: the schedule runs the stages outside the "
-            "parameter gathering that level 3 hooks; use parallel.optimizer_level = 2 (states and gradients "
-            "sharded) or pp = 1"
-        )
     if level == 0 or pipeline.stage_ranks() == 1:
         return optimizer_class(pipeline.parameters(), **hyper)
     assert pipeline.grad_sync is not None, "stages run by several ranks reduce their gradients"
     modules = nn.ModuleList(pipeline.modules)
-    return ZeroOptimizer(modules, optimizer_class, level, grad_sync=pipeline.grad_sync, **hyper)
+    sharding = pipeline.shard_parameters() if level == 3 else None
+    return ZeroOptimizer(
+        modules, optimizer_class, level, grad_sync=pipeline.grad_sync, sharding=sharding, **hyper
+    )

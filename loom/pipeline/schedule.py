@@ -22,6 +22,7 @@ stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from torch.distributed.pipelining import (
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync
+from loom.parallel.zero3 import ParameterSharding
 from loom.pipeline.reduction import stage_grad_sync
 from loom.pipeline.stage import TimedStage
 from loom.pipeline.tied import Tied
@@ -146,14 +148,15 @@ class Pipeline:
         self.modules = list(modules)
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
-        self.kind = kind
+        self.kind, self.schedule_name = kind, schedule
         self.loss_fn = loss_fn
         self.tied = list(tied)
         self.grad_sync = self._grad_sync(bucket_mb)
-        self.sharding = None  # optimizer level 3: see `loom.pipeline.optimizer`
+        self.sharding: ParameterSharding | None = None  # optimizer level 3: `shard_parameters`
+        self._pinned: list[int] = []  # level 3: units gathered through a whole run
         self._syncing = False  # this step's last backward passes reduce the gradients
-        for stage in self.stages:
-            stage.work = self._work
+        for position, stage in enumerate(self.stages):
+            stage.work = functools.partial(self._work, position)
             if self.grad_sync is not None:
                 stage.weight_grads_ready = self._weight_grads_ready
         self._weight = 1.0
@@ -179,13 +182,44 @@ class Pipeline:
         )  # fmt: skip
 
     @contextlib.contextmanager
-    def _work(self, kind: str, last_backward: bool) -> Iterator[None]:
-        """A stage's piece of work: its step's last backward pass reduces the gradients as they are ready."""
+    def _work(self, position: int, kind: str, last_backward: bool) -> Iterator[None]:
+        """A piece of work of this rank's stage `position`: at level 3 the stage's parameters are gathered
+        for it; the step's last backward pass reduces the gradients as they are ready."""
+        with contextlib.ExitStack() as stack:
+            if self.sharding is not None:
+                stack.enter_context(self.sharding.gathering([len(self._pinned) + position]))
+            if self.grad_sync is not None:
+                stack.enter_context(
+                    self.grad_sync.syncing(self._syncing and last_backward and kind != "forward")
+                )
+            yield
+
+    def shard_parameters(self) -> ParameterSharding:
+        """Optimizer level 3: this rank's stage parameters sharded at rest over the ranks that run them (the
+        buckets of the stages' `GradSync`, cut by `ZeroOptimizer`), each stage gathered around each of its
+        pieces of work in the schedule (forward, backward, weight-gradient) and freed after it. Parameters
+        that several stages use (a tied embedding, whose copies other pipeline ranks hold: gathering them
+        is a collective with those ranks) stay gathered through each `run` instead, so that no collective
+        outside the stage's ranks runs inside the schedule."""
         if self.grad_sync is None:
-            yield
-            return
-        with self.grad_sync.syncing(self._syncing and last_backward and kind != "forward"):
-            yield
+            raise ValueError("parameters are sharded over the ranks that run a stage; this one has no others")
+        uses: dict[nn.Parameter, int] = {}
+        for module in self.modules:
+            for param in dict.fromkeys(module.parameters()):
+                uses[param] = uses.get(param, 0) + 1
+        tied = {id(t.param) for t in self.tied if t.param is not None}
+        shared = [p for p, count in uses.items() if count > 1 or id(p) in tied]
+        units = ([nn.ParameterList(shared)] if shared else []) + list(self.modules)
+        self._pinned = [0] if shared else []
+        sharding = ParameterSharding(nn.ModuleList(self.modules), self.grad_sync, units, hooks=False)
+        for position, module in enumerate(self.modules):
+            # torch's schedules also run a stage's forward (and input backward) outside its pieces of work,
+            # to infer shapes when they (re)initialise the stages (first step, switching between training
+            # and evaluation): the stage is gathered then, and freed by its next piece of work
+            unit = len(self._pinned) + position
+            module.register_forward_pre_hook(lambda *_, unit=unit: sharding.gather(unit))
+        self.sharding = sharding
+        return sharding
 
     def _weight_grads_ready(self, params: list[nn.Parameter]) -> None:
         assert self.grad_sync is not None
@@ -244,13 +278,20 @@ class Pipeline:
         """
         self._weight = weight / self.microbatches
         self._syncing = sync
-        try:
-            loss = self._run(self.schedule.step, inputs, targets)
-        finally:
-            self._syncing = False
-        if sync and self.grad_sync is not None:
-            self.grad_sync.finish()
+        with self._pinned_units():
+            try:
+                loss = self._run(self.schedule.step, inputs, targets)
+            finally:
+                self._syncing = False
+            if sync and self.grad_sync is not None:
+                self.grad_sync.finish()
         return loss
+
+    def _pinned_units(self):
+        """Level 3: the units gathered through a whole run (shared parameters; see `shard_parameters`)."""
+        if self.sharding is None:
+            return contextlib.nullcontext()
+        return self.sharding.gathering(self._pinned)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
@@ -266,7 +307,8 @@ class Pipeline:
                 "forward-only path (its eval fails in torch 2.13); evaluate with another schedule"
             )
         self._weight = 1.0
-        return self._run(self.schedule.eval, inputs, targets)
+        with self._pinned_units():
+            return self._run(self.schedule.eval, inputs, targets)
 
     def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
