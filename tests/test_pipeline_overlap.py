@@ -22,8 +22,10 @@ from pipeline_cases import assert_matches_one_device, build, train
 from test_pipeline_equivalence import CONFIG
 
 import loom
+from loom.models.gpt import GPT
 from loom.parallel.grad_sync import Bucket
-from loom.pipeline import pipeline_optimizer
+from loom.pipeline import SCHEDULES, pipeline_optimizer, split_gpt
+from loom.pipeline.stages import balanced_partition
 from loom.train.data import micro_batches
 from loom.train.pipeline_trainer import PipelineTrainer
 
@@ -103,10 +105,10 @@ def overlap_case(schedule: str, virtual: int):
     return result, orders, len(pipe.grad_sync.buckets)
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 2), ("zbv", 2)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 2), ("zbv", 2)]
 
 
-@pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES, ids=[s for s, _ in SCHEDULES])
+@pytest.mark.parametrize(("schedule", "virtual"), CASES, ids=[s for s, _ in CASES])
 def test_the_reduction_overlaps_the_last_backward_and_matches_one_device(dist_run, schedule, virtual):
     results = dist_run(4, overlap_case, schedule, virtual)
     assert_matches_one_device([result for result, _, _ in results], TIED, ACCUM)
@@ -154,14 +156,17 @@ def one_path_case(dp: int, tp: int):
     finally:
         for name, function in saved.items():
             setattr(dist, name, function)
-    return calls, len(pipe.grad_sync.buckets)
+    shared_tables = all(stage.causal_mask is pipe.modules[0].causal_mask for stage in pipe.modules)
+    return calls, len(pipe.grad_sync.buckets), shared_tables, any(s.copy_output for s in pipe.modules)
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)], ids=["dp2-pp2", "tp2-pp2"])
 def test_a_pipeline_step_reduces_gradients_one_way(dist_run, dp, tp):
     """A step of two accumulated batches: its gradient collectives are the GradSync's buckets and one usage
-    agreement; the loss takes one all-reduce, the gradient norm one; nothing else."""
-    for calls, buckets in dist_run(4, one_path_case, dp, tp):
+    agreement; the loss takes one all-reduce, the gradient norm one; nothing else. (And 1F1B's stages send
+    their outputs uncopied; stages read the model's causal mask, not copies of it.)"""
+    for calls, buckets, shared_tables, copies in dist_run(4, one_path_case, dp, tp):
+        assert shared_tables and not copies
         expected = {
             "all_reduce from parallel/grad_sync.py:launch": buckets,
             "all_reduce from parallel/grad_sync.py:_agree": 1,
@@ -169,3 +174,15 @@ def test_a_pipeline_step_reduces_gradients_one_way(dist_run, dp, tp):
             "all_reduce from parallel/grads.py:global_grad_norm": 1,
         }
         assert {call: calls.count(call) for call in calls} == expected, calls
+
+
+def test_stages_read_the_models_constant_tables():
+    """Every stage of a split GPT reads the model's causal mask and rotary tables (no copies)."""
+    model = GPT(dataclasses.replace(CONFIG, positions="rotary"))
+    for stage in split_gpt(model, balanced_partition([1] * CONFIG.n_layers, 4)):
+        assert stage.causal_mask is model.causal_mask
+        assert stage.rope_cos is model.rope_cos and stage.rope_sin is model.rope_sin
+
+
+def test_only_zero_bubble_schedules_copy_stage_outputs():
+    assert {name for name, kind in SCHEDULES.items() if kind.split_backward} == {"zero_bubble", "zbv"}
