@@ -47,13 +47,13 @@ CASES = [  # (config, Trainer micro-batches, layout)
 ]
 
 
-@pytest.mark.parametrize(
-    ("config", "accum", "layout"),
-    CASES,
-    ids=lambda c: (
-        f"{c['schedule']}-dp{c.get('dp', 1)}-tp{c.get('tp', 1)}-pp{c['pp']}" if isinstance(c, dict) else ""
-    ),
-)
+def _name(case: tuple) -> str:
+    config, accum, layout = case
+    mesh = f"dp{layout.get('dp', 1)}-tp{layout.get('tp', 1)}-pp{layout['pp']}"
+    return f"{layout['schedule']}-{mesh}" + ("-tied" if config.tie_embeddings else "") + f"-accum{accum}"
+
+
+@pytest.mark.parametrize(("config", "accum", "layout"), CASES, ids=[_name(case) for case in CASES])
 def test_level_3_with_a_pipeline_matches_one_device(dist_run, config, accum, layout):
     dp, ranks = layout.get("dp", 1), layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
     results = dist_run(ranks, level3_case, config, accum, **layout)
