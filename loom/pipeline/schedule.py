@@ -203,12 +203,9 @@ class Pipeline:
         outside the stage's ranks runs inside the schedule."""
         if self.grad_sync is None:
             raise ValueError("parameters are sharded over the ranks that run a stage; this one has no others")
-        uses: dict[nn.Parameter, int] = {}
-        for module in self.modules:
-            for param in dict.fromkeys(module.parameters()):
-                uses[param] = uses.get(param, 0) + 1
+        several = {id(p) for p in self.grad_sync.final_passes}  # used by several of this rank's stages
         tied = {id(t.param) for t in self.tied if t.param is not None}
-        shared = [p for p, count in uses.items() if count > 1 or id(p) in tied]
+        shared = [p for p in self.parameters() if id(p) in several or id(p) in tied]
         units = ([nn.ParameterList(shared)] if shared else []) + list(self.modules)
         self._pinned = [0] if shared else []
         sharding = ParameterSharding(nn.ModuleList(self.modules), self.grad_sync, units, hooks=False)
