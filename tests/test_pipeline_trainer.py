@@ -133,19 +133,6 @@ def test_optimizer_levels_with_a_pipeline_match_one_device(dist_run, case):
     _check_against_one_device(dist_run, case)
 
 
-def optimizer_level_3_case():
-    mesh = loom.init({"pp": 2, "dp": 2})
-    with torch.device("meta"):
-        model = GPT(_gpt_config(False))
-    pipe = gpt_pipeline(model, mesh, schedule="1f1b", microbatches=2)
-    with pytest.raises(ValueError, match="optimizer_level = 2"):
-        pipeline_optimizer(pipe, torch.optim.AdamW, 3, **ADAMW)
-
-
-def test_optimizer_level_3_with_a_pipeline_is_a_clear_error(dist_run):
-    dist_run(4, optimizer_level_3_case)
-
-
 def _check_against_one_device(dist_run, case):
     schedule, dp, pp, _, _, accum, tied, *tensor_parallel = case
     expected, expected_norms, expected_eval, reference = _reference(accum, tied)
@@ -278,8 +265,6 @@ def _assert_close(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Te
 @pytest.mark.parametrize(
     ("sections", "fix"),
     [
-        ({"parallel": {"optimizer_level": 3}}, "set parallel.optimizer_level = 2"),
-        ({"model": {"positions": "rotary"}}, 'set model.positions = "learned"'),
         ({"parallel": {"schedule": "interleaved"}}, "raise model.n_layers or lower pp"),
     ],
 )
@@ -298,6 +283,8 @@ def test_supported_pipeline_config_passes(tmp_path):
     check_pipeline(_config(tmp_path))
     check_pipeline(_config(tmp_path, parallel={"pp": 1, "tp": 2, "optimizer_level": 2}))
     check_pipeline(_config(tmp_path, parallel={"tp": 2, "sequence_parallel": True}))
+    check_pipeline(_config(tmp_path, model={"positions": "rotary"}))
+    check_pipeline(_config(tmp_path, parallel={"dp": 2, "optimizer_level": 3}))
 
 
 def test_loom_train_with_a_pipeline_learns(tmp_path, capfd):
@@ -316,7 +303,6 @@ def test_loom_train_with_a_pipeline_learns(tmp_path, capfd):
     out = capfd.readouterr().out
     assert code == 0, out
     assert "plan: Mesh(pp=2, dp=1" in out and "schedule 1f1b with 4 micro-batches" in out
-    assert "no samples or accuracy report" in out
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "step"]
     evals = [r["loss"] for r in records if r["kind"] == "eval"]

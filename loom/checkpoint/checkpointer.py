@@ -92,11 +92,13 @@ def _first_error(error: str | None) -> str | None:
 
 @contextmanager
 def _full_parameters(model: nn.Module) -> Iterator[None]:
+    # a parallelised model's ParallelState, or a pipeline rank's StageParameters, knows how to gather them
     state = getattr(model, "loom", None)
-    if state is None:
+    full = getattr(model, "full_parameters", None) or (state.full_parameters if state is not None else None)
+    if full is None:
         yield
         return
-    with state.full_parameters():
+    with full():
         yield
 
 

@@ -11,6 +11,7 @@ collectives over several dims into one (one all-gather over 4 ranks, not two ove
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -123,6 +124,7 @@ class Mesh:
     device_mesh: DeviceMesh
     _sub_meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict, repr=False)
     _without: dict[str, Mesh] = field(default_factory=dict, repr=False)
+    _groups: dict[tuple, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, shape: MeshShape, device_type: str = "cpu") -> Mesh:
@@ -219,6 +221,38 @@ class Mesh:
             mesh._flatten_all_runs()
             self._without[axis] = mesh
         return self._without[axis]
+
+    def group(self, vary: Mapping[str, Sequence[int] | None]) -> dist.ProcessGroup | None:
+        """The process group of the ranks that share this rank's index along every named axis not in `vary`
+        and, along each axis in `vary`, have one of the given indices (None: any). None when this rank's own
+        index is not among them. E.g. `{"dp": None, "tp": None}`: the ranks of this pipeline rank (its stage
+        mesh); `{"pp": (0, 3), "dp": None}`: the data-parallel replicas of the first and the last pipeline
+        rank with this rank's tp index (those that hold a tied embedding's copies).
+
+        Collective on first use: every rank creates every group of this kind, in one order (a process group
+        is created by all ranks together); then cached."""
+        key = tuple(sorted((axis, None if idx is None else tuple(idx)) for axis, idx in vary.items()))
+        if key not in self._groups:
+            sizes = [size for _, size in self.shape.sizes]
+            coords = torch.stack(torch.unravel_index(torch.arange(self.world_size), sizes), dim=-1)
+            allowed = torch.ones_like(coords, dtype=torch.bool)
+            for axis, indices in vary.items():
+                column = self.shape.names.index(axis)
+                if indices is not None:
+                    allowed[:, column] = torch.isin(coords[:, column], torch.tensor(list(indices)))
+            fixed = [i for i, name in enumerate(self.shape.names) if name not in vary]
+            members = allowed.all(dim=-1)
+            partition = sorted(
+                {tuple(int(r) for r in torch.nonzero(members & (coords[:, fixed] == c[fixed]).all(-1)).flatten())
+                 for c, member in zip(coords, members, strict=True) if member}
+            )  # fmt: skip
+            me, mine = dist.get_rank(), None
+            for ranks in partition:
+                created = dist.new_group(list(ranks))
+                if me in ranks:
+                    mine = created
+            self._groups[key] = mine
+        return self._groups[key]
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of named axis `name` (`mesh["dp"]`), e.g. for its process group."""

@@ -43,8 +43,9 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu") -> None:
 
     _replace_parameters(module, allocate)
     for name, buffer in list(module.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
+        if buffer.is_meta:  # a buffer allocated already may be shared with another module (a model's tables)
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
 
 
 def _replace_parameters(module: nn.Module, make) -> None:  # noqa: ANN001

@@ -12,6 +12,12 @@ Plain data parallelism knows every route up front, so its buckets are fixed from
 reverse order, roughly the order backward reaches them). DTensor routes are learnt from the first backward
 pass (reduced at its end) and learnt again when a gradient stops fitting its bucket; every rank must then
 produce the same gradients (a clear error otherwise). Bucket buffers live only while their collective runs.
+
+A pipeline rank runs many backward passes a step (one per micro-batch and stage) and one `GradSync` serves all
+of its stages: it is enabled only during each stage's last backward pass (`syncing`), a parameter that
+several of its stages share is final after as many enabled passes (`final_passes`), and the caller ends the
+reduction once the schedule is done (`auto_finish=False`, then `finish`). A pass that produces gradients
+outside autograd's accumulation (a zero-bubble schedule's weight pass) reports them with `grad_ready`.
 """
 
 from __future__ import annotations
@@ -118,7 +124,12 @@ class GradSync:
     """Bucketed, overlapped gradient reduction for the parameters of a module.
 
     `route(param) -> (Route | None, local_grad)` says where each gradient goes (None: nothing to reduce); a
-    route function with a `static` attribute (a Route) sends every gradient there, known before backward.
+    route function with a `static` attribute (`static(param) -> Route | None`) knows every route before
+    backward. With `auto_finish` (the default) the reduction ends when the backward pass that started it ends;
+    otherwise the caller ends it with `finish` (a pipeline, whose last backward passes are several).
+
+    Usage agreement: every rank of `group` must call `finish` (or run its backward passes) together, in the
+    same order, with the same routes; the buckets' collectives run on their routes' groups, in bucket order.
     """
 
     def __init__(
@@ -128,14 +139,18 @@ class GradSync:
         bucket_mb: float = 25.0,
         after_sync: Callable[[], None] | None = None,
         group: dist.ProcessGroup | None = None,
+        auto_finish: bool = True,
     ) -> None:
         # the ranks that run `module` together (None: the world); their usage agreement never leaves them, so
         # that pipeline ranks, which hold other stages and are elsewhere in the schedule, take no part
         self.group = group
         self.shard_gradients = False  # ZeRO level 2: reduce-scatter, keep only this rank's chunk
         self.unit_of: dict[nn.Parameter, int] = {}  # ZeRO level 3: buckets never span two units
+        # enabled passes that produce a parameter's final gradient (a table two pipeline stages share: 2)
+        self.final_passes: dict[nn.Parameter, int] = {}
         self.route = route
-        self.static: Route | None = getattr(route, "static", None)
+        self.static: Callable[[nn.Parameter], Route | None] | None = getattr(route, "static", None)
+        self.auto_finish = auto_finish
         self.after_sync = after_sync
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.enabled = True
@@ -149,7 +164,7 @@ class GradSync:
         for handle in self.handles:
             handle.remove()
         self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.handles = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in self.params]
         self._reset_pass()
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -157,42 +172,50 @@ class GradSync:
             self.rebuild_static()
 
     def rebuild_static(self) -> None:
-        """Fixed buckets for a route known up front: parameters in reverse order, grouped by unit and dtype."""
-        items = [(p, self.static, p) for p in reversed(self.params)]
-        self._make_buckets(items)
+        """Fixed buckets for routes known up front: parameters in reverse order, grouped by route, unit and
+        dtype."""
+        assert self.static is not None
+        routes = [(p, self.static(p)) for p in reversed(self.params)]
+        self._make_buckets([(p, route, p) for p, route in routes if route is not None])
 
     def _reset_pass(self) -> None:
         self._seen: list[tuple[nn.Parameter, Route]] = []  # gradients ready this pass, in order
         self._leftover: list[nn.Parameter] = []  # gradients that fit no bucket this pass
         self._next_launch = 0
         self._queued = False
+        self._arrivals: dict[nn.Parameter, int] = {}  # enabled passes seen so far, for `final_passes`
+
+    def no_sync(self):
+        """Accumulate gradients locally inside the block (gradient accumulation); sync on a later backward."""
+        return self.syncing(False)
 
     @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block (gradient accumulation); sync on a later backward."""
-        self.enabled = False
+    def syncing(self, enabled: bool) -> Iterator[None]:
+        """Inside the block, gradients that become ready are reduced (`enabled`) or only accumulated."""
+        saved, self.enabled = self.enabled, enabled
         try:
             yield
         finally:
-            self.enabled = True
+            self.enabled = saved
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """`param`'s gradient is ready (autograd's accumulation hook, or a pass that wrote `.grad` itself):
+        pack it once it is final, and launch the buckets completed in order."""
         if not self.enabled:
             return
-        if not self._queued:
+        needed = self.final_passes.get(param, 1)
+        if needed > 1:
+            self._arrivals[param] = self._arrivals.get(param, 0) + 1
+            if self._arrivals[param] < needed:
+                return
+        if self.auto_finish and not self._queued:
             self._queued = True
             queue_backward_callback(self._finish)
         self._take(param)
 
-    def reduce_now(self) -> None:
-        """Reduce the gradients accumulated so far, outside backward: for a module whose hooks are removed
-        because many backward passes make one step (a pipeline schedule's micro-batches). Gradients are taken
-        in reverse parameter order (the same on every rank, roughly backward's), then reduced as at the end
-        of a backward pass."""
-        self._reset_pass()
-        for param in reversed(self.params):
-            if param.grad is not None:
-                self._take(param)
+    def finish(self) -> None:
+        """End the reduction (with `auto_finish=False`): launch the buckets not launched yet (missing
+        gradients count as zeros), agree on which parameters got one, and write the reduced gradients."""
         self._finish()
 
     def _take(self, param: nn.Parameter) -> None:

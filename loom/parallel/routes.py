@@ -25,7 +25,7 @@ def data_parallel_route(group: dist.ProcessGroup | None = None):
     def route_of(param: nn.Parameter) -> tuple[Route, torch.Tensor]:
         return route, param.grad
 
-    route_of.static = route  # every gradient goes here: buckets can be fixed before backward
+    route_of.static = lambda _param: route  # every gradient goes here: buckets can be fixed before backward
     return route_of
 
 

@@ -97,8 +97,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Holds the model's parameters in `param_groups` (so learning-rate schedulers work as usual) and builds the
     sharded optimizer at the first step, when the gradient buckets are known. The buckets are those of the
-    model's `GradSync` (`model.loom.grad_sync`), or of `grad_sync` when given (a pipeline's stages, which
-    reduce their gradients once after the schedule: see `loom.pipeline.optimizer`).
+    model's `GradSync` (`model.loom.grad_sync`), or of `grad_sync` when given (a pipeline's stages: see
+    `loom.pipeline.optimizer`, which at level 3 also gives the stages' `sharding`).
     """
 
     def __init__(
@@ -108,6 +108,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         level: int = 1,
         *,
         grad_sync: GradSync | None = None,
+        sharding: ParameterSharding | None = None,
         **hyper,
     ) -> None:
         if level not in (1, 2, 3):
@@ -115,17 +116,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         state = getattr(model, "loom", None)
         if state is None and grad_sync is None:
             raise ValueError("ZeroOptimizer needs a model made parallel by loom.parallelize")
-        if level == 3 and state is None:
+        if (sharding is not None) != (level == 3 and grad_sync is not None):
             raise ValueError(
-                "ZeroOptimizer level 3 shards parameters at rest through the model's ParallelState, which a "
-                "module with its own grad_sync (a pipeline's stages) lacks; use level 1 or 2"
+                "ZeroOptimizer: a module with its own grad_sync (a pipeline's stages) shards its parameters at "
+                "level 3 with its own ParameterSharding (`sharding`), and only at level 3"
             )
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         super().__init__(params, hyper)
         self.sync = grad_sync if grad_sync is not None else state.grad_sync
         self.sync.shard_gradients = level >= 2
         self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
-        self.sharding = ParameterSharding(model, self.sync) if level == 3 else None
+        if sharding is None and level == 3:
+            sharding = ParameterSharding(model, self.sync)
+        self.sharding = sharding
         if state is not None:
             state.parameter_sharding = self.sharding
         self._on_build: list[Callable[[], None]] = []

@@ -14,7 +14,7 @@ says how to take a copy instead (checked before any resize: the unit stays as it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -31,9 +31,12 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 class ParameterSharding:
-    """Gathers and frees the parameters of each unit around its forward and backward."""
+    """Gathers and frees the parameters of each unit around its forward and backward (with `hooks`; else
+    where the caller says, `gathering`)."""
 
-    def __init__(self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, sync: GradSync, units: list[nn.Module] | None = None, *, hooks: bool = True
+    ) -> None:
         self.units = units or default_units(model)
         self.names = {id(p): name for name, p in model.named_parameters()}  # for error messages
         self.params: list[list[nn.Parameter]] = []
@@ -50,6 +53,10 @@ class ParameterSharding:
         self.gathered = [True] * len(self.units)
         self.in_backward = [False] * len(self.units)
         self.pending = [0] * len(self.units)
+        if hooks:
+            self._install_hooks()
+
+    def _install_hooks(self) -> None:
         for index, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
             unit.register_forward_hook(lambda _m, _a, out, i=index: self._after_forward(i, out))
@@ -88,20 +95,21 @@ class ParameterSharding:
         self.gathered[index] = False
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """All parameters gathered inside the block (to read or save them); freed again afterwards."""
-        for index in range(len(self.units)):
+    def gathering(self, indices: Sequence[int]) -> Iterator[None]:
+        """Units `indices` gathered inside the block (in that order: a collective per bucket, so every rank
+        of their groups gathers the same units in the same order), freed again afterwards."""
+        for index in indices:
             self.gather(index)
         try:
             yield
         finally:
-            self._free_all()
+            self._free_each(indices)
 
-    def _free_all(self) -> None:
-        """Free every unit; a unit that cannot be freed (see `_require_resizable`) does not keep the others
-        gathered: its error is raised once all the others are freed."""
+    def _free_each(self, indices: Sequence[int]) -> None:
+        """Free units `indices`; a unit that cannot be freed (see `_require_resizable`) does not keep the
+        others gathered: its error is raised once all the others are freed."""
         errors = []
-        for index in range(len(self.units)):
+        for index in indices:
             try:
                 self.free(index)
             except ValueError as error:
@@ -125,6 +133,10 @@ class ParameterSharding:
                         "`loom.full(param).detach().clone().numpy()` inside "
                         "`with model.loom.full_parameters():` for the whole tensor"
                     )
+
+    def full_parameters(self):
+        """All parameters gathered inside the block (to read or save them); freed again afterwards."""
+        return self.gathering(range(len(self.units)))
 
     def _before_forward(self, index: int) -> None:
         self.pending[index] = len(self.params[index])

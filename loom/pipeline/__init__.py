@@ -11,13 +11,14 @@ from loom.pipeline.gpt import (
     split_gpt,
     stage_parameters,
     tied_embedding,
+    whole_gpt,
 )
 from loom.pipeline.memory import SavedActivations
-from loom.pipeline.optimizer import pipeline_optimizer, stage_grad_sync
+from loom.pipeline.optimizer import pipeline_optimizer
+from loom.pipeline.reduction import stage_grad_sync
 from loom.pipeline.schedule import (
     SCHEDULES,
     Pipeline,
-    Tied,
     schedule_kind,
     stage_indices,
     validate_microbatches,
@@ -32,6 +33,7 @@ from loom.pipeline.stages import (
     pipeline_stage,
     stage_of_blocks,
 )
+from loom.pipeline.tied import Tied
 from loom.pipeline.timeline import (
     Event,
     Recorder,
@@ -73,5 +75,6 @@ __all__ = [
     "stage_parameters",
     "tied_embedding",
     "theoretical_bubble",
+    "whole_gpt",
     "validate_microbatches",
 ]

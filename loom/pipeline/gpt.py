@@ -11,23 +11,30 @@ mesh, the dp x tp ranks that share its pp index (`Mesh.without("pp")`), so that 
 ever spans pipeline ranks (which hold other stages). torch's schedules move plain tensors between stages:
 a stage's input is this rank's piece of the residual stream (its rows of the batch; with sequence
 parallelism also its cut of the sequence), made a DTensor on entry and its local piece again on exit.
+
+`whole_gpt` gathers a trained pipeline's parameters into the whole model on every rank, to sample from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.layout.parameters import materialize
+from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.parallel.parallelize import parallelize
-from loom.pipeline.schedule import SCHEDULES, Pipeline, Tied, stage_indices
+from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
+from loom.pipeline.tied import Tied
 
 
 class GPTStage(nn.Module):
@@ -35,39 +42,56 @@ class GPTStage(nn.Module):
 
     The first stage takes token ids (batch, seq); the others the residual stream (batch, seq, d_model); the
     last returns logits (batch, seq, vocab). With tied embeddings the last stage's head is the model's
-    `embedding` (on another rank, that rank's copy: see `Tied`). A stage laid out on a stage mesh
-    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors.
+    `embedding` (on another rank, that rank's copy: see `Tied`). Positions are learned (a table on the first
+    stage) or rotary (every block rotates its queries and keys by the model's tables). The model's constant
+    tables (causal mask, rotary tables) are shared, not copied. A stage laid out on a stage mesh
+    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors, and
+    copies what it sends when `copy_output` (a zero-bubble schedule detaches its stages' outputs in place,
+    which a view of the stream does not allow).
     """
 
     boundary: tuple[Placement, ...] | None = None
+    copy_output: bool = False
 
     def __init__(self, model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        if model.config.positions != "learned":
-            raise ValueError("pipeline stages of the GPT support positions='learned' only for now")
         self.first, self.last, self.block_indices = first, last, list(block_indices)
+        self.rotary = model.config.positions == "rotary"
         self.blocks = nn.ModuleList(model.blocks[i] for i in block_indices)
         if first:
-            self.embedding, self.positions = model.embedding, model.positions
-            self.lookup, self.add_positions = model.lookup, model.add_positions
+            self.embedding, self.lookup = model.embedding, model.lookup
+            if self.rotary:
+                self.enter = model.enter
+            else:
+                self.positions, self.add_positions = model.positions, model.add_positions
         if last:
             self.norm, self.logits = model.norm, model.logits
             self.head = model.embedding if model.config.tie_embeddings else model.head
-        self.register_buffer("causal_mask", model.causal_mask.clone(), persistent=False)
+        for name in constant_tables(model):
+            self.register_buffer(name, getattr(model, name), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1]
         if self.first:
-            x = self.add_positions(self.lookup(self.embedding, x), self.positions[:seq])
+            x = self.lookup(self.embedding, x)
+            x = self.enter(x) if self.rotary else self.add_positions(x, self.positions[:seq])
         mask = self.causal_mask[:seq, :seq]
+        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.rotary else None
         for block in self.blocks:
-            x = block(x, mask, None)
+            x = block(x, mask, rope)
         if self.last:
             return self.logits(self.norm(x), self.head)  # on a stage mesh a DTensor, as the loss takes it
         if self.boundary is not None:  # torch's schedules send plain tensors: this rank's piece of the stream
-            # a copy, not the view `to_local` gives: the zero-bubble schedules detach outputs in place
-            x = x.redistribute(x.device_mesh, self.boundary).to_local().clone()
+            x = x.redistribute(x.device_mesh, self.boundary).to_local()
+            if self.copy_output:
+                x = x.clone()
         return x
+
+
+def constant_tables(model: GPT) -> list[str]:
+    """The names of the model's constant tables (buffers every stage reads: the causal mask, rotary
+    tables)."""
+    return [name for name, _ in model.named_buffers(recurse=False)]
 
 
 def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[GPTStage]:
@@ -87,11 +111,29 @@ def source_names(model: GPT, stage: nn.Module) -> list[str]:
     return [names[id(p)] for p in stage.parameters()]
 
 
-def stage_parameters(model: GPT, stages: Sequence[nn.Module]) -> nn.Module:
+class StageParameters(nn.Module):
+    """This rank's part of the whole model's parameters under the model's names (see `stage_parameters`).
+    `full_parameters()` has them whole in memory inside the block (at optimizer level 3 they are sharded at
+    rest), as a parallelised model's `model.loom.full_parameters()` does: checkpoints read them there."""
+
+    def __init__(self, full_parameters: Callable[[], AbstractContextManager] | None = None) -> None:
+        super().__init__()
+        self._full_parameters = full_parameters
+
+    def full_parameters(self) -> AbstractContextManager:
+        return self._full_parameters() if self._full_parameters is not None else contextlib.nullcontext()
+
+
+def stage_parameters(
+    model: GPT,
+    stages: Sequence[nn.Module],
+    full_parameters: Callable[[], AbstractContextManager] | None = None,
+) -> StageParameters:
     """A module that holds the parameters of `stages` (the very tensors) under the model's names, empty
     modules in between: its `state_dict` is this rank's part of the whole model's, which is what a
-    checkpoint saves, so that it loads on any other split of the model."""
-    root = nn.Module()
+    checkpoint saves, so that it loads on any other split of the model. `full_parameters`: the pipeline's
+    (`Pipeline.full_parameters`), where its parameters are sharded at rest."""
+    root = StageParameters(full_parameters)
     for stage in stages:
         for name, param in zip(source_names(model, stage), stage.parameters(), strict=True):
             *path, leaf = name.split(".")
@@ -163,7 +205,8 @@ def shard_stages(
     """`stages` of a GPT built on the meta device with its tensor-parallel `Strategies`, each laid out on
     the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
     with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
-    whole model on one device). Gradients are left pending: `Pipeline` reduces them after a step."""
+    whole model on one device). Gradients are left pending: the pipeline's one `GradSync` reduces them (see
+    `loom.pipeline.reduction`)."""
     s = model.strategies
     if (s.dp, s.tp) != (mesh.dp_size, mesh.axis_size("tp")):
         raise ValueError(
@@ -176,7 +219,7 @@ def shard_stages(
     with use_mesh(mesh):
         for stage in stages:
             parallelize(stage, mode="semi_auto", example_inputs=(_example_input(model, stage),))
-            stage.loom.grad_sync.remove()  # the schedule runs many backward passes a step: reduced once after
+            stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
             materialize(stage, device)
             stage.boundary = stream_placements(mesh, s.sequence_parallel)
             if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
@@ -187,8 +230,6 @@ def shard_stages(
                 _set(model, name, param)
             _set(stage, path, model.get_parameter(name))  # one tensor for a table two stages share
     model.init_weights(seed)  # this rank's shards; other ranks' stages are still on the meta device
-    for stage in stages:
-        stage.causal_mask.copy_(model.causal_mask)  # allocated empty by `materialize`
     return stages
 
 
@@ -223,11 +264,12 @@ def _materialize_buffers(model: GPT, device: torch.device | str) -> None:
 
 
 def gpt_pipeline(
-    model: GPT, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int = 1, seed: int = 0
-) -> Pipeline:
+    model: GPT, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int = 1, seed: int = 0,
+    bucket_mb: float = 25.0,
+) -> Pipeline:  # fmt: skip
     """This rank's part of `model` as a pipeline over `mesh`'s `"pp"` axis, its stages' gradients averaged
-    over the `"dp"` axis. A model on the meta device gets only this rank's stages materialised (see
-    `materialize_stages`).
+    over the `"dp"` axis in buckets of about `bucket_mb` megabytes. A model on the meta device gets only
+    this rank's stages materialised (see `materialize_stages`).
 
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as `PipelineTrainer` does), so that their operators' strategies are
@@ -245,6 +287,8 @@ def gpt_pipeline(
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
+    for stage in stages:
+        stage.copy_output = SCHEDULES[schedule].split_backward
     return Pipeline(
         stages,
         schedule=schedule,
@@ -252,20 +296,51 @@ def gpt_pipeline(
         loss_fn=gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh),
         group=mesh.axis_group("pp"),
         dp_group=mesh.axis_group("dp"),
-        tied=tied_embedding(model, stages, schedule, tp=mesh.axis_size("tp")),
+        stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
+        tied=tied_embedding(model, stages, schedule, mesh),
         mesh=stage_mesh,
+        bucket_mb=bucket_mb,
     )
 
 
-def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, tp: int = 1) -> list[Tied]:
+def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, mesh: Mesh) -> list[Tied]:
     """The embedding as a `Tied` parameter when the model ties it to the head and the first and the last
-    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). With
-    stages tensor-parallel over `tp` ranks, each rank holds (and sums) its shard: the vocab-parallel
-    table's rows cut over tp."""
+    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). Its
+    copies are reduced on the group of the first and the last pipeline rank's data-parallel replicas (with
+    tensor-parallel stages, those with this rank's tp index: each holds and sums its shard, the
+    vocab-parallel table's rows cut over tp). A collective call on every rank of `mesh`."""
     if not model.config.tie_embeddings or SCHEDULES[schedule].placement == "v":
         return []
+    ends = (0, mesh.axis_size("pp") - 1)
+    group = mesh.group({"pp": ends} | ({"dp": None} if "dp" in mesh.shape.names else {}))
     holds = any(stage.first or stage.last for stage in stages)
-    table = model.embedding
-    rows, width = table.shape
-    shape = torch.Size((rows // tp, width))
-    return [Tied(param=table if holds else None, shape=shape, dtype=table.dtype, holders=2)]
+    assert holds == (group is not None), "the first and the last stage sit on the first and the last rank"
+    return [Tied(param=model.embedding if holds else None, holders=2, group=group)]
+
+
+def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:
+    """The whole `model` unsharded on every rank, with the values `pipeline` trained (to sample from it):
+    each parameter taken whole on the pipeline rank that holds it (gathered over its stage mesh; at optimizer
+    level 3 from its shards) and broadcast over the pipeline. A collective call on every rank of `mesh`;
+    memory for one whole model per rank."""
+    pp, here = mesh.axis_size("pp"), mesh.axis_rank("pp")
+    owner: dict[str, int] = {}
+    for pp_rank in range(pp):
+        for stage in rank_stages(model, schedule, pp, pp_rank, virtual):
+            for name in source_names(model, stage):
+                owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
+    mine = {
+        name: param
+        for stage in pipeline.modules
+        for name, param in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
+    with use_mesh(None), torch.device("meta"):
+        whole = GPT(model.config)
+    whole.to_empty(device="cpu")
+    whole.init_weights()  # its constant tables; every parameter is overwritten below
+    with torch.no_grad(), pipeline.full_parameters():
+        for name, param in whole.named_parameters():
+            if owner[name] == here:
+                param.copy_(full(mine[name]))
+            dist.broadcast(param, group=mesh.axis_group("pp"), group_src=owner[name])
+    return whole

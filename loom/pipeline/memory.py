@@ -29,13 +29,16 @@ class SavedActivations:
     """Live and peak bytes of saved activations produced under `hooks()`."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self._parameters = list(parameters)
+        self._excluded: set[int] = set()
         self._storages: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.live = 0
         self.peak = 0
 
     def hooks(self) -> saved_tensors_hooks:
-        """The context under which forward work is tracked."""
+        """The context under which forward work is tracked (parameters sharded at rest, optimizer level 3,
+        live at other addresses each time they are gathered: they are looked up again here)."""
+        self._excluded = {p.untyped_storage().data_ptr() for p in self._parameters}
         return saved_tensors_hooks(self._pack, self._unpack)
 
     def reset_peak(self) -> None:

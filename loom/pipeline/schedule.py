@@ -10,19 +10,20 @@
 
 The zero-bubble schedules split each backward into the input gradient (sent upstream at once) and the
 weight gradient (run later, in what would have been a bubble). The loss is computed on the last stage,
-averaged over the micro-batches (each weighted by 1/micro-batches in backward), broadcast to every rank of
-the pipeline and averaged over the data-parallel replicas, so `step` returns the global loss on every rank;
-gradients are those of that mean.
+averaged over the micro-batches (each weighted by 1/micro-batches in backward); `run` leaves it there and
+`global_loss` makes it the global mean on every rank with one collective (a trainer accumulating several
+batches calls it once per step); gradients are those of that mean.
 
-Stages laid out on a stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current;
-their gradients (DTensors) are left pending by backward and reduced once after the batch, by route (one
-all-reduce per group of mesh dims, as `loom.parallelize` would), then given their parameters' placements.
+Gradients are reduced by the stages' one `GradSync` (`loom.pipeline.reduction`), bucket by bucket while
+each stage's last backward pass of the step runs, and finished after the schedule. Stages laid out on a
+stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +36,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync
-from loom.parallel.routes import dtensor_route, fix_placements
+from loom.parallel.zero3 import ParameterSharding
+from loom.pipeline.reduction import stage_grad_sync
 from loom.pipeline.stage import TimedStage
+from loom.pipeline.tied import Tied
 from loom.pipeline.timeline import Recorder
 
 
@@ -54,14 +56,24 @@ class ScheduleKind:
     placement: str  # "single", "loop" or "v"
     min_virtual: int = 1
     max_virtual: int | None = None
+    split_backward: bool = False  # input- and weight-gradient passes apart (zero-bubble schedules)
 
 
 SCHEDULES: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(cls=ScheduleGPipe, multi=False, placement="single", max_virtual=1),
     "1f1b": ScheduleKind(cls=Schedule1F1B, multi=False, placement="single", max_virtual=1),
     "interleaved": ScheduleKind(cls=ScheduleInterleaved1F1B, multi=True, placement="loop", min_virtual=2),
-    "zero_bubble": ScheduleKind(cls=ScheduleInterleavedZeroBubble, multi=True, placement="loop"),
-    "zbv": ScheduleKind(cls=ScheduleZBVZeroBubble, multi=True, placement="v", min_virtual=2, max_virtual=2),
+    "zero_bubble": ScheduleKind(
+        cls=ScheduleInterleavedZeroBubble, multi=True, placement="loop", split_backward=True
+    ),
+    "zbv": ScheduleKind(
+        cls=ScheduleZBVZeroBubble,
+        multi=True,
+        placement="v",
+        min_virtual=2,
+        max_virtual=2,
+        split_backward=True,
+    ),
 }
 
 
@@ -85,20 +97,6 @@ def stage_indices(name: str, pp_rank: int, pp: int, virtual: int = 1) -> list[in
     return [pp_rank + v * pp for v in range(virtual)]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Tied:
-    """A parameter that several pipeline ranks hold a copy of (a GPT's tied embedding: the lookup table on
-    the first stage, the output head on the last). The copies start equal and stay equal, because their
-    gradients are summed over the pipeline after backward. `param` is None on a rank without a copy (it
-    then sends zeros of `shape` and `dtype`, this rank's local shape); `holders` is how many ranks of a
-    pipeline hold one."""
-
-    param: nn.Parameter | None
-    shape: torch.Size
-    dtype: torch.dtype
-    holders: int
-
-
 def validate_microbatches(microbatches: int, pp: int) -> None:
     """At least one micro-batch per pipeline rank, or the pipeline never fills."""
     if microbatches < pp:
@@ -114,10 +112,11 @@ class Pipeline:
     `modules` are this rank's stage modules, in the order of `stage_indices(schedule, pp_rank, pp,
     virtual)`. Each takes the previous stage's output (the first: the model inputs) and the last returns
     what `loss_fn(output, target)` takes. `group` is the pipeline's process group (default: the world);
-    `dp_group` the data-parallel replicas of these stages, whose gradients and losses are averaged. `tied`
-    lists the parameters that several stages share (see `Tied`). `mesh`: the stage mesh (dp x tp ranks
-    of this pipeline rank) when the stages are laid out on it; their losses are then global already and
-    their gradients reduced by their pending sums (see the module's docstring).
+    `dp_group` the data-parallel replicas of these stages (plain stages: their gradients are averaged over
+    it); `stage_group` every rank that runs these stages (replicas x tensor-parallel ranks; needed when
+    there is anything to reduce). `tied` lists the parameters whose copies other pipeline ranks hold (see
+    `Tied`). `mesh`: the stage mesh (dp x tp ranks of this pipeline rank) when the stages are laid out on
+    it; their losses are then global already and their gradients' pending sums are reduced.
     """
 
     def __init__(
@@ -129,9 +128,11 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        stage_group: dist.ProcessGroup | None = None,
         recorder: Recorder | None = None,
         tied: Sequence[Tied] = (),
         mesh: Mesh | None = None,
+        bucket_mb: float = 25.0,
     ) -> None:
         self.pp, self.pp_rank = dist.get_world_size(group), dist.get_rank(group)
         kind = schedule_kind(schedule, len(modules))
@@ -143,15 +144,21 @@ class Pipeline:
             for m, k in zip(modules, indices, strict=True)
         ]
         self.group, self.dp_group, self.microbatches, self.mesh = group, dp_group, microbatches, mesh
+        self.stage_group = stage_group
         self.modules = list(modules)
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
-        self.last_rank = 0 if kind.placement == "v" else self.pp - 1
-        self.kind = kind
+        self.kind, self.schedule_name = kind, schedule
         self.loss_fn = loss_fn
         self.tied = list(tied)
-        # set by `loom.pipeline.optimizer` at optimizer levels 1-2: it reduces the gradients in its buckets
-        self.grad_sync: GradSync | None = None
+        self.grad_sync = self._grad_sync(bucket_mb)
+        self.sharding: ParameterSharding | None = None  # optimizer level 3: `shard_parameters`
+        self._pinned: list[int] = []  # level 3: units gathered through a whole run
+        self._syncing = False  # this step's last backward passes reduce the gradients
+        for position, stage in enumerate(self.stages):
+            stage.work = functools.partial(self._work, position)
+            if self.grad_sync is not None:
+                stage.weight_grads_ready = self._weight_grads_ready
         self._weight = 1.0
         # scale_grads=False: the loss is weighted instead (`_weighted_loss`), because torch's scaling divides
         # whatever `.grad` holds, which would also shrink gradients accumulated by earlier `step` calls
@@ -162,9 +169,73 @@ class Pipeline:
             scale_grads=False,
         )
 
+    def _grad_sync(self, bucket_mb: float) -> GradSync | None:
+        """The stages' `GradSync`, or None where no gradient needs reducing (one rank per stage, no copies)."""
+        replicas = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
+        if not (replicas or self.mesh is not None or any(t.param is not None for t in self.tied)):
+            return None
+        if self.stage_group is None:
+            raise ValueError("a pipeline whose gradients need reducing needs its stage_group")
+        return stage_grad_sync(
+            self.modules, stage_group=self.stage_group, dp_group=self.dp_group, mesh=self.mesh,
+            tied=self.tied, bucket_mb=bucket_mb,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _work(self, position: int, kind: str, last_backward: bool) -> Iterator[None]:
+        """A piece of work of this rank's stage `position`: at level 3 the stage's parameters are gathered
+        for it; the step's last backward pass reduces the gradients as they are ready."""
+        with contextlib.ExitStack() as stack:
+            if self.sharding is not None:
+                stack.enter_context(self.sharding.gathering([len(self._pinned) + position]))
+            if self.grad_sync is not None:
+                stack.enter_context(
+                    self.grad_sync.syncing(self._syncing and last_backward and kind != "forward")
+                )
+            yield
+
+    def shard_parameters(self) -> ParameterSharding:
+        """Optimizer level 3: this rank's stage parameters sharded at rest over the ranks that run them (the
+        buckets of the stages' `GradSync`, cut by `ZeroOptimizer`), each stage gathered around each of its
+        pieces of work in the schedule (forward, backward, weight-gradient) and freed after it. Parameters
+        that several stages use (a tied embedding, whose copies other pipeline ranks hold: gathering them
+        is a collective with those ranks) stay gathered through each `run` instead, so that no collective
+        outside the stage's ranks runs inside the schedule."""
+        if self.grad_sync is None:
+            raise ValueError("parameters are sharded over the ranks that run a stage; this one has no others")
+        several = {id(p) for p in self.grad_sync.final_passes}  # used by several of this rank's stages
+        tied = {id(t.param) for t in self.tied if t.param is not None}
+        shared = [p for p in self.parameters() if id(p) in several or id(p) in tied]
+        units = ([nn.ParameterList(shared)] if shared else []) + list(self.modules)
+        self._pinned = [0] if shared else []
+        sharding = ParameterSharding(nn.ModuleList(self.modules), self.grad_sync, units, hooks=False)
+        for position, module in enumerate(self.modules):
+            # torch's schedules also run a stage's forward (and input backward) outside its pieces of work,
+            # to infer shapes when they (re)initialise the stages (first step, switching between training
+            # and evaluation): the stage is gathered then, and freed by its next piece of work
+            unit = len(self._pinned) + position
+            module.register_forward_pre_hook(lambda *_, unit=unit: sharding.gather(unit))
+        self.sharding = sharding
+        return sharding
+
+    def _weight_grads_ready(self, params: list[nn.Parameter]) -> None:
+        assert self.grad_sync is not None
+        for param in params:
+            self.grad_sync.grad_ready(param)
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (of all its stages; one that two of them share, once)."""
         return list(dict.fromkeys(p for m in self.modules for p in m.parameters()))
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter of this rank's stages whole in memory inside the block (at optimizer level 3 they
+        are sharded at rest)."""
+        if self.sharding is None:
+            yield
+            return
+        with self.sharding.full_parameters():
+            yield
 
     def holders(self, param: nn.Parameter) -> int:
         """How many ranks of the pipeline hold a copy of `param` (1 unless it is tied)."""
@@ -182,85 +253,77 @@ class Pipeline:
         sync: bool = True,
     ) -> float:
         """Forward and backward of one batch (split into the micro-batches on dim 0); returns the global mean
-        loss on every rank. Only the rank with the first stage reads `inputs`, only the one with the last
-        reads `targets`.
+        loss on every rank (`run`, then `global_loss`). Only the rank with the first stage reads `inputs`,
+        only the one with the last reads `targets`."""
+        return self.global_loss([self.run(inputs, targets, weight=weight, sync=sync)])
+
+    def run(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        weight: float = 1.0,
+        sync: bool = True,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch; returns this rank's loss (the mean over the micro-batches on
+        the rank with the last stage, zero elsewhere: see `global_loss`).
 
         Gradients of `weight` times the mean loss accumulate into `.grad` (a trainer accumulating several
-        batches passes 1/batches, times its loss scale); with `sync` (the last batch of a step) the
-        accumulated gradients are then averaged over the data-parallel replicas.
+        batches passes 1/batches, times its loss scale); with `sync` (the last batch of a step) they are
+        reduced (averaged over the data-parallel replicas, tied copies summed) during each stage's last
+        backward pass and finished before `run` returns.
         """
         self._weight = weight / self.microbatches
-        loss = self._run(self.schedule.step, inputs, targets)
-        if sync and self.grad_sync is not None and self.grad_sync.shard_gradients:
-            # tied copies first: a sharded reduction keeps only chunks, which the copies no longer hold whole
-            self.sum_tied_gradients()
-            self.sync_gradients()
-        elif sync:  # replicas first: a tied table's copies are then laid out alike on both pipeline ranks
-            self.sync_gradients()
-            self.sum_tied_gradients()
+        self._syncing = sync
+        with self._pinned_units():
+            try:
+                loss = self._run(self.schedule.step, inputs, targets)
+            finally:
+                self._syncing = False
+            if sync and self.grad_sync is not None:
+                self.grad_sync.finish()
         return loss
+
+    def _pinned_units(self):
+        """Level 3: the units gathered through a whole run (shared parameters; see `shard_parameters`)."""
+        if self.sharding is None:
+            return contextlib.nullcontext()
+        return self.sharding.gathering(self._pinned)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """The global mean loss of one batch, forward only (the same schedule without its backward)."""
+        return self.global_loss([self.run_eval(inputs, targets)])
+
+    @torch.no_grad()
+    def run_eval(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """This rank's loss of one batch, forward only (see `run` and `global_loss`)."""
         if self.kind.placement == "v":
             raise NotImplementedError(
                 "evaluating a zbv pipeline is not supported: torch's ScheduleZBVZeroBubble has no "
                 "forward-only path (its eval fails in torch 2.13); evaluate with another schedule"
             )
         self._weight = 1.0
-        return self._run(self.schedule.eval, inputs, targets)
+        with self._pinned_units():
+            return self._run(self.schedule.eval, inputs, targets)
 
-    def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+    def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
+        if not self.has_last:
+            return torch.zeros(())
         # the schedule keeps the weighted losses: unweight their mean (fp32, as the other ranks receive it)
-        loss = (
-            torch.stack(losses).detach().float().mean() / self._weight if self.has_last else torch.zeros(())
-        )
-        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(loss, group=self.dp_group)
-            loss /= dist.get_world_size(self.dp_group)
-        return loss.item()
+        return torch.stack(losses).detach().float().mean() / self._weight
 
-    def sum_tied_gradients(self) -> None:
-        """Sum the gradients of each tied parameter's copies over the pipeline (ranks without a copy add
-        zeros), so that every copy takes the same update."""
-        device = self.stages[0].device
-        for tied in self.tied:
-            param = tied.param
-            grad = param.grad if param is not None else None
-            if grad is None:
-                grad = torch.zeros(tied.shape, dtype=tied.dtype, device=device)
-            dist.all_reduce(_local(grad), group=self.group)
-            if param is not None:
-                param.grad = grad
-
-    def sync_gradients(self) -> None:
-        """Average this rank's gradients over its data-parallel replicas: one all-reduce of all of them
-        packed flat (no overlap with backward; a parameter without a gradient counts as zeros). On a stage
-        mesh, reduce the DTensor gradients' pending sums instead (`reduce_pending`). With a `grad_sync`
-        (optimizer levels 1-2), it reduces them in its buckets (reduce-scattered at level 2)."""
-        if self.grad_sync is not None:
-            self.grad_sync.reduce_now()
-            return
-        if self.mesh is not None:
-            reduce_pending(self.parameters(), self.mesh)
-            return
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
-            return
-        params = self.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= dist.get_world_size(self.dp_group)
-        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad.copy_(piece.view_as(p.grad))
+    def global_loss(self, losses: Sequence[torch.Tensor]) -> float:
+        """The global mean of `run`'s losses (one per batch of a step), on every rank: one all-reduce over
+        the world, every rank of which runs one pipeline rank. The ranks with the last stage hold the loss
+        of their replica's rows (with tensor-parallel stages, the global loss already); the others zeros."""
+        loss = torch.stack(list(losses)).mean()
+        dist.all_reduce(loss)
+        return (loss * self.pp / dist.get_world_size()).item()
 
     def stage_ranks(self) -> int:
         """How many ranks run this pipeline rank's stages together (its stage mesh, or its dp replicas)."""
@@ -275,30 +338,3 @@ class Pipeline:
     def reset_peaks(self) -> None:
         for s in self.stages:
             s.activations.reset_peak()
-
-
-def reduce_pending(params: Sequence[nn.Parameter], mesh: Mesh) -> None:
-    """Reduce the pending sums (Partial placements) of DTensor gradients on `mesh`: gradients that wait on
-    the same mesh dims are packed into one flat buffer and all-reduced together (loom.parallelize's routes,
-    without its bucketing and overlap, since a schedule runs many backward passes per step); whatever
-    else differs from a parameter's placements is then redistributed by DTensor."""
-    route = dtensor_route(mesh)
-    groups: dict[tuple, tuple] = {}
-    for param in params:
-        if param.grad is not None:
-            where, _ = route(param)
-            if where is not None:
-                groups.setdefault(where.key, (where, []))[1].append(param)
-    for where, members in groups.values():  # in the same order on every rank: the stage's parameter order
-        flat = torch.cat([_local(p.grad).reshape(-1) for p in members])
-        dist.all_reduce(flat, group=where.group)
-        if where.scale != 1:
-            flat *= where.scale
-        for param, piece in zip(members, flat.split([_local(p.grad).numel() for p in members]), strict=True):
-            where.finish(param, piece)
-    fix_placements(list(params))()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local piece (a plain tensor as it is)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,29 +1,45 @@
-"""`TimedStage`: torch's `PipelineStage` that records its work (timeline events) and its saved activations.
+"""`TimedStage`: torch's `PipelineStage` that records its work (timeline events) and its saved activations,
+and runs each piece of work inside a context its pipeline gives (level 3 gathers the stage's parameters
+there; the last backward pass of a step reduces its gradients there).
 
 torch's schedules call the stage's public per-chunk methods (`forward_one_chunk`, `backward_one_chunk`,
 `backward_weight_one_chunk`, `get_*_ops`); overriding them is enough to see every piece of work without
-touching the schedules.
+touching the schedules. A zero-bubble schedule's weight-gradient pass writes `.grad` itself (no autograd
+accumulation hook fires), so the stage runs it one parameter group at a time, in backward order, and reports
+each group's parameters as ready (`weight_grads_ready`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from loom.pipeline.memory import SavedActivations
 from loom.pipeline.timeline import Recorder
 
+Work = Callable[[str, bool], AbstractContextManager]
+"""`work(kind, last_backward)`: the context a stage's piece of work runs in (kind "forward", "backward" or
+"weight"; `last_backward`: the stage's last backward pass of the schedule's step)."""
+
 
 class TimedStage(PipelineStage):
     """A pipeline stage whose forward, backward, weight-gradient, send and receive work is recorded in
-    `recorder` (when given) and whose saved activations are counted in `activations`."""
+    `recorder` (when given) and whose saved activations are counted in `activations`. Each piece of work runs
+    inside `work(kind, last_backward)` when set; `weight_grads_ready(params)`, when set, is told of the
+    parameters whose gradients a weight-gradient pass has just written."""
+
+    work: Work | None = None
+    weight_grads_ready: Callable[[list[nn.Parameter]], None] | None = None
 
     def __init__(
         self,
@@ -58,10 +74,14 @@ class TimedStage(PipelineStage):
             self.recorder.add("send", self.stage_index, chunk, time.perf_counter())
         return ops
 
-    def _span(self, kind: str, chunk: int):
-        if self.recorder is None:
-            return contextlib.nullcontext()
-        return self.recorder.span(kind, self.stage_index, chunk)
+    @contextlib.contextmanager
+    def _span(self, kind: str, chunk: int, last_backward: bool = False):
+        with contextlib.ExitStack() as stack:
+            if self.work is not None:
+                stack.enter_context(self.work(kind, last_backward))
+            if self.recorder is not None:
+                stack.enter_context(self.recorder.span(kind, self.stage_index, chunk))
+            yield
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return self._note_post("fwd", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
@@ -90,9 +110,29 @@ class TimedStage(PipelineStage):
         self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
     ):
         self._close_recv("bwd", bwd_chunk_id)
-        with self._span("backward", bwd_chunk_id):
+        with self._span("backward", bwd_chunk_id, last_backward):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        with self._span("weight", bwd_chunk_id):
+        with self._span("weight", bwd_chunk_id, last_backward):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "weight" or self.weight_grads_ready is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # torch's weight pass computes each parameter group's gradients apart (autograd.grad), in any order:
+        # one group at a time, the last parameters first (as backward reaches them), each reported when done
+        params = list(self.submod.parameters())
+        position = {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+        groups = sorted(
+            bwd_kwargs["param_groups"],
+            key=lambda group: max((position.get(node, -1) for node in group["params"]), default=-1),
+            reverse=True,
+        )
+        for group in groups:
+            super().backward_maybe_with_nosync(
+                "weight", {**bwd_kwargs, "param_groups": [group]}, last_backward
+            )
+            done = sorted((position[node] for node in group["params"] if node in position), reverse=True)
+            self.weight_grads_ready([params[i] for i in done])  # in one order on every rank
+        return (), None

@@ -7,10 +7,11 @@ this data-parallel rank's rows of every global batch; resume from the newest int
 log, evaluate, checkpoint (and save the final step); finally sample from the model and, on the arithmetic
 task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into pipeline stages balanced by
 blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
-checkpoints hold the whole model's parameter names, so they load on any other split or on one device (no
-samples or accuracy yet, and see `check_pipeline`). `loom train` runs `run` under
-`loom.fault.supervise`, which restarts it after a failure; each start-up phase (`STARTUP_PHASES`) and each
-step sends a heartbeat, so that a rank that hangs, before its first step as well as later, is noticed.
+checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
+samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
+still reject). `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
+start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
+first step as well as later, is noticed.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 import loom
 from loom.checkpoint import Checkpointer
 from loom.dist import env
+from loom.dist.context import unsharded
 from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
 from loom.models.gpt import GPT, GPTConfig, Strategies
@@ -37,6 +40,7 @@ from loom.pipeline import (
     rank_stages,
     stage_parameters,
     validate_microbatches,
+    whole_gpt,
 )
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
@@ -76,11 +80,6 @@ def check_pipeline(config: TrainConfig) -> None:
         return
     virtual = SCHEDULES[par.schedule].min_virtual
     unsupported = [
-        (par.optimizer_level > 2, f"parallel.optimizer_level = {par.optimizer_level} is not supported with "
-         "pipelines yet (the schedule runs the stages outside level 3's parameter gathering); set "
-         "parallel.optimizer_level = 2 or lower"),
-        (model.positions != "learned", f"model.positions = {model.positions!r} is not supported by pipeline "
-         "stages yet; set model.positions = \"learned\""),
         (model.n_layers < par.pp * virtual, f"schedule {par.schedule!r} puts {virtual} stages on each of "
          f"{par.pp} ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"),
     ]  # fmt: skip
@@ -184,7 +183,10 @@ def build_trainer(
     )  # fmt: skip
     if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
         return PipelineTrainer(
-            pipeline, optimizer, model=stage_parameters(model, pipeline.modules), **options
+            pipeline,
+            optimizer,
+            model=stage_parameters(model, pipeline.modules, pipeline.full_parameters),
+            **options,
         )
     return Trainer(model, optimizer, **options)
 
@@ -264,8 +266,10 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "seconds": time.perf_counter() - start}
-    if isinstance(dataset, ArithmeticCorpus) and pipeline is None:  # sampling needs the whole model
+    if isinstance(dataset, ArithmeticCorpus) and pipeline is None:
         summary.update(_arithmetic_report(dataset, model, mesh))
+    elif isinstance(dataset, ArithmeticCorpus):
+        summary.update(_pipeline_arithmetic_report(dataset, model, mesh, pipeline))
     return summary
 
 
@@ -282,6 +286,21 @@ def _arithmetic_report(corpus: ArithmeticCorpus, model: GPT, mesh: loom.Mesh) ->
     ]
     accuracy = corpus.accuracy(lambda p, n: generate(model, mesh, p, n), n=100, seed=7)
     return {"samples": samples, "accuracy": accuracy}
+
+
+def _pipeline_arithmetic_report(
+    corpus: ArithmeticCorpus, model: GPT, mesh: loom.Mesh, pipeline: Pipeline
+) -> dict:
+    """The samples and accuracy of a pipeline run: the whole model gathered on every rank (sampling runs
+    one token at a time, which a schedule of fixed micro-batch shapes cannot), decoded by rank 0 alone and
+    its report sent to the others."""
+    whole = whole_gpt(model, pipeline, mesh, schedule=pipeline.schedule_name, virtual=len(pipeline.modules))
+    report: list[dict | None] = [None]
+    if loom.rank() == 0:
+        with unsharded():  # the whole model computes on this process alone
+            report = [_arithmetic_report(corpus, whole, mesh)]
+    dist.broadcast_object_list(report, src=0)
+    return report[0]
 
 
 def plan_text(config: TrainConfig, model: GPT) -> str:
@@ -326,8 +345,8 @@ def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
             count = sum(p.numel() for p in stage.parameters())
             lines.append(f"  pp rank {pp_rank}: {' + '.join(parts)}, {count / 1e6:.3f}M parameters")
     lines.append(
-        "with pp > 1: evaluation runs the schedule forward only; no samples or accuracy report "
-        "(they need the whole model on one rank)"
+        "with pp > 1: evaluation runs the schedule forward only; samples come from the whole model, gathered "
+        "on every rank once training ends"
     )
     return "\n".join(lines)
 

@@ -1,9 +1,9 @@
 """`PipelineTrainer`: the Trainer's step with a pipeline schedule in place of forward and backward.
 
 One step: each of the step's batches (the Trainer's micro-batches, `grad_accum` of them) runs through
-`Pipeline.step`, which cuts it again into the pipeline's micro-batches and runs the schedule; gradients
-accumulate, weighted by 1/batches (times the loss scale in fp16), and after the last batch they are averaged
-over the stages' data-parallel replicas. The rest of the step is the Trainer's own (`Trainer._update`): the
+`Pipeline.run`, which cuts it again into the pipeline's micro-batches and runs the schedule; gradients
+accumulate, weighted by 1/batches (times the loss scale in fp16), and the last batch's last backward passes
+reduce them over the stages' data-parallel replicas; the step's loss takes one collective. The rest of the step is the Trainer's own (`Trainer._update`): the
 global gradient norm over every stage, clipping, the non-finite skip, the optimizer step on this rank's
 stage parameters, the loss scale and the learning rate, the callbacks.
 """
@@ -61,23 +61,24 @@ class PipelineTrainer(Trainer):
         # unsharded: the stages' operators compute on this process alone, also when recomputed in backward
         with unsharded(), autocast(self.precision, env.device_type()):
             for index, (inputs, targets) in enumerate(micro_batches):
-                losses.append(self.pipeline.step(inputs, targets, weight=weight, sync=index == count - 1))
-        return sum(losses) / count
+                losses.append(self.pipeline.run(inputs, targets, weight=weight, sync=index == count - 1))
+        return self.pipeline.global_loss(losses)
 
     def _eval_loss(self, batches: Iterable[tuple]) -> float:
         with unsharded(), autocast(self.precision, env.device_type()):
-            losses = [self.pipeline.evaluate(inputs, targets) for inputs, targets in batches]
-        return sum(losses) / len(losses) if losses else float("nan")
+            losses = [self.pipeline.run_eval(inputs, targets) for inputs, targets in batches]
+        return self.pipeline.global_loss(losses) if losses else float("nan")
 
     def _grad_views(self) -> list[GradView]:
         """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (a DTensor
         gradient: on the stage mesh's ranks it is replicated over) and, for a tied parameter, on the other
         pipeline rank that holds a copy. Only this pipeline rank's stage mesh holds these stages, so the
         world-wide sum of the norm counts every element once. At optimizer level 2 the gradients are the
-        chunks of the stages' buckets (a tied parameter has buckets of its own)."""
+        chunks of the stages' buckets (a tied parameter's bucket spans every rank holding a copy, so each of
+        its chunks sits on one rank of it)."""
         if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.level >= 2:
             chunks = [
-                GradView(bucket.shard_grad, bucket.route.copies * self.pipeline.holders(bucket.params[0]))
+                GradView(bucket.shard_grad, bucket.route.copies)
                 for bucket in self.optimizer.sync.buckets
                 if bucket.shard_grad is not None
             ]
