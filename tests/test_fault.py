@@ -50,7 +50,7 @@ def _fails_in_first_attempt(kind: str) -> int:
     return restart_count()
 
 
-@pytest.mark.parametrize("kind", ["exit", "raise"])
+@pytest.mark.parametrize("kind", ["exit", pytest.param("raise", marks=pytest.mark.slow)])
 def test_supervisor_restarts_after_a_failure(tmp_path, kind):
     events_file = tmp_path / "events.jsonl"
     lines = []
@@ -269,6 +269,7 @@ def test_loom_train_restarts_after_an_injected_kill(uninterrupted, monkeypatch, 
     _assert_same(_final(config), expected)
 
 
+@pytest.mark.slow  # torchrun itself: tests/test_cli_run.py::test_loom_init_under_plain_torchrun
 def test_torchrun_restarts_the_job(uninterrupted):
     tmp_path, expected = uninterrupted
     config = _config(tmp_path, "torchrun")

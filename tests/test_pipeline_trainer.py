@@ -101,7 +101,8 @@ def test_pipeline_trainer_matches_one_device(dist_run, schedule, dp, pp, virtual
 TP_CASES = [  # (schedule, dp, pp, virtual, micro-batches, Trainer micro-batches, tied, tp, sequence parallel)
     ("1f1b", 1, 2, 1, 4, 1, False, 2, False),
     ("zbv", 1, 2, 2, 4, 1, True, 2, True),  # the tied table's two users share one tensor on rank 0
-    ("interleaved", 2, 2, 2, 2, 2, True, 2, True),  # dp x tp x pp on 8 ranks
+    # dp x tp x pp on 8 ranks (make test runs the 8-rank interleaved case of test_pipeline_rotary.py)
+    pytest.param(("interleaved", 2, 2, 2, 2, 2, True, 2, True), marks=pytest.mark.slow),
 ]
 
 
@@ -120,7 +121,7 @@ LEVEL_CASES = [  # TP_CASES' fields, then the optimizer level: states (level 2: 
     ("interleaved", 2, 2, 2, 2, 1, True, 1, False, 2),
     ("zbv", 2, 2, 2, 2, 1, True, 1, False, 2),  # the tied table's two users share one tensor on rank 0
     ("1f1b", 2, 2, 1, 2, 1, True, 2, True, 1),  # dp x tp x pp on 8 ranks
-    ("interleaved", 2, 2, 2, 2, 2, True, 2, True, 2),
+    pytest.param(("interleaved", 2, 2, 2, 2, 2, True, 2, True, 2), marks=pytest.mark.slow),
 ]
 
 
