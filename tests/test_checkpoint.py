@@ -65,6 +65,7 @@ def save_two_case(root):
     for _ in range(6):
         trainer.train_step([next(data)])
         saver.maybe_save(trainer)
+    saver.wait()  # old checkpoints are pruned in the background
     return _full_params(model)
 
 

@@ -1,10 +1,12 @@
 """Checkpoint directories on disk: names, the manifest, atomic writes and integrity checks.
 
 A checkpoint is a directory `step_000100/` under the checkpoint root. It is written as `.tmp_step_000100/`;
-when every rank has finished, rank 0 writes `manifest.json` (every file's size and sha256, the step, the
-world size, the mesh and the config) last, then renames the directory into place. A directory without a
-valid manifest, or whose files do not match it, is never loaded: `latest_valid` skips it with a warning
-that names the file and the problem, and falls back to the previous checkpoint.
+every rank hashes the files it writes as it writes them (see storage.py), and when every rank has
+finished, rank 0 writes `manifest.json` (every file's size, sha256 and writing rank, the step, the world
+size, the mesh and the config) last, then renames the directory into place. A directory without a valid
+manifest, or whose files do not match it, is never loaded: `latest_valid` skips it with a warning that
+names the file and the problem, and falls back to the previous checkpoint. Verifying can be shared among
+the ranks of a loading job, each checking the files one rank wrote (`verify(..., share=...)`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,15 +85,23 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Checksum every file under `directory` and write the manifest (`info` plus the file table)."""
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[path.relative_to(directory).as_posix()] = {
-            "size": path.stat().st_size,
-            "sha256": sha256_of(path),
+def file_entry(size: int, sha256: str, rank: int) -> dict[str, Any]:
+    """One file of the manifest's table: its size, checksum and the rank that wrote it."""
+    return {"size": size, "sha256": sha256, "rank": rank}
+
+
+def write_manifest(
+    directory: Path, info: dict[str, Any], files: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Write the manifest: `info` plus the file table `files` (by path relative to `directory`, as the ranks
+    that wrote them reported them: `file_entry`); None: checksum every file under `directory` here (one
+    process wrote them all)."""
+    if files is None:
+        files = {
+            path.relative_to(directory).as_posix(): file_entry(path.stat().st_size, sha256_of(path), 0)
+            for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
         }
-    manifest = {"format": FORMAT_VERSION, **info, "files": files}
+    manifest = {"format": FORMAT_VERSION, **info, "files": dict(sorted(files.items()))}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest
 
@@ -137,9 +148,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(directory: str | Path, checksums: bool = True) -> list[str]:
+def verify(directory: str | Path, checksums: bool = True, share: tuple[int, int] | None = None) -> list[str]:
     """Problems with one checkpoint directory (empty: intact): the manifest, then every file it lists
-    (present, size, and with `checksums` its sha256). Each problem names the file."""
+    (present, size, and with `checksums` its sha256). Each problem names the file. `share=(i, n)`: only the
+    files written by ranks `r` with `r % n == i` (the part of loading rank `i` of `n`)."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
@@ -147,6 +159,8 @@ def verify(directory: str | Path, checksums: bool = True) -> list[str]:
         return [str(exc)]
     problems = []
     for name, entry in manifest["files"].items():
+        if share is not None and int(entry.get("rank", 0)) % share[1] != share[0]:
+            continue
         path = directory / name
         if not path.is_file():
             problems.append(f"{path}: missing")
@@ -166,12 +180,18 @@ class Choice:
     skipped: tuple[str, ...]
 
 
-def latest_valid(root: str | Path, warn: bool = True) -> Choice:
-    """The newest intact checkpoint under `root`, verifying newest first; each skipped one is reported
-    (a `CheckpointWarning` naming the file and the problem, with `warn`)."""
+def latest_valid(
+    root: str | Path,
+    warn: bool = True,
+    check: Callable[[Path], list[str]] = verify,
+    candidates: list[tuple[int, Path]] | None = None,
+) -> Choice:
+    """The newest intact checkpoint under `root` (or among `candidates`, `list_step_dirs`'s), verifying
+    newest first with `check` (`verify` by default); each skipped one is reported (a `CheckpointWarning`
+    naming the file and the problem, with `warn`)."""
     skipped = []
-    for step, path in reversed(list_step_dirs(root)):
-        problems = verify(path)
+    for step, path in reversed(list_step_dirs(root) if candidates is None else candidates):
+        problems = check(path)
         if not problems:
             return Choice(step, path, tuple(skipped))
         message = f"checkpoint {path.name} is unusable, falling back to the previous one: " + "; ".join(
