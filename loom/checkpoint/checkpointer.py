@@ -43,7 +43,7 @@ from loom.checkpoint import worker
 from loom.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner
 from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
-from loom.checkpoint.storage import HashingWriter, Written, write_hashed
+from loom.checkpoint.storage import DirectReader, HashingWriter, Written, write_hashed
 from loom.dist import env
 from loom.parallel.zero import ZeroOptimizer
 
@@ -344,7 +344,7 @@ def _reader(path: Path) -> Callable[[dict[str, Any]], None]:
     """Reads a template state (DTensors, tensors, `Pieces`) from checkpoint `path`, in place (collective)."""
 
     def read(state: dict[str, Any]) -> None:
-        dcp.load(state, checkpoint_id=path / "dcp", planner=PiecesLoadPlanner())
+        dcp.load(state, storage_reader=DirectReader(path / "dcp"), planner=PiecesLoadPlanner())
 
     return read
 

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from loom.checkpoint.storage import memory_of
 from loom.dist._torch_private import local_offset
 
 # A box of a tensor: (offsets, sizes), one entry per dim.
@@ -140,8 +141,7 @@ def _exact_storage(values: torch.Tensor) -> torch.Tensor:
         return values
     if values.untyped_storage().nbytes() == values.nbytes:
         return values
-    raw = values.detach().view(-1).view(torch.uint8).numpy()  # keeps `values`' storage alive
-    return torch.frombuffer(raw, dtype=values.dtype).view(values.shape)
+    return torch.frombuffer(memory_of(values.detach()), dtype=values.dtype).view(values.shape)
 
 
 class PiecesSavePlanner(DefaultSavePlanner):

@@ -1,24 +1,43 @@
-"""Checkpoint files written once: every rank hashes the bytes it writes as it writes them.
+"""Checkpoint files: written once, hashed as they are written, read straight into place.
 
 `HashingWriter` is DCP's `FileSystemWriter` whose streams feed each written block to a sha256 on its way to
 the file, so each rank knows the size and checksum of every file it wrote (its DCP shard, and on the
 coordinator DCP's `.metadata`) when the write ends: the manifest is assembled from what the ranks report,
 with no second pass over the data. A write can be stopped (`stop`): its next block raises `SaveStopped`.
 `write_hashed` does the same for loom's own small files.
+
+`DirectReader` is DCP's `FileSystemReader` that reads a saved tensor's bytes straight into the tensor that
+receives them (one copy from the page cache), where DCP's reader deserialises each item into a new tensor
+and copies that. The files are DCP's own format (each item a `torch.save` archive): any reader reads them.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import dataclasses
 import hashlib
+import io
+import math
 import os
+import pickle
+import struct
+import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from loom.dist._torch_private import storage_span
 
 # What a rank reports for each file it wrote: (size in bytes, hex sha256).
 Written = tuple[int, str]
@@ -99,6 +118,15 @@ class HashingWriter(FileSystemWriter):
         return {path.relative_to(root).as_posix(): entry for path, entry in self.fs.written.items()}
 
 
+def memory_of(tensor: torch.Tensor) -> ctypes.Array:
+    """A writable buffer over a contiguous CPU tensor's bytes, which keeps the tensor alive. Not a NumPy
+    view: that pins the tensor's storage for good, and level 3 resizes parameter storages to free them."""
+    assert tensor.device.type == "cpu" and tensor.is_contiguous()
+    buffer = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    buffer.tensor = tensor
+    return buffer
+
+
 def write_hashed(path: Path, data: bytes) -> Written:
     """Write `data` to `path` and make it durable (fsync); its size and sha256."""
     with open(path, "wb") as file:
@@ -106,3 +134,187 @@ def write_hashed(path: Path, data: bytes) -> Written:
         file.flush()
         os.fsync(file.fileno())
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+# ---- reading -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """A tensor that `torch.save` stored whole and contiguous: where its bytes start in the file, its size."""
+
+    start: int
+    size: tuple[int, ...]
+    nbytes: int
+
+
+class DirectReader(FileSystemReader):
+    """DCP's `FileSystemReader`, reading each saved tensor's bytes straight into its destination when the
+    part it needs is one contiguous run of both (the common case: the same layout, or a layout cut along
+    the first dim); other items go through DCP's own path."""
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.dtypes = {
+            key: meta.properties.dtype
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[tuple[ReadItem, int, int]]] = {}
+        others = []
+        for item in plan.items:
+            path, offset, length, transformed = storage_span(self.storage_data[item.storage_index])
+            if item.type == LoadItemType.BYTE_IO or transformed:
+                others.append(item)
+            else:
+                by_file.setdefault(path, []).append((item, offset, length))
+        for path, items in by_file.items():
+            with open(Path(self.path) / path, "rb", buffering=0) as file:
+                records: dict[int, _Record | None] = {}
+                for item, offset, length in sorted(items, key=lambda entry: entry[1]):
+                    if offset not in records:
+                        records[offset] = _record(file, offset, length)
+                    saved = self.dtypes.get(item.storage_index.fqn)
+                    if not _read_into(file, records[offset], saved, item, planner):
+                        others.append(item)
+        if others:
+            return super().read_data(dataclasses.replace(plan, items=others), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _read_into(
+    file: Any, record: _Record | None, saved: torch.dtype | None, item: ReadItem, planner: LoadPlanner
+) -> bool:
+    """Read the part of `record` (of dtype `saved`) that `item` asks for into its destination, if both are
+    one contiguous run of the same dtype; False (nothing read) otherwise."""
+    if record is None:
+        return False
+    target = planner.resolve_tensor(item).detach()
+    run = _contiguous_run(record.size, tuple(item.storage_offsets), tuple(item.lengths))
+    if run is None or target.dtype != saved or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    first, count = run
+    size = target.element_size()
+    if count != target.numel() or record.nbytes != math.prod(record.size) * size:
+        return False
+    buffer = memoryview(memory_of(target)).cast("B")
+    file.seek(record.start + first * size)
+    done = 0
+    while done < len(buffer):
+        got = file.readinto(buffer[done:])
+        if not got:
+            raise OSError(f"{file.name}: ends before the {len(buffer)} bytes of {item.storage_index.fqn}")
+        done += got
+    planner.commit_tensor(item, target)
+    return True
+
+
+def _contiguous_run(
+    size: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """(first element, element count) of the box (`offsets`, `lengths`) of a C-ordered tensor of `size`
+    when it is one contiguous run: ones, then any length, then whole dims. None otherwise."""
+    dims = len(size)
+    split = 0
+    while split < dims and lengths[split] == 1:
+        split += 1
+    if any(lengths[d] != size[d] for d in range(split + 1, dims)):
+        return None
+    first = 0
+    for d in range(dims):
+        first = first * size[d] + offsets[d]
+    return first, math.prod(lengths)
+
+
+def _record(file: Any, offset: int, length: int) -> _Record | None:
+    """The tensor `torch.save` wrote at [offset, offset + length) of `file`, when it is a plain tensor whose
+    storage holds exactly its elements in C order, little-endian as this machine; None otherwise."""
+    try:
+        window = _Window(file, offset, length)
+        with zipfile.ZipFile(window) as archive:
+            names = archive.namelist()
+            data = [n for n in names if n.rsplit("/", 2)[-2:-1] == ["data"]]
+            pickled = [n for n in names if n.endswith("/data.pkl")]
+            order = [n for n in names if n.endswith("/byteorder")]
+            if len(data) != 1 or len(pickled) != 1 or sys.byteorder != "little":
+                return None
+            if order and archive.read(order[0]) != b"little":
+                return None
+            info = archive.getinfo(data[0])
+            layout = _TensorLayout(io.BytesIO(archive.read(pickled[0]))).load()
+    except Exception:  # not what DCP's writer makes of a plain tensor: DCP's own path reads it
+        return None
+    if info.compress_type != zipfile.ZIP_STORED or not isinstance(layout, tuple):
+        return None
+    storage_offset, size, stride = layout
+    if storage_offset != 0 or stride != _contiguous_strides(size):
+        return None
+    window.seek(info.header_offset)
+    name_length, extra_length = struct.unpack("<HH", window.read(30)[26:30])
+    return _Record(offset + info.header_offset + 30 + name_length + extra_length, size, info.file_size)
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+class _TensorLayout(pickle.Unpickler):
+    """Unpickles `torch.save`'s data.pkl of one plain tensor as (storage offset, size, stride), touching
+    no storage; any other content raises."""
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _layout_of
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor")
+
+
+def _layout_of(storage: Any, storage_offset: int, size: Any, stride: Any, *rest: Any) -> tuple:
+    return int(storage_offset), tuple(size), tuple(stride)
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of a seekable file, as a file of their own (for `zipfile`)."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, min(self.length, base + position))
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self.length - self.position)
+        if count <= 0:
+            return 0
+        self.file.seek(self.offset + self.position)
+        got = self.file.readinto(memoryview(buffer)[:count])
+        self.position += got
+        return got

@@ -46,3 +46,10 @@ def local_offset(tensor) -> tuple[int, ...]:  # noqa: ANN001
 
     _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(int(o) for o in offset)
+
+
+def storage_span(info) -> tuple[str, int, int, bool]:  # noqa: ANN001
+    """Where DCP's `FileSystemWriter` put one saved item: (file relative to the checkpoint, offset, length,
+    whether stream transforms such as compression were applied). `info` is a value of
+    `Metadata.storage_data`, DCP's private `filesystem._StorageInfo`."""
+    return info.relative_path, int(info.offset), int(info.length), bool(info.transform_descriptors)
