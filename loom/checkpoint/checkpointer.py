@@ -341,10 +341,28 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
 
 
 def _reader(path: Path) -> Callable[[dict[str, Any]], None]:
-    """Reads a template state (DTensors, tensors, `Pieces`) from checkpoint `path`, in place (collective)."""
+    """Reads a template state (DTensors, tensors, `Pieces`) from checkpoint `path`, in place (collective).
+
+    Each rank plans and reads its own part alone (DCP's collective planning only gathers and scatters
+    plans that load planning never changes); one agreement then makes any rank's failure every rank's
+    `CheckpointError`."""
 
     def read(state: dict[str, Any]) -> None:
-        dcp.load(state, storage_reader=DirectReader(path / "dcp"), planner=PiecesLoadPlanner())
+        error = None
+        try:
+            with warnings.catch_warnings():  # DCP's notice that it reads without collectives: intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state,
+                    storage_reader=DirectReader(path / "dcp"),
+                    planner=PiecesLoadPlanner(),
+                    no_dist=True,
+                )
+        except SAVE_ERRORS as exc:
+            error = describe(exc)
+        error, _ = agree(error, {})
+        if error is not None:
+            raise CheckpointError(f"loading {path} failed ({error})")
 
     return read
 

@@ -234,30 +234,82 @@ def _contiguous_run(
 
 def _record(file: Any, offset: int, length: int) -> _Record | None:
     """The tensor `torch.save` wrote at [offset, offset + length) of `file`, when it is a plain tensor whose
-    storage holds exactly its elements in C order, little-endian as this machine; None otherwise."""
+    storage holds exactly its elements in C order, little-endian as this machine; None otherwise (and for
+    any archive this small reader of the zip format does not expect: DCP's own path reads those)."""
+    window = _Window(file, offset, length)
     try:
-        window = _Window(file, offset, length)
-        with zipfile.ZipFile(window) as archive:
-            names = archive.namelist()
-            data = [n for n in names if n.rsplit("/", 2)[-2:-1] == ["data"]]
-            pickled = [n for n in names if n.endswith("/data.pkl")]
-            order = [n for n in names if n.endswith("/byteorder")]
-            if len(data) != 1 or len(pickled) != 1 or sys.byteorder != "little":
-                return None
-            if order and archive.read(order[0]) != b"little":
-                return None
-            info = archive.getinfo(data[0])
-            layout = _TensorLayout(io.BytesIO(archive.read(pickled[0]))).load()
+        entries = _archive_entries(window)
+        if entries is None or sys.byteorder != "little":
+            return None
+        storages = [name for name in entries if "/data/" in name]
+        pickled = [name for name in entries if name.endswith("/data.pkl")]
+        order = [name for name in entries if name.endswith("/byteorder")]
+        if len(storages) != 1 or len(pickled) != 1:
+            return None
+        if order and _member(window, entries[order[0]]) != b"little":
+            return None
+        layout = _TensorLayout(io.BytesIO(_member(window, entries[pickled[0]]))).load()
+        header, method, size = entries[storages[0]]
+        start = _member_start(window, header)
     except Exception:  # not what DCP's writer makes of a plain tensor: DCP's own path reads it
         return None
-    if info.compress_type != zipfile.ZIP_STORED or not isinstance(layout, tuple):
+    if method != zipfile.ZIP_STORED or not isinstance(layout, tuple):
         return None
-    storage_offset, size, stride = layout
-    if storage_offset != 0 or stride != _contiguous_strides(size):
+    storage_offset, shape, stride = layout
+    if storage_offset != 0 or stride != _contiguous_strides(shape):
         return None
-    window.seek(info.header_offset)
-    name_length, extra_length = struct.unpack("<HH", window.read(30)[26:30])
-    return _Record(offset + info.header_offset + 30 + name_length + extra_length, size, info.file_size)
+    return _Record(offset + start, shape, size)
+
+
+# The zip records `torch.save` writes (see the zip format's APPNOTE): end of central directory, central
+# directory entry, local file header.
+_END = struct.Struct("<4s4H2LH")
+_ENTRY = struct.Struct("<4s6H3L5H2L")
+_LOCAL = struct.Struct("<4s5H3L2H")
+_FULL = 0xFFFFFFFF  # a field moved to a zip64 record: not read here
+
+
+def _archive_entries(window: _Window) -> dict[str, tuple[int, int, int]] | None:
+    """name -> (local header offset, compression method, size) of every member, from the central directory
+    at the end of the archive (one read); None for what is not plain (zip64 fields, a long directory)."""
+    tail_length = min(window.length, 4096)
+    window.seek(window.length - tail_length)
+    tail = window.read(tail_length)
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + _END.size > len(tail):
+        return None
+    count, directory_size, directory = _END.unpack_from(tail, end)[4:7]
+    position = directory - (window.length - tail_length)
+    if _FULL in (directory_size, directory) or position < 0:
+        return None
+    entries = {}
+    for _ in range(count):
+        fields = _ENTRY.unpack_from(tail, position)
+        if fields[0] != b"PK\x01\x02" or _FULL in (fields[9], fields[16]):
+            return None
+        name_length, extra_length, comment_length = fields[10:13]
+        name = tail[position + _ENTRY.size : position + _ENTRY.size + name_length].decode()
+        entries[name] = (fields[16], fields[4], fields[9])
+        position += _ENTRY.size + name_length + extra_length + comment_length
+    return entries
+
+
+def _member_start(window: _Window, header: int) -> int:
+    """Where a member's bytes start: after its local header, its name and its extra field."""
+    window.seek(header)
+    fields = _LOCAL.unpack(window.read(_LOCAL.size))
+    if fields[0] != b"PK\x03\x04":
+        raise ValueError("not a local file header")
+    return header + _LOCAL.size + fields[9] + fields[10]
+
+
+def _member(window: _Window, entry: tuple[int, int, int]) -> bytes:
+    """A small stored member's bytes."""
+    header, method, size = entry
+    if method != zipfile.ZIP_STORED:
+        raise ValueError("compressed member")
+    window.seek(_member_start(window, header))
+    return window.read(size)
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
