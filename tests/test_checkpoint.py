@@ -95,7 +95,7 @@ def _shard(step_dir, rank):
 
 
 DAMAGE = {
-    "flipped byte": (lambda d: _flip_byte(_shard(d, 0)), "__0_0.distcp", "sha256 mismatch"),
+    "flipped byte": (lambda d: _flip_byte(_shard(d, 0)), "__0_0.distcp", "checksum mismatch"),
     "deleted shard": (lambda d: _shard(d, 1).unlink(), "__1_0.distcp", "missing"),
     "truncated manifest": (
         lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:40]),

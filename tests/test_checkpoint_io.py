@@ -62,16 +62,16 @@ def test_levels_1_and_3_save_without_gathering(dist_run, tmp_path):
 
 
 def hashed_while_writing_case(root):
-    """Saves with the manifest's hashing pass (`sha256_of`) counting its calls: none."""
+    """Saves with the manifest's hashing pass (`checksum_of`) counting its calls: none."""
     _, trainer, data = setup(2, 1, 1)
     trainer.train_step([next(data)])
     calls = []
-    original = mf.sha256_of
-    mf.sha256_of = lambda path, *args: calls.append(path) or original(path, *args)
+    original = mf.checksum_of
+    mf.checksum_of = lambda path, *args: calls.append(path) or original(path, *args)
     try:
         path = save_checkpoint(root, trainer, data=data)
     finally:
-        mf.sha256_of = original
+        mf.checksum_of = original
     return calls, read_manifest(path)["files"] if env.rank() == 0 else None
 
 
@@ -101,14 +101,14 @@ def verified_load_case(root):
     """Load, recording which files this rank checksums; rank 0's warnings."""
     _, trainer, data = setup(2, 1, 0)
     hashed = []
-    original = mf.sha256_of
-    mf.sha256_of = lambda path, *args: hashed.append(path.name) or original(path, *args)
+    original = mf.checksum_of
+    mf.checksum_of = lambda path, *args: hashed.append(path.name) or original(path, *args)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = load_checkpoint(root, trainer, data=data)
     finally:
-        mf.sha256_of = original
+        mf.checksum_of = original
     return {"step": step, "hashed": hashed, "warnings": [str(w.message) for w in caught]}
 
 
@@ -128,7 +128,7 @@ def test_each_rank_verifies_its_share_and_a_corrupt_file_is_named(dist_run, tmp_
     assert "__1_0.distcp" in second["hashed"] and "__1_0.distcp" not in first["hashed"]
     assert "__0_0.distcp" in first["hashed"] and "__0_0.distcp" not in second["hashed"]
     assert any(
-        "step_000002" in w and "__1_0.distcp" in w and "sha256 mismatch" in w for w in first["warnings"]
+        "step_000002" in w and "__1_0.distcp" in w and "checksum mismatch" in w for w in first["warnings"]
     )
 
 
@@ -177,3 +177,17 @@ def test_the_direct_reader_reads_what_dcp_reads(tmp_path, monkeypatch):
     for key in ("scalar", "ints", "half", "transposed"):
         assert torch.equal(ours[key], theirs[key]) and torch.equal(ours[key], saved[key]), key
     assert sorted(direct) == [False, True, True, True, True, True]  # the transposed tensor: DCP's path
+
+
+def test_manifests_of_earlier_versions_verify(tmp_path):
+    """A manifest whose entries carry sha256 (as loom wrote them before XXH3-128) still verifies."""
+    import hashlib
+    import json
+
+    (tmp_path / "data.bin").write_bytes(b"weights")
+    entry = {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
+    manifest = {"format": mf.FORMAT_VERSION, "step": 1, "files": {"data.bin": entry}}
+    (tmp_path / mf.MANIFEST).write_text(json.dumps(manifest))
+    assert verify(tmp_path) == []
+    (tmp_path / "data.bin").write_bytes(b"weighty")
+    assert verify(tmp_path) == [f"{tmp_path / 'data.bin'}: checksum mismatch (corrupt)"]

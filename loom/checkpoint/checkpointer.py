@@ -56,7 +56,7 @@ WRITE_HOOKS: list[Callable[[int, Path], None]] = []
 # BaseException (on every rank: it gathers the results of the writes).
 SAVE_ERRORS = (Exception, CheckpointException)
 
-# The files one rank wrote into a checkpoint: {path relative to the checkpoint: (size, sha256)}.
+# The files one rank wrote into a checkpoint: {path relative to the checkpoint: (size, checksum)}.
 Files = dict[str, Written]
 
 
@@ -89,9 +89,9 @@ def agree(
         dist.all_gather_object(reports, (env.rank(), error, files), group=group)
     first = next((e for _, e, _ in reports if e is not None), None)
     table = {
-        name: mf.file_entry(size, sha256, rank)
+        name: mf.file_entry(size, checksum, rank)
         for rank, _, written in reports
-        for name, (size, sha256) in written.items()
+        for name, (size, checksum) in written.items()
     }
     return first, table
 

@@ -1,7 +1,7 @@
 """Checkpoint files: written once, hashed as they are written, read straight into place.
 
-`HashingWriter` is DCP's `FileSystemWriter` whose streams feed each written block to a sha256 on its way to
-the file, so each rank knows the size and checksum of every file it wrote (its DCP shard, and on the
+`HashingWriter` is DCP's `FileSystemWriter` whose streams feed each written block to the manifest's checksum
+(`manifest.CHECKSUM`) on its way to the file, so each rank knows the size and checksum of every file it wrote (its DCP shard, and on the
 coordinator DCP's `.metadata`) when the write ends: the manifest is assembled from what the ranks report,
 with no second pass over the data. A write can be stopped (`stop`): its next block raises `SaveStopped`.
 `write_hashed` does the same for loom's own small files.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
-import hashlib
 import io
 import math
 import os
@@ -37,9 +36,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from loom.checkpoint.manifest import hasher
 from loom.dist._torch_private import storage_span
 
-# What a rank reports for each file it wrote: (size in bytes, hex sha256).
+# What a rank reports for each file it wrote: (size in bytes, hex checksum).
 Written = tuple[int, str]
 
 
@@ -52,7 +52,7 @@ class _HashingStream:
 
     def __init__(self, file: Any, stop: threading.Event | None) -> None:
         self.file, self.stop = file, stop
-        self.digest = hashlib.sha256()
+        self.digest = hasher()
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -81,7 +81,7 @@ class _HashingStream:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system, recording the size and sha256 of every file written through it."""
+    """DCP's local file system, recording the size and checksum of every file written through it."""
 
     def __init__(self, stop: threading.Event | None = None) -> None:
         super().__init__()
@@ -128,12 +128,14 @@ def memory_of(tensor: torch.Tensor) -> ctypes.Array:
 
 
 def write_hashed(path: Path, data: bytes) -> Written:
-    """Write `data` to `path` and make it durable (fsync); its size and sha256."""
+    """Write `data` to `path` and make it durable (fsync); its size and checksum."""
     with open(path, "wb") as file:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-    return len(data), hashlib.sha256(data).hexdigest()
+    digest = hasher()
+    digest.update(data)
+    return len(data), digest.hexdigest()
 
 
 # ---- reading -----------------------------------------------------------------------------------------------
