@@ -18,7 +18,8 @@ that the optimizer states exist, in each subject:
   renamed into place) and loaded with `loom.checkpoint.load_checkpoint` (the ranks share the sha256
   checks, then DCP reads and reshards) into a freshly built trainer. At levels 1-3 the optimizer states
   are read into the optimizer's chunks when it builds them, inside the first training step of the target:
-  that step is run (untimed) and the read is timed on its own (max over ranks) and added to the load.
+  that step is run (untimed) and the read is timed on its own, between two barriers in the build (max over
+  ranks), and added to the load.
 
 Each subject runs in a `loom.launch` of its own (fresh processes: the ranks share the machine's memory,
 and memory that one subject's allocator kept must not add to the next one's): train, save `--repeats`
@@ -320,15 +321,20 @@ class LoomSubject:
         sharded = isinstance(optimizer, ZeroOptimizer)
         if sharded:  # build callbacks run in order: this one, the checkpoint's read, the one below
             self.marks = []
-            optimizer.on_build(lambda: self.marks.append(time.perf_counter()))
+            optimizer.on_build(self._read_starts)
         step = load_checkpoint(path, trainer)
         if step != 2:
             raise RuntimeError(f"{self.name}: load_checkpoint found step {step}, expected 2 (the one saved)")
         if sharded:
             optimizer.on_build(self._read_done(optimizer))
 
+    def _read_starts(self) -> None:
+        dist.barrier()  # every rank builds at this point of the step: the read is timed as a collective
+        self.marks.append(time.perf_counter())
+
     def _read_done(self, optimizer: ZeroOptimizer) -> Callable[[], None]:
         def done() -> None:
+            dist.barrier()
             self.marks.append(time.perf_counter())
             self.built = optimizer_digest(optimizer)
 
@@ -336,7 +342,8 @@ class LoomSubject:
 
     def placed(self, trainer: Trainer) -> tuple[float, dict]:
         """At levels 1-3: run the first step, in which the optimizer builds its chunks and reads its states
-        (untimed); the seconds of that read (max over ranks) and the digests as it left them."""
+        (untimed); the seconds of that read (between barriers, max over ranks) and the digests as it left
+        them."""
         if not isinstance(trainer.optimizer, ZeroOptimizer):
             return 0.0, self.digests(trainer)
         params = self.digests(trainer)["params"]

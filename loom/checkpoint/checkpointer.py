@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 
 from loom.checkpoint import manifest as mf
 from loom.checkpoint import state as st
@@ -333,11 +334,32 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     state = st.load_template(model, optimizer, metadata)
     read = _reader(path)
     read(state)
-    model.load_state_dict(state["model"])
+    if not _read_in_place(model, state["model"]):
+        model.load_state_dict(state["model"])
     st.load_optimizer_state(model, optimizer, state, metadata, read)
     shared = torch.load(path / "train_state.pt", weights_only=True)
     _load_shared(trainer, data, shared)
     _load_rank(path, manifest)
+
+
+def _read_in_place(model: nn.Module, read: dict[str, Any]) -> bool:
+    """Whether DCP read every entry of the model's state straight into the model's own tensors (the template
+    is `model.state_dict()`, whose tensors share the parameters' and buffers' memory), so that
+    `load_state_dict` would only copy each tensor onto itself."""
+    own = model.state_dict()
+    return own.keys() == read.keys() and all(_same_memory(own[key], value) for key, value in read.items())
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
+        return False
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _reader(path: Path) -> Callable[[dict[str, Any]], None]:
