@@ -15,8 +15,8 @@ that the optimizer states exist, in each subject:
   data-parallel rank training on its rows of the same global batch; by default dp=4 at optimizer level 0,
   dp=2 x tp=2 at level 1 and dp=4 at level 3 (`--cases`). Saved with `loom.checkpoint.save_checkpoint`
   (DCP files, each rank writing what it holds and hashing it as it writes, per-rank files, a manifest,
-  renamed into place) and loaded with `loom.checkpoint.load_checkpoint` (the ranks share the sha256
-  checks, then DCP reads and reshards) into a freshly built trainer. At levels 1-3 the optimizer states
+  renamed into place) and loaded with `loom.checkpoint.load_checkpoint` (the ranks share the checksum
+  checks, then each reads and reshards its part) into a freshly built trainer. At levels 1-3 the optimizer states
   are read into the optimizer's chunks when it builds them, inside the first training step of the target:
   that step is run (untimed) and the read is timed on its own, between two barriers in the build (max over
   ranks), and added to the load.
