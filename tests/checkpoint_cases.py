@@ -1,8 +1,11 @@
 """What the checkpoint tests share: a tiny GPT, its token data, and a trainer on a dp x tp mesh."""
 
 import torch
+import torch.distributed as dist
 
 import loom
+from loom.checkpoint.chunks import Pieces
+from loom.checkpoint.state import optimizer_state
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.train import Trainer
@@ -40,3 +43,35 @@ def setup(dp, tp, level):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     trainer = Trainer(model, optimizer, lr_scheduler=schedule, clip_grad_norm=0.5)
     return model, trainer, data
+
+
+def whole_states(model, optimizer):
+    """Every parameter's optimizer states as whole tensors on every rank (collective), by parameter name:
+    DTensors gathered; at levels 1-3 every rank's pieces of its chunks put together, and the scalars that
+    the ranks holding a parameter's pieces keep."""
+    state = optimizer_state(model, optimizer) or {"state": {}}
+    mine, whole = {}, {}
+    for name, states in state["state"].items():
+        for key, value in states.items():
+            if hasattr(value, "to_local"):
+                whole.setdefault(name, {})[key] = loom.full(value).clone()
+            elif isinstance(value, Pieces):
+                boxes = [(p.offsets, p.values.clone()) for p in value.pieces]
+                mine.setdefault(name, {})[key] = ("pieces", value.size, value.dtype, boxes)
+            else:
+                mine.setdefault(name, {})[key] = ("value", value.clone() if torch.is_tensor(value) else value)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for held in everyone:
+        for name, states in held.items():
+            for key, (kind, *content) in states.items():
+                if kind == "value":
+                    whole.setdefault(name, {})[key] = content[0]
+                    continue
+                size, dtype, boxes = content
+                target = whole.setdefault(name, {}).setdefault(key, torch.zeros(size, dtype=dtype))
+                for offsets, values in boxes:
+                    target[tuple(slice(o, o + n) for o, n in zip(offsets, values.shape, strict=True))] = (
+                        values
+                    )
+    return whole

@@ -65,6 +65,7 @@ def save_two_case(root):
     for _ in range(6):
         trainer.train_step([next(data)])
         saver.maybe_save(trainer)
+    saver.wait()  # old checkpoints are pruned in the background
     return _full_params(model)
 
 
@@ -94,7 +95,7 @@ def _shard(step_dir, rank):
 
 
 DAMAGE = {
-    "flipped byte": (lambda d: _flip_byte(_shard(d, 0)), "__0_0.distcp", "sha256 mismatch"),
+    "flipped byte": (lambda d: _flip_byte(_shard(d, 0)), "__0_0.distcp", "checksum mismatch"),
     "deleted shard": (lambda d: _shard(d, 1).unlink(), "__1_0.distcp", "missing"),
     "truncated manifest": (
         lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:40]),

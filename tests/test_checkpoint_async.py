@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint_cases import setup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor.debug import CommDebugMode
 
 from loom.checkpoint import (
     Checkpointer,
@@ -23,9 +24,12 @@ from loom.checkpoint import (
     read_model_tensors,
     save_checkpoint,
     verify,
+    worker,
 )
 from loom.checkpoint import checkpointer as ckpt
+from loom.checkpoint import manifest as mf
 from loom.dist import env
+from loom.dist.comm import collective_counts
 
 # A hung save fails the test in a minute rather than the pool's five.
 TIMEOUT_S = 90
@@ -226,3 +230,82 @@ def test_failed_background_save_is_reported_everywhere(dist_run, tmp_path):
         assert result["abandoned"] is None and result["last"] == 10
     assert [step for step, _ in list_step_dirs(tmp_path)] == [2, 10]
     assert all(not verify(path) for _, path in list_step_dirs(tmp_path))
+
+
+def no_collective_while_pending_case(root):
+    """The collectives the checkpointer issues at each step end while a background save is held pending."""
+    _, trainer, data = setup(2, 1, 1)
+    saver = Checkpointer(root, every_steps=3, async_save=True, data=data)
+    _steps(trainer, data, 3)
+    gate = threading.Event()
+    counts = []
+    with _held_writes(gate):
+        saver.maybe_save(trainer)  # step 3: the save starts
+        for _ in range(2):  # steps 4 and 5: not due
+            _steps(trainer, data, 1)
+            with CommDebugMode() as comm:
+                saver.maybe_save(trainer)
+            counts.append(collective_counts(comm))
+        pending = saver.pending_step
+        gate.set()
+        published = saver.wait()
+    return {"counts": counts, "pending": pending, "published": published}
+
+
+def test_no_collective_per_step_while_a_save_is_pending(dist_run, tmp_path):
+    for result in dist_run(2, no_collective_while_pending_case, str(tmp_path), timeout=TIMEOUT_S):
+        assert result["counts"] == [{}, {}] and result["pending"] == 3
+        assert result["published"] == tmp_path / "step_000003"
+    assert not verify(tmp_path / "step_000003")
+
+
+def stopped_write_case(root):
+    """Training fails while step 2 is written in the background (its writes held back, then released)."""
+    _, trainer, data = setup(2, 1, 0)
+    saver = Checkpointer(root, every_steps=2, async_save=True, data=data)
+    trainer.callbacks += [saver, _StopAt(2)]
+    gate = threading.Event()
+    with _held_writes(gate):
+        with pytest.raises(RuntimeError, match="stopped"), pytest.warns(match="not published"):
+            trainer.fit(_batches(data), 3)
+        gate.set()
+        worker.settle()
+    temp = Path(root) / ".tmp_step_000002" / "dcp"
+    return {"pending": saver.pending_step, "metadata": (temp / ".metadata").exists(), "temp": temp.is_dir()}
+
+
+def test_a_background_write_is_stopped_after_an_exception(dist_run, tmp_path):
+    """The write of a save pending when training fails stops: DCP never completes it (no `.metadata`),
+    nothing is published."""
+    for result in dist_run(2, stopped_write_case, str(tmp_path), timeout=TIMEOUT_S):
+        assert result == {"pending": None, "metadata": False, "temp": True}
+    assert list_step_dirs(tmp_path) == []
+
+
+def pruning_case(root):
+    """Synchronous saves every step, keeping one: the threads the pruning ran in (rank 0)."""
+    _, trainer, data = setup(2, 1, 0)
+    saver = Checkpointer(root, every_steps=1, keep_last=1, data=data)
+    threads = []
+    original = mf.prune
+
+    def prune(*args):
+        threads.append(threading.current_thread().name)
+        return original(*args)
+
+    mf.prune = prune
+    try:
+        for _ in range(3):
+            _steps(trainer, data, 1)
+            saver.maybe_save(trainer)
+        saver.wait()
+    finally:
+        mf.prune = original
+    return threads
+
+
+def test_pruning_runs_off_the_training_thread(dist_run, tmp_path):
+    threads, others = dist_run(2, pruning_case, str(tmp_path))
+    assert len(threads) == 3 and all(name.startswith("loom-checkpoint") for name in threads), threads
+    assert others == []  # rank 0 prunes
+    assert [step for step, _ in list_step_dirs(tmp_path)] == [3]

@@ -8,21 +8,11 @@ must equal, bitwise, those the previous run saved.
 
 import pytest
 import torch
-from checkpoint_cases import setup
+from checkpoint_cases import setup, whole_states
 
 import loom
 from loom.checkpoint import CheckpointError, load_checkpoint, load_from, save_checkpoint
-from loom.checkpoint.state import optimizer_state
 from loom.parallel.zero import ZeroOptimizer
-
-
-def _full_states(model, optimizer):
-    """Every parameter's optimizer states as whole tensors (collective), by parameter name."""
-    state = optimizer_state(model, optimizer) or {"state": {}}
-    return {
-        name: {key: (loom.full(v) if hasattr(v, "to_local") else v).clone() for key, v in states.items()}
-        for name, states in state["state"].items()
-    }
 
 
 def _when_loaded(optimizer, callback):
@@ -41,11 +31,11 @@ def train_case(root, plan, steps, resume, save):
     loaded, saved = {}, {}
     if resume:
         load_checkpoint(root, trainer, data=data)
-        _when_loaded(trainer.optimizer, lambda: loaded.update(_full_states(model, trainer.optimizer)))
+        _when_loaded(trainer.optimizer, lambda: loaded.update(whole_states(model, trainer.optimizer)))
     losses = [trainer.train_step([next(data)]).loss for _ in range(steps)]
     if save:
         save_checkpoint(root, trainer, data=data)
-        saved = _full_states(model, trainer.optimizer)
+        saved = whole_states(model, trainer.optimizer)
     return {"losses": losses, "loaded": loaded, "saved": saved, "step": trainer.step}
 
 

@@ -72,3 +72,31 @@ def test_dtensor_like_keeps_the_layout(dist_run):
 def test_bad_mesh_dicts_fail_before_any_process_group(bad):
     with pytest.raises(ValueError):
         loom.dist.MeshShape.from_dict(bad, 4)
+
+
+def checkpoint_private_case(root):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = loom.init({"dp": 2})
+    whole = torch.arange(12.0).reshape(4, 3)
+    sharded = distribute_tensor(whole, mesh.device_mesh, [Shard(0)])
+    offset = _torch_private.local_offset(sharded)
+    dcp.save({"w": sharded}, checkpoint_id=root)
+    metadata = dcp.FileSystemReader(root).read_metadata()
+    spans = sorted(_torch_private.storage_span(info) for info in metadata.storage_data.values())
+    return offset, spans
+
+
+def test_checkpoint_private_apis_keep_their_meaning(dist_run, tmp_path):
+    """`local_offset` (DTensor's shard offsets, as DCP computes them) and `storage_span` (where DCP's file
+    writer put an item: its private `_StorageInfo`) still mean what the checkpoint code relies on."""
+    (offset, spans), (other, _) = dist_run(2, checkpoint_private_case, str(tmp_path))
+    assert offset == (0, 0) and other == (2, 0)
+    assert [(path, transformed) for path, _, _, transformed in spans] == [
+        ("__0_0.distcp", False),
+        ("__1_0.distcp", False),
+    ]
+    assert all(offset >= 0 and length > 0 for _, offset, length, _ in spans)
+    assert [(tmp_path / path).stat().st_size for path, *_ in spans] == [o + n for _, o, n, _ in spans]

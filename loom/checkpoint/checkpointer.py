@@ -1,5 +1,6 @@
-"""Saving and resuming a `Trainer`: `save_checkpoint`, `load_checkpoint`, and `Checkpointer` (every N steps
-or minutes, keep the last k), on `torch.distributed.checkpoint` with loom's manifest (see manifest.py).
+"""Saving and resuming a `Trainer`: `save_checkpoint`, `load_checkpoint` (and `Checkpointer`, every N steps or
+minutes, keep the last k, in periodic.py), on `torch.distributed.checkpoint` with loom's manifest (see
+manifest.py).
 
 Layout of `step_000100/`: `dcp/` (DCP's files: model parameters and optimizer states by parameter name, the
 same at every optimizer level, all resharded at load time: a checkpoint loads at any level, on any mesh or
@@ -9,25 +10,24 @@ trainer with a seed derives them at each step, see `loom.dist.rng`), `plan.json`
 (config, mesh, layouts) and `manifest.json`, written last. The directory must be on storage every rank sees
 (as DCP's own metadata requires).
 
-`start_save` saves in the background (`Checkpointer(async_save=True)`): it copies the state of the step to
-the CPU and writes the side files, then DCP's `async_save` writes the copy from a thread, over a gloo group
-of its own, followed on rank 0 by the manifest; `PendingSave.finish` publishes the directory once every
-rank's write has succeeded. The same guarantees as `save_checkpoint`: visible only when complete, any
-rank's failure a `CheckpointError` on every rank, earlier checkpoints untouched.
+Every rank writes what it holds and nothing more (at optimizer levels 1-3 its own chunks of the optimizer
+states, and at level 3 of the parameters: no collective gathers them first) and hashes its files as it
+writes them; one agreement at the end (every rank's error and file table, gathered) lets rank 0 write the
+manifest and publish, and pruning old checkpoints happens in the background. Loading shares the checksum
+verification among the ranks, each checking the files one saving rank wrote.
+
+`start_save` (background.py) saves in the background with the same guarantees.
 """
 
 from __future__ import annotations
 
-import copy
+import io
 import json
 import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent import futures
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,57 +37,65 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from loom.checkpoint import manifest as mf
 from loom.checkpoint import state as st
+from loom.checkpoint import worker
+from loom.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner
 from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
+from loom.checkpoint.storage import DirectReader, HashingWriter, Written, write_hashed
 from loom.dist import env
-from loom.dist._torch_private import dtensor_like
 from loom.parallel.zero import ZeroOptimizer
 
 # Called on every rank as `hook(step, temp_dir)` once its files are written and before the checkpoint is
 # published: where fault-injection tests stop a rank in the middle of a save (see loom/fault/inject.py).
-# With a background save: in the training thread, once this rank's DCP write has completed.
+# With a background save: in the background thread, once this rank's DCP write has completed.
 WRITE_HOOKS: list[Callable[[int, Path], None]] = []
 
 # What a failing save raises: DCP reports its ranks' write failures as a `CheckpointException`, which is a
 # BaseException (on every rank: it gathers the results of the writes).
-_SAVE_ERRORS = (Exception, CheckpointException)
+SAVE_ERRORS = (Exception, CheckpointException)
 
-# The gloo group of background writes, with the default group it was made from (see _checkpoint_group).
-_io_group: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
-# This process's newest background write: the next save waits for it first (see _settle_upload).
-_upload: Future | None = None
+# The files one rank wrote into a checkpoint: {path relative to the checkpoint: (size, checksum)}.
+Files = dict[str, Written]
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()
 
 
-def _broadcast(value: Any) -> Any:
-    """Rank 0's `value` on every rank."""
-    if not _distributed():
+def _broadcast(value: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's `value` on every rank (of `group`, whose ranks are the global ones)."""
+    if not distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _first_error(error: str | None) -> str | None:
-    """Any rank's error (the lowest rank's), on every rank: all ranks then fail, or go on, together."""
-    if not _distributed():
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
+def agree(
+    error: str | None, files: Files, group: dist.ProcessGroup | None = None
+) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """The one agreement of a save (collective over `group`, whose ranks are the global ones): any rank's
+    error (the lowest rank's) and every rank's files as the manifest's table, on every rank."""
+    reports = [(env.rank(), error, files)]
+    if distributed():
+        reports = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, (env.rank(), error, files), group=group)
+    first = next((e for _, e, _ in reports if e is not None), None)
+    table = {
+        name: mf.file_entry(size, checksum, rank)
+        for rank, _, written in reports
+        for name, (size, checksum) in written.items()
+    }
+    return first, table
 
 
 @contextmanager
@@ -106,7 +114,7 @@ def _level(optimizer: torch.optim.Optimizer) -> int:
     return optimizer.level if isinstance(optimizer, ZeroOptimizer) else 0
 
 
-def _plan(trainer: Trainer, config: Any) -> dict[str, Any]:
+def plan_of(trainer: Trainer, config: Any) -> dict[str, Any]:
     """What the run looked like: mesh, optimizer level, parameter layouts, config (JSON-ready)."""
     state = getattr(trainer.model, "loom", None)
     plan: dict[str, Any] = {"optimizer_level": _level(trainer.optimizer), "world_size": env.world_size()}
@@ -133,23 +141,44 @@ def _rank_state() -> dict[str, Any]:
     return {"rank": env.rank(), "rng": st.rng_state()}
 
 
-def _write_files(temp: Path, trainer: Trainer, data: Any, plan: dict[str, Any]) -> None:
-    """Every rank's part of a synchronous save (collective: DCP coordinates the ranks; at optimizer levels
-    1-3 gathering the states is too)."""
-    with _full_parameters(trainer.model):
-        dcp.save(st.dcp_state(trainer.model, trainer.optimizer), checkpoint_id=temp / "dcp")
-    _write_side_files(temp, trainer, data, plan)
+def write_dcp(
+    state: dict[str, Any], temp: Path, group: dist.ProcessGroup | None = None, stop: Any = None
+) -> Files:
+    """DCP's part of a save (collective over `group`): every rank writes the pieces it holds, hashing them as
+    it goes; the files this rank wrote. `stop` (a `threading.Event`) aborts the write when set."""
+    writer = HashingWriter(temp / "dcp", stop)
+    with warnings.catch_warnings():  # DCP's notice when it writes on one process: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            state,
+            storage_writer=writer,
+            planner=PiecesSavePlanner(),
+            process_group=group,
+            no_dist=not distributed(),
+        )
+    return writer.written(temp)
 
 
-def _write_side_files(temp: Path, trainer: Trainer, data: Any, plan: dict[str, Any]) -> None:
-    """Everything but DCP's files: this rank's generators; on rank 0 the train state and the plan."""
-    torch.save(_rank_state(), temp / f"rank_{env.rank():05d}.pt")
+def write_side_files(temp: Path, trainer: Trainer, data: Any, plan: dict[str, Any]) -> Files:
+    """Everything but DCP's files: this rank's generators; on rank 0 the train state and the plan. Returns
+    the files this rank wrote."""
+    files = _save_hashed(temp, f"rank_{env.rank():05d}.pt", _rank_state())
     if env.rank() == 0:
-        torch.save(_shared_state(trainer, data), temp / "train_state.pt")
-        (temp / "plan.json").write_text(json.dumps(plan, indent=1, default=str))
+        files.update(_save_hashed(temp, "train_state.pt", _shared_state(trainer, data)))
+        files["plan.json"] = write_hashed(
+            temp / "plan.json", json.dumps(plan, indent=1, default=str).encode()
+        )
+    return files
 
 
-def _manifest_info(step: int, plan: dict[str, Any]) -> dict[str, Any]:
+def _save_hashed(temp: Path, name: str, obj: Any) -> Files:
+    """`torch.save(obj)` as `temp / name`, hashed on the way."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return {name: write_hashed(temp / name, buffer.getbuffer())}
+
+
+def manifest_info(step: int, plan: dict[str, Any]) -> dict[str, Any]:
     """What the manifest says besides the file table (taken when the save starts: with a background save
     the trainer has moved on by the time it is published)."""
     info = {"step": step, **plan}
@@ -157,12 +186,12 @@ def _manifest_info(step: int, plan: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def _run_hooks(step: int, temp: Path) -> None:
+def run_hooks(step: int, temp: Path) -> None:
     for hook in WRITE_HOOKS:
         hook(step, temp)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """One line per failure: DCP's exception names the ranks whose writes failed (the checkpoint group
     spans every rank: its ranks are the global ones) and carries their tracebacks, left out here."""
     if isinstance(exc, CheckpointException):
@@ -170,13 +199,13 @@ def _describe(exc: BaseException) -> str:
     return f"rank {env.rank()}: {type(exc).__name__}: {exc}"
 
 
-def _failure(step: int, final: Path, error: str) -> CheckpointError:
+def failure(step: int, final: Path, error: str) -> CheckpointError:
     return CheckpointError(f"saving step {step} to {final} failed ({error}); earlier checkpoints are intact")
 
 
-def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+def prepare(root: Path, step: int) -> tuple[Path, Path]:
     """The temporary and final directories of step `step`, the temporary one made empty (collective)."""
-    _settle_upload()  # an abandoned background write may still be writing into this temporary directory
+    worker.settle()  # an earlier background write (or prune) may still be using the directory
     temp, final = root / mf.temp_dir_name(step), root / mf.step_dir_name(step)
     if env.rank() == 0:
         shutil.rmtree(temp, ignore_errors=True)
@@ -185,19 +214,44 @@ def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     return temp, final
 
 
-def _conclude(
-    temp: Path, final: Path, step: int, keep_last: int | None, error: str | None, info: dict[str, Any] | None
-) -> Path:
-    """The end of every save (collective): any rank's `error` is every rank's `CheckpointError`; without
-    one, rank 0 writes the manifest of `info` last (None: written already, in the background) and renames
-    the directory into place."""
-    error = _first_error(error)
+def conclude(
+    save: tuple[int, Path, Path],
+    error: str | None,
+    files: Files,
+    info: dict[str, Any] | None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """The end of every save of `save` = (step, temp, final) (collective over `group`): the agreement on any
+    rank's `error` and every rank's files; without an error, rank 0 writes the manifest of `info` and the
+    files last and renames the directory into place. Any error is every rank's `CheckpointError`."""
+    step, temp, final = save
+    error, table = agree(error, files, group)
     if error is None and env.rank() == 0:
-        error = _publish(temp, final, info, keep_last)
-    error = _broadcast(error)
+        error = _publish(temp, final, info, table)
+    error = _broadcast(error, group)
     if error is not None:
-        raise _failure(step, final, error)
-    return final
+        raise failure(step, final, error)
+
+
+def _publish(temp: Path, final: Path, info: dict[str, Any] | None, files: dict[str, Any]) -> str | None:
+    """Rank 0: manifest last, rename into place. Returns an error message, or None."""
+    try:
+        mf.write_manifest(temp, {**(info or {}), "saved_at": time.time()}, files)
+        mf.publish(temp, final)
+    except Exception as exc:
+        return f"rank 0: {type(exc).__name__}: {exc}"
+    return None
+
+
+def prune(root: Path, keep_last: int | None) -> None:
+    """Rank 0: keep only the newest `keep_last` checkpoints (None: all). Runs off the training thread: a
+    failure is a warning, the checkpoints it could not remove stay."""
+    if keep_last is None or env.rank() != 0:
+        return
+    try:
+        mf.prune(root, keep_last)
+    except Exception as exc:  # a published checkpoint is not undone by a prune that failed
+        warnings.warn(f"pruning {root} failed: {type(exc).__name__}: {exc}", CheckpointWarning, stacklevel=2)
 
 
 def save_checkpoint(
@@ -205,214 +259,40 @@ def save_checkpoint(
 ) -> Path:
     """Save the trainer (and `data`'s position) as `root/step_{trainer.step:06d}`; collective.
 
-    Written into a temporary directory; once every rank has finished, rank 0 writes the manifest and
-    renames the directory into place, then keeps only the newest `keep_last`. On any rank's failure every
-    rank raises `CheckpointError`, and the earlier checkpoints are untouched.
+    Every rank writes the state it holds into a temporary directory, hashing it as it goes; once every rank
+    has finished, rank 0 writes the manifest and renames the directory into place, then keeps only the newest
+    `keep_last` (in the background). On any rank's failure every rank raises `CheckpointError`, and the
+    earlier checkpoints are untouched.
     """
     step = trainer.step
-    temp, final = _prepare(Path(root), step)
-    error, info = None, None
+    temp, final = prepare(Path(root), step)
+    error, files, info = None, {}, None
     try:
-        plan = _plan(trainer, config)
-        info = _manifest_info(step, plan)
-        _write_files(temp, trainer, data, plan)
-        _run_hooks(step, temp)
-    except _SAVE_ERRORS as exc:  # reported on every rank by _conclude, so that no rank waits forever
-        error = _describe(exc)
-    return _conclude(temp, final, step, keep_last, error, info)
+        plan = plan_of(trainer, config)
+        info = manifest_info(step, plan)
+        files = write_dcp(st.dcp_state(trainer.model, trainer.optimizer), temp)
+        files.update(write_side_files(temp, trainer, data, plan))
+        run_hooks(step, temp)
+    except SAVE_ERRORS as exc:  # reported on every rank by conclude, so that no rank waits forever
+        error = describe(exc)
+    conclude((step, temp, final), error, files, info)
+    if env.rank() == 0 and keep_last is not None:
+        worker.submit(prune, Path(root), keep_last)
+    return final
 
 
-def _publish(temp: Path, final: Path, info: dict[str, Any] | None, keep_last: int | None) -> str | None:
-    """Rank 0: manifest last (none to write when `info` is None), rename into place, prune. Returns an
-    error message, or None."""
-    try:
-        if info is not None:
-            _write_manifest(temp, info)
-        mf.publish(temp, final)
-        if keep_last is not None:
-            mf.prune(final.parent, keep_last)
-    except Exception as exc:
-        return f"rank 0: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _write_manifest(temp: Path, info: dict[str, Any]) -> None:
-    mf.write_manifest(temp, {**info, "saved_at": time.time()})
-
-
-# ---- saving in the background ------------------------------------------------------------------------------
-
-
-@dataclass
-class PendingSave:
-    """A checkpoint whose DCP files are being written in the background (`start_save`'s). Every rank holds
-    one; `written` and `finish` are collective, so all ranks call them at the same points."""
-
-    step: int
-    temp: Path
-    final: Path
-    keep_last: int | None
-    upload: Future
-
-    def written(self) -> bool:
-        """Whether every rank's background write has finished (one tiny all-reduce: all ranks agree)."""
-        return _all_ranks(self.upload.done())
-
-    def finish(self) -> Path:
-        """Wait for this rank's write, run the write hooks, publish as `save_checkpoint` does (collective):
-        the checkpoint appears only once every rank's files are complete; on any rank's failure every rank
-        raises `CheckpointError` and the earlier checkpoints are untouched."""
-        error = None
-        try:
-            self.upload.result()
-            _run_hooks(self.step, self.temp)
-        except _SAVE_ERRORS as exc:
-            error = _describe(exc)
-        return _conclude(self.temp, self.final, self.step, self.keep_last, error, None)  # manifest written
-
-
-def start_save(
-    root: str | Path, trainer: Trainer, *, data: Any = None, config: Any = None, keep_last: int | None = None
-) -> PendingSave:
-    """Begin saving the trainer as `save_checkpoint` does, with DCP's files written in the background
-    (`torch.distributed.checkpoint.async_save`); collective. Returns once the state of this step is copied:
-    training may go on and update parameters and optimizer states in place meanwhile. The checkpoint appears
-    when `PendingSave.finish` publishes it. A failure before the background write starts raises
-    `CheckpointError` on every rank at once."""
-    step = trainer.step
-    temp, final = _prepare(Path(root), step)
-    error, staged, info = None, None, {}  # staged and info are set whenever error stays None
-    try:
-        staged = _staged_state(trainer)  # first: at levels 1-3 it is collective, the rest is not
-        plan = _plan(trainer, config)
-        info = _manifest_info(step, plan)
-        _write_side_files(temp, trainer, data, plan)
-    except _SAVE_ERRORS as exc:
-        error = _describe(exc)
-    # Agreed before any background collective starts: a rank that did not launch its write would leave
-    # the others' writes waiting on the checkpoint group for ever.
-    error = _first_error(error)
-    if error is not None:
-        raise _failure(step, final, error)
-    return PendingSave(step, temp, final, keep_last, _launch(staged, temp, info))
-
-
-def _staged_state(trainer: Trainer) -> dict[str, Any]:
-    """A private CPU copy of what DCP saves, taken now: training may then update parameters and optimizer
-    states in place while the copy is written. Taken inside `full_parameters`, where level 3's parameters
-    exist whole; the optimizer states of levels 1-3 are temporary gathered tensors, copied as well."""
-    with torch.no_grad(), _full_parameters(trainer.model):
-        return _cpu_copy(st.dcp_state(trainer.model, trainer.optimizer), {})
-
-
-def _cpu_copy(value: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """`value` with every tensor copied to the CPU, through nested dicts, lists and tuples (a tensor met
-    twice is copied once). Not DCP's `DefaultStager` (torch 2.13): it takes a DTensor whose local tensor
-    starts inside its storage (the views of gathered states at levels 1-3) for a plain tensor and fails."""
-    if torch.is_tensor(value):
-        if id(value) not in memo:
-            memo[id(value)] = _tensor_copy(value)
-        return memo[id(value)]
-    if isinstance(value, dict):
-        return {key: _cpu_copy(item, memo) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu_copy(item, memo) for item in value)
-    return copy.deepcopy(value)
-
-
-def _tensor_copy(tensor: torch.Tensor) -> torch.Tensor:
-    if isinstance(tensor, DTensor):
-        # the same layout over a CPU copy of the local shard (`DTensor.from_local` would move the copy
-        # back to the mesh's device)
-        return dtensor_like(_tensor_copy(tensor.to_local()), tensor)
-    return tensor.detach().to("cpu", copy=True)
-
-
-class _AlreadyStaged(AsyncStager):
-    """Hands `async_save` the copy `_staged_state` took (staging it again would copy it twice)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-
-def _launch(staged: dict[str, Any], temp: Path, info: dict[str, Any]) -> Future:
-    """Start DCP's background write of `staged` into `temp` (collective, on the checkpoint group); on rank 0
-    followed by the manifest. Returns the future of this rank's part."""
-    global _upload
-    group = _checkpoint_group()
-    response = dcp.async_save(
-        staged,
-        checkpoint_id=temp / "dcp",
-        process_group=group,
-        async_stager=_AlreadyStaged(),
-        no_dist=group is None,
-    )
-    _upload = getattr(response, "upload_completion", response)  # an AsyncSaveResponse with async staging
-    if env.rank() == 0:
-        _upload = _then_manifest(_upload, temp, info)
-    return _upload
-
-
-def _then_manifest(upload: Future, temp: Path, info: dict[str, Any]) -> Future:
-    """Rank 0: the manifest (every file's checksum: the costly part of publishing) written in the
-    background as well, once the DCP files are complete. DCP's write ends on rank 0 only after every
-    rank's writes have (it gathers their results first), and the other files were written before the
-    write started, so the manifest still comes last. The checkpoint becomes visible only when `finish`
-    renames the directory, after every rank has reported success."""
-    done: Future = Future()
-
-    def write(_: Future) -> None:  # in DCP's thread, once its write has ended
-        try:
-            upload.result()
-            _write_manifest(temp, info)
-        except BaseException as exc:  # CheckpointException included: it is no Exception
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
-
-    upload.add_done_callback(write)
-    return done
-
-
-def _settle_upload() -> None:
-    """Wait (locally, ignoring its outcome) for this process's last background write: two writes never
-    share the checkpoint group or a directory, even when an exception left one unfinished."""
-    if _upload is not None:
-        futures.wait([_upload])
-
-
-def _checkpoint_group() -> dist.ProcessGroup | None:
-    """The gloo group of background checkpoint writes, made once per default group (collective the first
-    time: every rank starts its first background save together). DCP's collectives run in a background
-    thread; on a group of their own they never interleave with training's on the default group."""
-    global _io_group
-    if not _distributed():
-        return None
-    world = dist.group.WORLD
-    if _io_group is None or _io_group[0] is not world:
-        _io_group = (world, dist.new_group(backend="gloo", timeout=env.collective_timeout()))
-    return _io_group[1]
-
-
-def _all_ranks(flag: bool) -> bool:
-    """Whether `flag` holds on every rank (collective, on the default group, in the training thread)."""
-    if not _distributed():
-        return flag
-    value = torch.tensor([int(flag)], device=env.device_type())  # NCCL reduces device tensors only
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+# ---- loading -----------------------------------------------------------------------------------------------
 
 
 def load_checkpoint(root: str | Path, trainer: Trainer, *, data: Any = None) -> int | None:
     """Resume from the newest intact checkpoint under `root`; returns its step (None: no checkpoint).
 
-    Rank 0 verifies manifests and checksums newest first; an unusable checkpoint is skipped with a
-    `CheckpointWarning` naming the file and the problem. `CheckpointError` when checkpoints exist but none
-    is intact. Call it before the first training step.
+    The ranks verify manifests and checksums newest first, each the files of its share of the saving ranks;
+    an unusable checkpoint is skipped with a `CheckpointWarning` (on rank 0) naming the file and the problem.
+    `CheckpointError` when checkpoints exist but none is intact. Call it before the first training step.
     """
-    choice = _broadcast(mf.latest_valid(root, warn=env.rank() == 0) if env.rank() == 0 else None)
+    worker.settle()
+    choice = latest_valid_everywhere(Path(root))
     if choice.path is None:
         if choice.skipped:
             raise CheckpointError(f"no intact checkpoint under {root}: " + " | ".join(choice.skipped))
@@ -421,12 +301,28 @@ def load_checkpoint(root: str | Path, trainer: Trainer, *, data: Any = None) -> 
     return choice.step
 
 
+def latest_valid_everywhere(root: Path) -> mf.Choice:
+    """`manifest.latest_valid` with the verification shared by every rank (collective): each checks the
+    files written by its share of the saving ranks, and all learn every problem."""
+    candidates = _broadcast(mf.list_step_dirs(root) if env.rank() == 0 else None)
+    return mf.latest_valid(root, warn=env.rank() == 0, check=_verify_shared, candidates=candidates)
+
+
+def _verify_shared(path: Path) -> list[str]:
+    problems = mf.verify(path, share=(env.rank(), env.world_size()))
+    if not distributed():
+        return problems
+    everyone: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return list(dict.fromkeys(problem for found in everyone for problem in found or []))
+
+
 def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     """Load one (verified) checkpoint directory into the trainer and `data`; collective. A weights-only
     checkpoint (`loom checkpoint import`) sets the parameters and the step count alone.
 
-    Any optimizer level's checkpoint loads at any level, on any mesh: DCP reshards the per-parameter states,
-    and at levels 1-3 they are cut into this run's chunks when the optimizer builds them (at the first step).
+    Any optimizer level's checkpoint loads at any level, on any mesh: DCP reshards the per-parameter states;
+    at levels 1-3 each rank reads its own chunks of them when the optimizer builds them (the first step).
     """
     path = Path(path)
     manifest = mf.read_manifest(path)
@@ -439,13 +335,61 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     metadata = dcp.FileSystemReader(path / "dcp").read_metadata()
     _refuse_rank_local_zero(path, manifest, metadata)
     state = st.load_template(model, optimizer, metadata)
-    dcp.load(state, checkpoint_id=path / "dcp")
-    model.load_state_dict(state["model"])
-    if "optim" in state:
-        st.load_optimizer_state(model, optimizer, state["optim"])
+    read = _reader(path)
+    read(state)
+    if not _read_in_place(model, state["model"]):
+        model.load_state_dict(state["model"])
+    st.load_optimizer_state(model, optimizer, state, metadata, read)
     shared = torch.load(path / "train_state.pt", weights_only=True)
     _load_shared(trainer, data, shared)
     _load_rank(path, manifest, seeded=getattr(trainer, "rng", None) is not None)
+
+
+def _read_in_place(model: nn.Module, read: dict[str, Any]) -> bool:
+    """Whether DCP read every entry of the model's state straight into the model's own tensors (the template
+    is `model.state_dict()`, whose tensors share the parameters' and buffers' memory), so that
+    `load_state_dict` would only copy each tensor onto itself."""
+    own = model.state_dict()
+    return own.keys() == read.keys() and all(_same_memory(own[key], value) for key, value in read.items())
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
+        return False
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _reader(path: Path) -> Callable[[dict[str, Any]], None]:
+    """Reads a template state (DTensors, tensors, `Pieces`) from checkpoint `path`, in place (collective).
+
+    Each rank plans and reads its own part alone (DCP's collective planning only gathers and scatters
+    plans that load planning never changes); one agreement then makes any rank's failure every rank's
+    `CheckpointError`."""
+
+    def read(state: dict[str, Any]) -> None:
+        error = None
+        try:
+            with warnings.catch_warnings():  # DCP's notice that it reads without collectives: intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state,
+                    storage_reader=DirectReader(path / "dcp"),
+                    planner=PiecesLoadPlanner(),
+                    no_dist=True,
+                )
+        except SAVE_ERRORS as exc:
+            error = describe(exc)
+        error, _ = agree(error, {})
+        if error is not None:
+            raise CheckpointError(f"loading {path} failed ({error})")
+
+    return read
 
 
 def _refuse_rank_local_zero(path: Path, manifest: dict[str, Any], metadata: Metadata) -> None:
@@ -497,5 +441,5 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     with _full_parameters(model):
         with warnings.catch_warnings():  # DCP's notice when it reads on one process: intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=Path(path) / "dcp", no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=Path(path) / "dcp", no_dist=not distributed())
         model.load_state_dict(state["model"])

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.checkpoint.checkpointer import PendingSave, load_checkpoint, save_checkpoint, start_save
+from loom.checkpoint import worker
+from loom.checkpoint.background import PendingSave, start_save
+from loom.checkpoint.checkpointer import load_checkpoint, save_checkpoint
 from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
 from loom.dist import env
@@ -26,15 +28,17 @@ class Checkpointer:
     `config` (saved as JSON) are optional. Also usable as a Trainer callback (`on_step_end`, `on_train_end`).
 
     With `async_save`, a due save copies the state of its step and returns; the files are written in the
-    background while training continues, and the checkpoint is published (manifest, rename) at the first
-    step end at which every rank's write has finished (`poll`), or when `wait` is called: before the next
-    save starts and at the end of training. A loop that calls `maybe_save` itself calls `wait` at the end.
-    `last_blocking_s` is how long the newest finished save held training up (all of a synchronous save;
-    for a background one its copy, the per-step checks and the publishing).
+    background while training continues, and the checkpoint is published (manifest, rename) in the
+    background as soon as every rank's write has finished, with no collective in the training thread
+    while it is pending (see background.py). A step end notes a published save (`poll`, local); `wait`
+    (before the next save starts, and at the end of training) waits for the outcome, and is where a failed
+    background save is reported, at the same step on every rank. A loop that calls `maybe_save` itself
+    calls `wait` at the end. `last_blocking_s` is how long the newest finished save held training up (all
+    of a synchronous save; for a background one its copy and the wait for its outcome).
 
     `on_save_error` says what a failed save (disk full, permissions; reported on every rank) does: "stop"
     raises the `CheckpointError`, "continue" warns and trains on. Either way earlier checkpoints are
-    intact."""
+    intact. Old checkpoints are pruned off the training thread."""
 
     def __init__(
         self,
@@ -125,21 +129,24 @@ class Checkpointer:
         return self._pending.final
 
     def poll(self) -> Path | None:
-        """Publish the pending background save if every rank's write has finished (collective: one tiny
-        all-reduce while a save is pending). Returns the published checkpoint, or None."""
-        if self._pending is None:
+        """The pending background save's checkpoint if it has been published (None: still pending, none
+        pending, or failed: a failure is raised by `wait`, where every rank reports it at the same step).
+        Local: no collective."""
+        if self._pending is None or not self._pending.succeeded():
             return None
-        with self._blocking():
-            written = self._pending.written()
-        return self._finish() if written else None
+        return self._finish()
 
     def wait(self) -> Path | None:
-        """Finish the pending background save, if any: wait for every rank's write, then publish
-        (collective). Returns the published checkpoint, or None when none was pending."""
-        return self._finish() if self._pending is not None else None
+        """Wait for the pending background save's outcome, if any (every rank gets the same one): the
+        published checkpoint, or its `CheckpointError`; None when none was pending. Pruning old checkpoints,
+        which runs in the background, has ended too."""
+        try:
+            return self._finish() if self._pending is not None else None
+        finally:
+            worker.settle()
 
     def maybe_save(self, trainer: Trainer) -> Path | None:
-        """Publish a finished background save (`poll`), then save if `due(trainer.step)`: in the background
+        """Note a published background save (`poll`), then save if `due(trainer.step)`: in the background
         with `async_save` (returning where the checkpoint will appear), else at once."""
         self.poll()
         if not self.due(trainer.step):
@@ -156,7 +163,7 @@ class Checkpointer:
         return step
 
     def on_step_end(self, trainer: Trainer, result: object) -> None:
-        """Trainer callback: publish a finished background save; save when due (a failure stops training
+        """Trainer callback: note a published background save; save when due (a failure stops training
         or is reported and skipped, as `on_save_error` says)."""
         self.tolerant(self.maybe_save, trainer)
 
@@ -178,7 +185,7 @@ class Checkpointer:
         """Trainer callback: finish a pending background save (never starts one).
 
         Training that ends with an exception may have stopped on this rank alone, with its peers inside
-        some other collective: then no collective is safe, and the pending save is left unpublished (its
+        some other collective: then the pending save's write is stopped and it is not published (its
         temporary directory is never loaded, and is removed by a later save)."""
         if sys.exc_info()[1] is not None:
             self._abandon()
@@ -199,6 +206,7 @@ class Checkpointer:
     def _abandon(self) -> None:
         if self._pending is None:
             return
+        self._pending.stop()
         warnings.warn(
             f"training stopped while the checkpoint of step {self._pending.step} was being written: it is "
             "not published",

@@ -1,12 +1,16 @@
 """What a checkpoint holds, taken from and given back to a `Trainer` (and its data loader).
 
 - the model's parameters as DTensor state (saved with `torch.distributed.checkpoint`, resharded on load);
+  at optimizer level 3, once parameters live in the optimizer's chunks, each rank saves its chunks' pieces;
 - the optimizer's state by parameter name, as `get_optimizer_state_dict` gives it for a plain torch optimizer
-  ("state" -> {name: {"exp_avg": ..., "step": ...}}, "param_groups"), each tensor laid out like its parameter
-  (DTensors: resharded on load too). At level 0 that is torch's own; at levels 1-3 `ZeroOptimizer`'s inner
-  states, which live on this rank's bucket chunks, are gathered back into per-parameter tensors at save (one
-  all-gather per bucket and state) and cut into the new run's chunks at load, once its optimizer builds them.
-  So a checkpoint of any level loads at any level, on any mesh or number of processes;
+  ("state" -> {name: {"exp_avg": ..., "step": ...}}, "param_groups"), each state a tensor shaped like its
+  parameter. At level 0 that is torch's own, laid out like the parameters. At levels 1-3 `ZeroOptimizer`'s
+  inner states live on this rank's bucket chunks, and each rank saves exactly those: every parameter's
+  elements in a chunk are boxes of the per-parameter tensor (see chunks.py), written by the rank that holds
+  them, with no collective. DCP reshards at load: level 0 reads per-parameter tensors laid out like its
+  parameters; levels 1-3 read their own chunks' boxes straight into the chunks, once the optimizer builds
+  them (at the first step, when the gradient buckets are known). So a checkpoint of any level loads at any
+  level, on any mesh or number of processes;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
 
@@ -17,6 +21,8 @@ like its parameter, or a scalar such as `step`).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,11 +32,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from loom.checkpoint.chunks import Pieces, pieces_of
 from loom.checkpoint.manifest import CheckpointError
 from loom.parallel.zero import BucketShard, ZeroOptimizer
 
 # One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
 ParamState = dict[str, Any]
+# Reads a template state dict (nested; DTensors, tensors, `Pieces`) from the checkpoint being loaded, in place.
+Reader = Callable[[dict[str, Any]], None]
 
 
 class Trainable(Protocol):
@@ -51,8 +60,8 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """The optimizer state by parameter name, for DCP: torch's own at level 0, the same structure gathered
-    from the bucket chunks at levels 1-3 (collective over each bucket's group); None at levels 1-3 before
+    """The optimizer state by parameter name, for DCP: torch's own at level 0; at levels 1-3 the same
+    structure with this rank's chunks of the states as `Pieces` (no collective); None at levels 1-3 before
     the first step (nothing built yet: a resumed run starts from fresh states, as this one would)."""
     if isinstance(optimizer, ZeroOptimizer):
         return zero_optimizer_state(model, optimizer)
@@ -60,35 +69,77 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The state saved by DCP: model and optimizer."""
-    state: dict[str, Any] = {"model": model_state(model)}
+    """The state saved by DCP: model and optimizer, each rank's part as it holds it (no collective: at level
+    3 the parameters that live in the optimizer's chunks are saved from them, as `Pieces`)."""
+    model_part = model_state(model)
+    chunked = chunked_parameters(model, optimizer)
+    if chunked is not None:  # level 3: the bucketed parameters hold no memory; each rank saves its pieces
+        model_part = {**{k: v for k, v in model_part.items() if k not in chunked.keys}, **chunked.pieces}
+    state: dict[str, Any] = {"model": model_part}
     optim = optimizer_state(model, optimizer)
     if optim is not None:
         state["optim"] = optim
     return state
 
 
+@dataclass(frozen=True)
+class ChunkedParameters:
+    """Level 3's parameters as saved from the optimizer's chunks: the state-dict keys of every bucketed
+    parameter, and this rank's pieces of those it holds a part of (a parameter may lie wholly in another
+    rank's chunk: that rank saves it)."""
+
+    keys: frozenset[str]
+    pieces: dict[str, Pieces]
+
+
+def chunked_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> ChunkedParameters | None:
+    """Level 3 once the optimizer holds the parameters (after its first step), where the bucketed
+    parameters hold no memory between uses: their pieces from the chunks this rank updates. None otherwise
+    (the parameters themselves are current)."""
+    sharding = optimizer.sharding if isinstance(optimizer, ZeroOptimizer) else None
+    if sharding is None or not sharding.active:
+        return None
+    keys: dict[nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):  # every key of a shared parameter
+        keys.setdefault(param, []).append(name)
+    bucketed = frozenset(key for shard in optimizer.shards for p in shard.bucket.params for key in keys[p])
+    pieces: dict[str, Pieces] = {}
+    for shard in optimizer.shards:
+        for param, lo, hi, at in shard.pieces:
+            held = pieces_of(param, shard.master[at : at + hi - lo], lo, hi, _local(param).dtype)
+            pieces.update((key, held) for key in keys[param])
+    return ChunkedParameters(bucketed, pieces)
+
+
 def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> dict[str, Any]:
-    """What DCP fills in at load (`metadata`: the checkpoint's): the model, and the optimizer's states where
-    the checkpoint has them, laid out as this run holds them."""
+    """What DCP fills in at load (`metadata`: the checkpoint's): the model and, at level 0, the optimizer's
+    states where the checkpoint has them, laid out as this run holds them (levels 1-3 read theirs into their
+    chunks when they build them: `load_optimizer_state`)."""
     state: dict[str, Any] = {"model": model_state(model)}
     # none saved at levels 1-3 before the first step, or in a weights-only checkpoint: start fresh
-    if not any(path[0] == "optim" for path in _saved_paths(metadata).values()):
+    if isinstance(optimizer, ZeroOptimizer) or not _has_optimizer_state(metadata):
         return state
-    if isinstance(optimizer, ZeroOptimizer):
-        state["optim"] = zero_load_template(model, optimizer, saved_optimizer_states(metadata))
-    else:
-        state["optim"] = plain_load_template(model, optimizer, saved_optimizer_states(metadata))
+    state["optim"] = plain_load_template(model, optimizer, saved_optimizer_states(metadata))
     return state
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Put back an optimizer state that DCP filled in (`load_template`'s): at once at level 0, when the
-    sharded states are built at levels 1-3."""
+def load_optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    metadata: Metadata,
+    read: Reader,
+) -> None:
+    """Put back the optimizer state: at level 0 the one DCP filled into `load_template`'s state; at levels
+    1-3 `read` (collective) reads the states into the chunks when the optimizer builds them (the first step)."""
     if isinstance(optimizer, ZeroOptimizer):
-        defer_zero_load(model, optimizer, state["state"])
-    else:
-        load_plain_state(model, optimizer, state)
+        defer_zero_load(model, optimizer, saved_optimizer_states(metadata), read)
+    elif "optim" in state:
+        load_plain_state(model, optimizer, state["optim"])
+
+
+def _has_optimizer_state(metadata: Metadata) -> bool:
+    return any(path[0] == "optim" for path in _saved_paths(metadata).values())
 
 
 def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -186,17 +237,17 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def zero_optimizer_state(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, Any] | None:
-    """`ZeroOptimizer`'s states as a plain optimizer over the same parameters would give them: per parameter,
-    each laid out like the parameter (its tensor-parallel shard, replicated over data parallelism). Each
-    bucket's chunk states are all-gathered over its group, one state at a time; the per-parameter tensors
-    are views of the gathered buffers. None before the first step."""
+    """`ZeroOptimizer`'s states in the structure a plain optimizer over the same parameters gives, each
+    state shaped like its parameter: per bucket chunk, this rank's pieces of it (views of the chunk's
+    states, see chunks.py); the parameters updated whole, their states as they are. No collective: each
+    rank contributes what it holds. None before the first step."""
     if not optimizer.inner:
         return None
     names = _names(model)
     chunks, whole = _inner_optimizers(optimizer)
     states: dict[str, ParamState] = {}
     for shard in optimizer.shards:
-        states.update(_gather_chunk_state(shard, chunks.state.get(shard.master, {}), names))
+        states.update(_chunk_pieces(shard, chunks.state.get(shard.master, {}), names))
     for param in optimizer.whole:  # updated whole by the second optimizer: states are per parameter already
         if whole is not None and whole.state.get(param):
             states[names[param]] = dict(whole.state[param])
@@ -214,20 +265,6 @@ def saved_optimizer_states(metadata: Metadata) -> dict[str, dict[str, Any]]:
     return saved
 
 
-def zero_load_template(
-    model: nn.Module, optimizer: ZeroOptimizer, saved: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """Empty per-parameter states for DCP to fill: those the checkpoint has for this optimizer's parameters,
-    each laid out like the parameter now (the chunks are cut from them once the optimizer is built)."""
-    names = _names(model)
-    template: dict[str, ParamState] = {}
-    for param in optimizer.param_groups[0]["params"]:
-        name = names[param]
-        if name in saved:
-            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
-    return {"state": template}
-
-
 def require_unbuilt(optimizer: torch.optim.Optimizer) -> None:
     """Levels 1-3 load before the first step only: the chunks are cut from the parameters and states then,
     and at level 3 the parameters are sharded at rest afterwards."""
@@ -238,26 +275,36 @@ def require_unbuilt(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def defer_zero_load(model: nn.Module, optimizer: ZeroOptimizer, states: dict[str, ParamState]) -> None:
-    """Give the inner optimizers `states` (per parameter, as `zero_load_template` laid them out) when they
-    are built, at the first step, once the gradient buckets are known: each chunk's states are cut out of
-    its bucket's parameters, bucket by bucket, and each parameter's full states are dropped once used. The
-    chunks themselves are rebuilt from the restored parameters."""
+def defer_zero_load(
+    model: nn.Module, optimizer: ZeroOptimizer, saved: dict[str, dict[str, Any]], read: Reader
+) -> None:
+    """Give the inner optimizers the checkpoint's states (`saved`: their metadata by parameter name) when
+    they are built, at the first step, once the gradient buckets are known: `read` (collective: every rank
+    builds at the same step) fills each chunk's states straight from the checkpoint, as the boxes of the
+    chunk's pieces of each parameter, and the states of the parameters updated whole, laid out like them.
+    The chunks themselves are rebuilt from the restored parameters."""
     require_unbuilt(optimizer)
+    if not saved:
+        return
     names = _names(model)
 
     def load() -> None:
         chunks, whole = _inner_optimizers(optimizer)
-        for shard in optimizer.shards:
-            saved = {p: states.pop(names[p], None) for p in shard.bucket.params}
-            chunk_state = _cut_chunk_state(shard, saved)
-            if chunk_state:
-                chunks.state[shard.master] = chunk_state
-        for param in optimizer.whole:
-            saved = states.pop(names[param], None)
-            if saved and whole is not None:
-                whole.state[param] = saved
-        states.clear()  # states of parameters this optimizer does not update: not needed
+        template: dict[str, ParamState] = {}
+        chunk_states = [(shard, _chunk_template(shard, saved, names, template)) for shard in optimizer.shards]
+        whole_params = [p for p in optimizer.whole if names[p] in saved]
+        for param in whole_params:
+            name = names[param]
+            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+        read({"optim": {"state": template}})
+        for shard, (state, scalars_of) in chunk_states:
+            if state:
+                scalars = [key for key, value in state.items() if value is None]
+                state.update((key, _scalar(template[scalars_of][key])) for key in scalars)
+                chunks.state[shard.master] = state
+        for param in whole_params:
+            if whole is not None:
+                whole.state[param] = template[names[param]]
 
     optimizer.on_build(load)
 
@@ -291,26 +338,57 @@ def _param_group(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str]) -> di
     return group
 
 
-def _gather_chunk_state(
+def _chunk_pieces(
     shard: BucketShard, chunk_state: ParamState, names: dict[nn.Parameter, str]
 ) -> dict[str, ParamState]:
-    """One bucket's chunk states as per-parameter states (collective over the bucket's group)."""
-    bucket = shard.bucket
-    states: dict[str, ParamState] = {names[p]: {} for p in bucket.params}
-    for key in sorted(chunk_state):  # the same order on every rank of the group: one all-gather each
-        value = chunk_state[key]
+    """One bucket chunk's states as this rank's pieces of each parameter's states (views of the chunk)."""
+    states: dict[str, ParamState] = {names[param]: {} for param, *_ in shard.pieces}
+    for key, value in chunk_state.items():
         if torch.is_tensor(value) and value.dim() > 0:
             if value.shape != shard.master.shape:
                 raise CheckpointError(
                     f"optimizer state {key!r} of shape {tuple(value.shape)} is not elementwise; levels 1-3 "
                     "checkpoint elementwise optimizer states only (Adam, AdamW, SGD, ...)"
                 )
-            for param, flat in shard.gather(value):
-                states[names[param]][key] = _laid_out_like(flat, param)
-        else:  # a scalar (`step`): every rank of the group stepped its chunk alike
-            for param in bucket.params:
+            for param, lo, hi, at in shard.pieces:
+                states[names[param]][key] = pieces_of(param, value[at : at + hi - lo], lo, hi, value.dtype)
+        else:  # a scalar (`step`): every rank of the group stepped its chunk alike (saved once, by DCP)
+            for param, *_ in shard.pieces:
                 states[names[param]][key] = value
     return states
+
+
+def _chunk_template(
+    shard: BucketShard, saved: dict[str, dict[str, Any]], names: dict[nn.Parameter, str], template: dict
+) -> tuple[ParamState, str | None]:
+    """One chunk's states to fill at load: zeros (the padding, and the elements of parameters without saved
+    states, stay zero as in a fresh state), whose pieces go into `template` under each parameter's name;
+    the keys of scalars (`step`: every parameter of a chunk stepped alike) map to None, to be read from the
+    bucket's first parameter that has states, whose name is returned with the chunk's states."""
+    present = [p for p in shard.bucket.params if names[p] in saved]
+    if not present:
+        return {}, None
+    first = names[present[0]]
+    state: ParamState = {}
+    for key, meta in saved[first].items():
+        if isinstance(meta, TensorStorageMetadata) and len(meta.size) > 0:
+            dtype = shard.master.dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
+            values = state[key] = torch.zeros(shard.bucket.chunk, dtype=dtype, device=shard.master.device)
+            for param, lo, hi, at in shard.pieces:
+                name = names[param]
+                if key in saved.get(name, {}):
+                    _require_elementwise(name, key, param, saved[name][key])
+                    template.setdefault(name, {})[key] = pieces_of(
+                        param, values[at : at + hi - lo], lo, hi, dtype
+                    )
+        else:
+            state[key] = None
+            template.setdefault(first, {})[key] = _empty_state(first, key, present[0], meta)
+    return state, first
+
+
+def _scalar(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _laid_out_like(flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
@@ -331,29 +409,17 @@ def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
     dtype = meta.properties.dtype
     if len(meta.size) == 0:
         return torch.empty((), dtype=dtype)
+    _require_elementwise(name, key, param, meta)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
+
+
+def _require_elementwise(name: str, key: str, param: nn.Parameter, meta: TensorStorageMetadata) -> None:
     if tuple(meta.size) != tuple(param.shape):
         raise CheckpointError(
             f"the checkpoint's optimizer state {key!r} of {name} has shape {tuple(meta.size)}, the parameter "
             f"{tuple(param.shape)}: levels 1-3 load elementwise optimizer states only (Adam, AdamW, SGD, ...)"
         )
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
-
-
-def _cut_chunk_state(shard: BucketShard, saved: dict[nn.Parameter, ParamState | None]) -> ParamState:
-    """This rank's chunk of a bucket's per-parameter states; elements of parameters with no saved state,
-    and the padding, are zero (as a fresh state's); scalars come from the first parameter that has them."""
-    present = [state for state in saved.values() if state]
-    if not present:
-        return {}
-    chunk: ParamState = {}
-    for key, sample in present[0].items():
-        if not (torch.is_tensor(sample) and sample.dim() > 0):
-            chunk[key] = sample.clone() if torch.is_tensor(sample) else sample
-            continue
-        dtype = shard.master.dtype if sample.is_floating_point() else sample.dtype
-        chunk[key] = shard.cut(lambda param, key=key: (saved[param] or {}).get(key), dtype)
-    return chunk
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

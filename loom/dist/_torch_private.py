@@ -37,3 +37,19 @@ def dtensor_like(local, like):  # noqa: ANN001, ANN201
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
+
+
+def local_offset(tensor) -> tuple[int, ...]:  # noqa: ANN001
+    """Where a DTensor's local shard starts in the global tensor, per dim (what DCP records for the shard).
+    `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` is the function DCP itself uses."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(o) for o in offset)
+
+
+def storage_span(info) -> tuple[str, int, int, bool]:  # noqa: ANN001
+    """Where DCP's `FileSystemWriter` put one saved item: (file relative to the checkpoint, offset, length,
+    whether stream transforms such as compression were applied). `info` is a value of
+    `Metadata.storage_data`, DCP's private `filesystem._StorageInfo`."""
+    return info.relative_path, int(info.offset), int(info.length), bool(info.transform_descriptors)
