@@ -191,3 +191,34 @@ def test_manifests_of_earlier_versions_verify(tmp_path):
     assert verify(tmp_path) == []
     (tmp_path / "data.bin").write_bytes(b"weighty")
     assert verify(tmp_path) == [f"{tmp_path / 'data.bin'}: checksum mismatch (corrupt)"]
+
+
+def unsaved_chunk_states_case(root):
+    """Level 0 saves without one parameter's states; level 1 loads: that parameter's states are zero (a fresh
+    state's), every other one's the saved ones."""
+    from checkpoint_cases import whole_states
+
+    model, trainer, data = setup(2, 1, 0)
+    for _ in range(2):
+        trainer.train_step([next(data)])
+    first = next(iter(model.parameters()))
+    del trainer.optimizer.state[first]
+    save_checkpoint(root, trainer, data=data)
+    saved = whole_states(model, trainer.optimizer)
+    model, trainer, data = setup(2, 1, 1)
+    load_checkpoint(root, trainer, data=data)
+    loaded = {}
+    trainer.optimizer.on_build(lambda: loaded.update(whole_states(model, trainer.optimizer)))
+    trainer.train_step([next(data)])
+    name = next(iter(model.named_parameters()))[0]
+    zero = all(not value.any() for key, value in loaded[name].items() if key != "step")
+    same = all(
+        torch.equal(loaded[other][key], value)
+        for other, states in saved.items()
+        for key, value in states.items()
+    )
+    return name not in saved, zero, same
+
+
+def test_level_1_loads_zero_states_for_a_parameter_saved_without(dist_run, tmp_path):
+    assert dist_run(2, unsaved_chunk_states_case, str(tmp_path)) == [(True, True, True)] * 2

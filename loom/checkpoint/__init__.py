@@ -5,6 +5,9 @@
     ... trainer.train_step(...); ckpt.maybe_save(trainer)
     ckpt.wait()                      # async_save=True writes in the background: finish the last save
 
+Every rank writes what it holds (at optimizer levels 1-3 its own chunks) and checksums it as it writes;
+loading shares the checks among the ranks and reads straight into place (see docs/checkpoints.md).
+
 Model parameters and optimizer states reshard on load: a checkpoint of any optimizer level (0-3) loads at
 any level, on any mesh or on one process (random generators are restored as saved on as many processes as
 saved them; on any other mesh a `Trainer(seed=...)` derives them per step and rank, see `loom.dist.rng`).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -142,10 +143,13 @@ def _rank_state() -> dict[str, Any]:
 
 
 def write_dcp(
-    state: dict[str, Any], temp: Path, group: dist.ProcessGroup | None = None, stop: Any = None
+    state: dict[str, Any],
+    temp: Path,
+    group: dist.ProcessGroup | None = None,
+    stop: threading.Event | None = None,
 ) -> Files:
     """DCP's part of a save (collective over `group`): every rank writes the pieces it holds, hashing them as
-    it goes; the files this rank wrote. `stop` (a `threading.Event`) aborts the write when set."""
+    it goes; the files this rank wrote. `stop`, once set, aborts the write."""
     writer = HashingWriter(temp / "dcp", stop)
     with warnings.catch_warnings():  # DCP's notice when it writes on one process: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

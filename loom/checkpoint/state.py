@@ -361,10 +361,10 @@ def _chunk_pieces(
 def _chunk_template(
     shard: BucketShard, saved: dict[str, dict[str, Any]], names: dict[nn.Parameter, str], template: dict
 ) -> tuple[ParamState, str | None]:
-    """One chunk's states to fill at load: zeros (the padding, and the elements of parameters without saved
-    states, stay zero as in a fresh state), whose pieces go into `template` under each parameter's name;
-    the keys of scalars (`step`: every parameter of a chunk stepped alike) map to None, to be read from the
-    bucket's first parameter that has states, whose name is returned with the chunk's states."""
+    """One chunk's states to fill at load, whose pieces go into `template` under each parameter's name (the
+    padding, and the elements of parameters without saved states, are zero as in a fresh state); the keys
+    of scalars (`step`: every parameter of a chunk stepped alike) map to None, to be read from the bucket's
+    first parameter that has states, whose name is returned with the chunk's states."""
     present = [p for p in shard.bucket.params if names[p] in saved]
     if not present:
         return {}, None
@@ -373,14 +373,18 @@ def _chunk_template(
     for key, meta in saved[first].items():
         if isinstance(meta, TensorStorageMetadata) and len(meta.size) > 0:
             dtype = shard.master.dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
-            values = state[key] = torch.zeros(shard.bucket.chunk, dtype=dtype, device=shard.master.device)
-            for param, lo, hi, at in shard.pieces:
+            values = state[key] = torch.empty(shard.bucket.chunk, dtype=dtype, device=shard.master.device)
+            end = 0  # the elements before it are either zeroed or read
+            for param, lo, hi, at in shard.pieces:  # in the chunk's order
                 name = names[param]
                 if key in saved.get(name, {}):
                     _require_elementwise(name, key, param, saved[name][key])
                     template.setdefault(name, {})[key] = pieces_of(
                         param, values[at : at + hi - lo], lo, hi, dtype
                     )
+                    values[end:at].zero_()
+                    end = at + hi - lo
+            values[end:].zero_()
         else:
             state[key] = None
             template.setdefault(first, {})[key] = _empty_state(first, key, present[0], meta)
