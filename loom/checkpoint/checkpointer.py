@@ -46,7 +46,7 @@ from loom.checkpoint import worker
 from loom.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner
 from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
 from loom.checkpoint.state import Trainable as Trainer
-from loom.checkpoint.storage import DirectReader, HashingWriter, Written, write_hashed
+from loom.checkpoint.storage import DirectReader, HashingWriter, Written, archives_without_crc, write_hashed
 from loom.dist import env
 from loom.parallel.zero import ZeroOptimizer
 
@@ -274,7 +274,8 @@ def save_checkpoint(
     try:
         plan = plan_of(trainer, config)
         info = manifest_info(step, plan)
-        files = write_dcp(st.dcp_state(trainer.model, trainer.optimizer), temp)
+        with archives_without_crc():
+            files = write_dcp(st.dcp_state(trainer.model, trainer.optimizer), temp)
         files.update(write_side_files(temp, trainer, data, plan))
         run_hooks(step, temp)
     except SAVE_ERRORS as exc:  # reported on every rank by conclude, so that no rank waits forever

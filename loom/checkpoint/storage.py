@@ -118,6 +118,21 @@ class HashingWriter(FileSystemWriter):
         return {path.relative_to(root).as_posix(): entry for path, entry in self.fs.written.items()}
 
 
+@contextmanager
+def archives_without_crc() -> Iterator[None]:
+    """`torch.save` without its zip archive's CRC-32 inside the block (torch's public switch, restored
+    after). DCP writes every item as a `torch.save` archive, whose CRC-32 costs about a third of writing it;
+    the manifest's checksums, computed as the bytes go out, already cover every byte, and `torch.load` does
+    not check the CRC. The switch is process-wide: synchronous saves use it, in the training thread, while
+    loom's checkpoint thread is idle (`worker.settle` runs first)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
 def memory_of(tensor: torch.Tensor) -> ctypes.Array:
     """A writable buffer over a contiguous CPU tensor's bytes, which keeps the tensor alive. Not a NumPy
     view: that pins the tensor's storage for good, and level 3 resizes parameter storages to free them."""
