@@ -209,7 +209,7 @@ def test_sigkill_while_writing_a_checkpoint(uninterrupted):
 
 def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     tmp_path, expected = uninterrupted
-    config = _config(tmp_path, "hang", heartbeat_timeout_s=15)
+    config = _config(tmp_path, "hang", heartbeat_timeout_s=8)
     done = _supervised(config, [Fault(kind="hang", rank=1, step=3)])
     (event,) = done.events
     assert event.kind == "hung" and event.step == 2
