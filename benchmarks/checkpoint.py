@@ -20,6 +20,10 @@ The reference GPT (`loom.models.gpt`; d_model 768, 12 layers, 12 heads, vocabula
   `torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})`, then fsynced, loaded
   with `torch.load` and both `load_state_dict`s into a fresh model and AdamW. Its saves follow loom's and
   its loads alternate with loom's: both sides are measured under the same load of a shared machine.
+- a second load reference for replicated state: every rank `torch.load`s that same file at once into its own
+  plain model and AdamW (timed between barriers), as a data-parallel job without sharded checkpoints
+  resumes. At level 0 every data-parallel replica holds the whole state, so on 4 ranks sharing 2 cores a
+  load copies four times the bytes of the single-process reference; this is the like-for-like comparison.
 
 Each case runs in a `loom.launch` of its own (fresh processes: the ranks share the machine's memory, and
 memory that one case's allocator kept must not add to the next one's): train, save `--repeats` times (each
@@ -35,7 +39,8 @@ Peak memory (Linux): each rank's peak resident set (VmHWM, reset before each mea
 second training step and during each save; printed as save peak / step peak (max over ranks).
 
 Prints save and load seconds, bytes, and the ratios against the reference: save / (torch.save + fsync:
-DCP's writer fsyncs its files, torch.save does not) and load / torch.load (goals: at most 1.0 and 1.2).
+DCP's writer fsyncs its files, torch.save does not) and load / torch.load (goals: at most 1.0 and 1.2),
+and load / every rank's torch.load.
 Files are written to and read back from the page cache (nothing is dropped between a save and its loads).
 Checkpoints go into a temporary directory, removed at the end.
 """
@@ -318,6 +323,14 @@ class TorchSubject:
         return state_digests(*state)
 
 
+class TorchOnEveryRank(TorchSubject):
+    """The reference for replicated state: every rank `torch.load`s the whole state at once, as a
+    data-parallel job without sharded checkpoints resumes (timed between barriers, like loom's loads)."""
+
+    name = "torch, every rank"
+    clock = staticmethod(timed)
+
+
 class LoomSubject:
     """A loom trainer on one case's mesh, saved and loaded with `loom.checkpoint`."""
 
@@ -396,7 +409,8 @@ def run_subject(key: str, config: GPTConfig, rows: int, repeats: int, root: str)
 def measure(subject: LoomSubject, reference: TorchSubject, repeats: int, root: Path) -> dict:
     """Train two steps (the second's peak memory measured) and save `repeats` times (each save's peak memory
     measured), then the reference does the same; then load `repeats` times each, alternately, into fresh
-    targets. Returns {"loom": ..., "torch": ...} (the reference's on rank 0 only)."""
+    targets: loom, the reference on rank 0 alone, the reference's file on every rank at once. Returns
+    {"loom": ..., "torch": ... (rank 0 only), "every": ...}."""
     out, ref = _record(), _record()
     paths = [root / f"{subject.name.replace(' ', '_')}-{repeat}" for repeat in range(repeats)]
     ref_paths = [root / f"torch-{loom.rank()}-{repeat}.pt" for repeat in range(repeats)]
@@ -404,14 +418,18 @@ def measure(subject: LoomSubject, reference: TorchSubject, repeats: int, root: P
     gc.collect()
     expected_ref = alone(lambda: train_and_save(reference, ref_paths, ref))
     gc.collect()
+    everywhere, every = TorchOnEveryRank(reference.config), _record()
+    shared = [expected_ref, ref_paths[-1]]  # rank 0's file and digests, for every rank's torch.load
+    dist.broadcast_object_list(shared, src=0)
     for _ in range(repeats):
         load_once(subject, paths[-1], expected, out)
         alone(lambda: load_once(reference, ref_paths[-1], expected_ref, ref))
+        load_once(everywhere, shared[1], shared[0], every)
     if loom.rank() == 0:
         out["bytes"], ref["bytes"] = disk_bytes(paths[-1]), disk_bytes(ref_paths[-1])
         remove_alone(ref_paths[-1])
     remove(paths[-1])
-    return {"loom": out, "torch": ref if loom.rank() == 0 else None}
+    return {"loom": out, "torch": ref if loom.rank() == 0 else None, "every": every}
 
 
 def _record() -> dict:
@@ -486,6 +504,7 @@ def report(results: dict[str, list[dict]], config: GPTConfig, rows: int, repeats
     torch_of = {name: ranks[0]["torch"] for name, ranks in results.items()}
     ours = {name: medians(ranks[0]) for name, ranks in loom_of.items()}  # every rank timed the same span
     base = {name: medians(ref) for name, ref in torch_of.items()}
+    every = {name: statistics.median(ranks[0]["every"]["load"]) for name, ranks in results.items()}
     with torch.device("meta"):
         psi = GPT(config).num_parameters()
     print(
@@ -501,7 +520,7 @@ def report(results: dict[str, list[dict]], config: GPTConfig, rows: int, repeats
     print()
     header = (
         f"{'subject':<18}{'save s':>8}{'load s':>8}{'(read)':>8}{'disk MiB':>10}{'torch s':>9}{'+fsync':>8}"
-        f"{'load':>6}{'save x':>8}{'load x':>8}{'mem x':>7}  {'params':<8}{'optimizer':<10}"
+        f"{'load':>6}{'all':>6}{'save x':>8}{'load x':>8}{'all x':>7}{'mem x':>7}  {'params':<8}{'optimizer':<10}"
     )
     print(header)
     print("-" * len(header))
@@ -509,12 +528,14 @@ def report(results: dict[str, list[dict]], config: GPTConfig, rows: int, repeats
     for name, ranks in loom_of.items():
         mine, ref, memory = ours[name], base[name], memory_ratio(ranks)
         checks = [check for rank in ranks for check in rank["checks"]] + torch_of[name]["checks"]
+        checks += [check for rank in results[name] for check in rank["every"]["checks"]]
         params, optimizer = verdict(checks, "params"), verdict(checks, "optimizer")
         good = good and params == optimizer == "ok"
         print(
             f"{name:<18}{mine['save']:>8.2f}{mine['load']:>8.2f}{mine['read']:>8.2f}"
             f"{ranks[0]['bytes'] / 2**20:>10.1f}{ref['save']:>9.2f}{ref['synced']:>8.2f}{ref['load']:>6.2f}"
-            f"{mine['save'] / ref['synced']:>8.2f}{mine['load'] / ref['load']:>8.2f}"
+            f"{every[name]:>6.2f}{mine['save'] / ref['synced']:>8.2f}{mine['load'] / ref['load']:>8.2f}"
+            f"{mine['load'] / every[name]:>7.2f}"
             f"{'' if memory is None else f'{memory:.2f}':>7}  {params:<8}{optimizer:<10}"
         )
     print()
@@ -523,7 +544,8 @@ def report(results: dict[str, list[dict]], config: GPTConfig, rows: int, repeats
         "torch.load of the same state, "
         f"{statistics.median(ref['bytes'] for ref in torch_of.values()) / 2**20:.1f} MiB); "
         "save x: save / (torch.save then fsync: DCP's writer fsyncs its files), goal <= 1.0; "
-        "load x: load / torch.load, goal <= 1.2; (read): the part of the load spent reading the optimizer "
+        "load x: load / torch.load, goal <= 1.2; all: every rank torch.loads the whole file at once (how a "
+        "data-parallel job without sharded checkpoints resumes), all x: load / all; (read): the part of the load spent reading the optimizer "
         "states into the chunks at the first step (levels 1-3); mem x: peak resident memory during a save / "
         "during a training step (max over ranks), goal <= 1.1"
     )
