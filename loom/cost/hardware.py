@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.files import read_table
+
 __all__ = ["Cluster", "Device", "Link", "PROFILES", "cluster_from_dict", "get_cluster", "save_cluster"]
 
 GIB = 1024**3
@@ -197,8 +199,12 @@ def get_cluster(name_or_path: str, gpus: int | None = None, gpus_per_node: int |
     """A built-in profile by name, or a JSON profile file written by `loom bench`, sized as asked."""
     if name_or_path in PROFILES:
         cluster = PROFILES[name_or_path]
-    elif Path(name_or_path).is_file():
-        cluster = cluster_from_dict(json.loads(Path(name_or_path).read_text()))
+    elif Path(name_or_path).exists() or Path(name_or_path).suffix in (".json", ".toml"):
+        data = read_table(name_or_path, "hardware profile")
+        try:
+            cluster = cluster_from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"hardware profile file {name_or_path!r}: {exc}") from None
     else:
         raise ValueError(
             f"unknown hardware {name_or_path!r}: use one of {sorted(PROFILES)} or a profile file from `loom bench`"

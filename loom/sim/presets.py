@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 from loom.cost.transformer import TransformerConfig
+from loom.files import read_table
 
 __all__ = ["PRESETS", "get_model", "load_model_config"]
 
@@ -73,9 +72,11 @@ def get_model(name: str) -> TransformerConfig:
 def load_model_config(path: str | Path) -> TransformerConfig:
     """A model from a TOML or JSON file of `TransformerConfig` fields, or a Hugging Face config.json."""
     path = Path(path)
-    text = path.read_text()
-    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    data = dict(data.get("model", data))
+    data = read_table(path, "model config")
+    data = data.get("model", data)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: 'model' must be a table of TransformerConfig fields, got {data!r}")
+    data = dict(data)
     if "hidden_size" in data:  # a Hugging Face config: Llama-style unless it says otherwise
         hf = {ours: data[theirs] for theirs, ours in _HF_KEYS.items() if theirs in data}
         hf.setdefault("tied_embeddings", False)

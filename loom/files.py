@@ -1,0 +1,41 @@
+"""Reading the small JSON and TOML files a user points loom at (model shapes, hardware profiles), with errors
+that name the file, the problem and the fix instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_table"]
+
+
+def read_table(path: str | Path, what: str) -> dict[str, Any]:
+    """The table in a `.toml` file, or the object in a JSON file (any other suffix). `what` names the file's
+    role in messages ("model config", "hardware profile"). `ValueError` for a missing file, a directory, a
+    syntax error (with its line and column) or a file whose top level is not a table."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{what} file {str(path)!r} does not exist: check the path")
+    if not path.is_file():
+        raise ValueError(f"{what} file {str(path)!r} is not a file: give the path of a JSON or TOML file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{what} file {str(path)!r} is not valid TOML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{what} file {str(path)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                f"{exc.msg}); a TOML file needs the suffix .toml"
+            ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{what} file {str(path)!r} holds a JSON {type(data).__name__}, not an object of named fields"
+        )
+    return data
