@@ -125,7 +125,7 @@ def test_unknown_names_suggest_the_closest(sample):
         ("--data.kind=tokens", "data.kind = 'tokens' needs data.path"),
         ("--checkpoint.every_steps=5", "checkpoint.dir is not; set dir"),
         ("--data.seq_len=128", "data.seq_len = 128 exceeds model.max_seq_len = 64"),
-        ("--parallel.tp=3", "parallel.tp = 3 must divide model n_heads = 4"),
+        ("--parallel.tp=3", "parallel.tp = 3 must divide model.n_heads = 4; choose tp in"),
         ("--train.steps", "has no value"),
         ("--steps=3", "must name section.key"),
     ],

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from loom.cost.calibrate import DEFAULT_SIZES, Calibration, calibrate
+from loom.cost.calibrate import DEFAULT_SIZES, Calibration, calibrate, link_check
 from loom.cost.hardware import save_cluster
 
 NAME = "bench"
@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _print(console: Console, result: Calibration) -> None:
-    device, link = result.cluster.device, result.cluster.intra
+    device = result.cluster.device
     matmul = Table(title="matmul (fp32, n x n @ n x n, slowest rank)")
     for column in ("n", "seconds", "GFLOP/s"):
         matmul.add_column(column, justify="right")
@@ -73,9 +73,40 @@ def _print(console: Console, result: Calibration) -> None:
                 f"{row['busbw'] / 1e9:.3f}",
             )  # fmt: skip
         console.print(table)
-        console.print(
-            f"link fitted to all-reduce: bus bandwidth {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency_s * 1e6:.1f} us per step"
-        )
+    for line in link_lines(result):
+        console.print(line, highlight=False)
+
+
+def link_lines(result: Calibration) -> list[str]:
+    """What the link of the profile is and how it compares with the measured all-reduces: the fit is a
+    latency per step plus bytes over a bus bandwidth (the large-buffer limit), so the measured bus bandwidth
+    of a small buffer is lower than the fitted one; the predicted and measured times are shown side by side."""
+    link = result.cluster.intra
+    check = link_check(result)
+    if not check or result.cluster.gpus < 2:
+        return [
+            f"link: no all-reduce measured on {result.cluster.gpus} rank(s); the profile keeps a placeholder "
+            f"link ({link.bandwidth / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us per step): measure with "
+            "-n 2 or more to fit it"
+        ]
+    how = (
+        "from one size (no latency term: give two --sizes or more to fit one)"
+        if len(check) == 1
+        else ("by least squares over the sizes")
+    )
+    lines = [
+        f"link fitted to all-reduce {how}: latency {link.latency_s * 1e6:.1f} us per step + bytes at a bus "
+        f"bandwidth of {link.bandwidth / 1e9:.3f} GB/s (the large-buffer limit; small buffers measure lower, "
+        "as latency dominates them)"
+    ]
+    worst = max(abs(predicted / measured - 1) for _, measured, predicted in check)
+    pairs = ", ".join(
+        f"{size:,} B {measured * 1e6:.0f}/{predicted * 1e6:.0f}" for size, measured, predicted in check
+    )
+    lines.append(
+        f"all-reduce time measured/fitted (us): {pairs}; the fit is within {worst:.0%} of every size"
+    )
+    return lines
 
 
 def execute(args: argparse.Namespace) -> int:

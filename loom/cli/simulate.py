@@ -13,7 +13,7 @@ from loom.cost.hardware import PROFILES, get_cluster
 from loom.cost.plan import RECOMPUTE, SCHEDULES, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.sim.presets import PRESETS, get_model, load_model_config
-from loom.sim.simulator import PlanError, SimResult, simulate
+from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
 
 NAME = "simulate"
@@ -36,7 +36,11 @@ hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out 
 
 dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined).
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
-2 for usage errors.
+2 for usage errors. --timeline draws the schedule of a plan that does not fit too (as if memory allowed),
+says so, and still exits 1. A timeline with many micro-batches gets a second panel zoomed on the step's start.
+
+pipeline bubble: the slowest device's idle time inside the pipeline schedule, as a share of the iteration
+(the summary and the breakdown's pipeline_bubble row are the same number).
 """
 
 
@@ -146,7 +150,7 @@ def _json(
         "plan": plan.to_dict() if plan else None,
     }
     if result is not None:
-        data |= result.to_dict()
+        data |= result.to_dict() | {"bubble_definition": BUBBLE_DEFINITION}
     if reasons:
         data |= {"fits": False, "reasons": reasons}
         for key in (
@@ -198,6 +202,7 @@ def _print(
     memory = ", ".join(f"{name} {gib:.1f} GiB" for name, gib in result.memory_breakdown_gib.items())
     console.print(parts)
     console.print(f"memory: {memory}")
+    console.print(BUBBLE_DEFINITION, highlight=False)
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -231,11 +236,22 @@ def execute(args: argparse.Namespace) -> int:
     else:
         _print(console, model, plan, cluster, result)
     if args.timeline:
+        title = f"{model.name}: {result.iteration_s:.2f} s" + (
+            "" if result.fits else " (does not fit in memory)"
+        )
         try:
-            draw_timeline(
-                result.timeline, plan.pp, args.timeline, title=f"{model.name}: {result.iteration_s:.2f} s"
-            )
+            drawn = draw_timeline(result.timeline, plan.pp, args.timeline, title=title)
         except MissingDependency as exc:
             print(f"loom simulate: error: {exc}", file=sys.stderr)
             return 2
+        # on stderr with --json, so that stdout stays one JSON object
+        stream = sys.stderr if args.json or not result.fits else sys.stdout
+        if result.fits:
+            print(f"wrote {drawn}", file=stream)
+        else:
+            print(
+                f"wrote {drawn}, although the plan does not fit (the schedule is drawn as if memory "
+                "allowed); exit status 1 because it does not fit",
+                file=stream,
+            )
     return 0 if result.fits else 1

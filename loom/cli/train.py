@@ -12,8 +12,9 @@ from rich.markup import escape
 
 from loom.dist.launch import LaunchError
 from loom.fault import Fault, RestartPolicy, supervise
-from loom.train.config import TrainConfig, load_config
-from loom.train.job import run, steps_summary
+from loom.train.config import TrainConfig, config_help, load_config
+from loom.train.job import check_faults, run
+from loom.train.report import steps_summary
 
 NAME = "train"
 HELP = "train a GPT from a TOML config on local worker processes"
@@ -32,8 +33,16 @@ fails its rank. LOOM_FAULTS='[{"kind": "sigkill", "rank": 1, "step": 7}]' inject
 loom/fault/inject.py; '{"kind": "hang", "rank": 1, "during": "startup", "phase": "loading the checkpoint"}'
 strikes before the first step) in the first attempt, to rehearse recovery.
 
+Everything loom train can check before it starts workers is checked first (every config rule, the data
+file, the checkpoint and log directories); an error that a restart cannot fix (a bad setting, a file where a
+directory should be, a permission) stops the job at once instead of being retried.
+
+The plan is printed one line per layout pattern (how many parameters share it); --verbose lists every
+parameter. A line is printed for each checkpoint saved (step, size, seconds).
+
 examples:
   loom train configs/demo.toml
+  loom train configs/demo.toml --verbose
   loom train configs/demo.toml --train.steps 50 --parallel.tp 1
   loom train configs/demo.toml --train.workers 2 --parallel.optimizer_level 2
   loom train configs/demo.toml --checkpoint.dir runs/ckpt --checkpoint.every_steps 50 --fault.max_restarts 5
@@ -41,31 +50,56 @@ examples:
 """
 
 
+def epilog() -> str:
+    """The config keys, their defaults and descriptions (from the config dataclasses), for `--help`."""
+    return "config keys (TOML [section] key = value, or --section.key value), with their defaults:\n" + (
+        config_help()
+    )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", help="the TOML file (sections model, data, parallel, train, checkpoint, fault)"
     )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print every parameter's layout, not one line per pattern",
+    )
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs")
+    parser.epilog = epilog()
+
+
+def _split_flags(overrides: list[str]) -> tuple[list[str], bool]:
+    """The overrides without --verbose / -v (which may come after CONFIG, among them), and whether it was
+    there."""
+    flags = ("--verbose", "-v")
+    return [arg for arg in overrides if arg not in flags], any(arg in flags for arg in overrides)
 
 
 def execute(args: argparse.Namespace) -> int:
+    overrides, verbose = _split_flags(args.overrides)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, overrides)
         # under torchrun the ranks are its processes; locally, the workers loom starts
-        config.validate(int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers)
+        config.preflight(int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers)
         faults = faults_from_env()
+        check_faults(config, faults)
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
     if under_torchrun():
-        return _run_here(config, faults)
+        return _run_here(config, faults, verbose)
     console = Console()
     console.print(f"[bold]loom train[/] {escape(args.config)} on {config.train.workers} local worker(s)")
     if config.fault.max_restarts and not config.checkpoint.dir:
         console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
         policy = restart_policy(config)
-        summary = supervise(run, config.train.workers, config, faults, policy=policy).results[0]
+        summary = supervise(
+            run, config.train.workers, config, faults, policy=policy, verbose=verbose
+        ).results[0]
     except LaunchError as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 1
@@ -73,17 +107,18 @@ def execute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_here(config: TrainConfig, faults: list[Fault]) -> int:
+def _run_here(config: TrainConfig, faults: list[Fault], verbose: bool) -> int:
     """One rank of a torchrun job: torchrun supervises and restarts; the collective timeout catches hangs."""
     os.environ.setdefault("LOOM_COLLECTIVE_TIMEOUT_S", str(config.fault.collective_timeout_s))
-    summary = run(config, faults)
+    summary = run(config, faults, verbose=verbose)
     if os.environ.get("RANK", "0") == "0":
         _report(Console(), summary)
     return 0
 
 
 def _report(console: Console, summary: dict) -> None:
-    console.print(f"{steps_summary(summary['losses'])}, {summary['seconds']:.0f} s")
+    losses, seconds = summary["losses"], summary["seconds"]
+    console.print(f"{steps_summary(losses, summary.get('first_step', 1))} in {seconds:.1f} s")
     for prompt, answer, generated in summary.get("samples", []):
         mark = "[green]right[/]" if generated.split("\n", 1)[0].strip() == answer else "[red]wrong[/]"
         console.print(

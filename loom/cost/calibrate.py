@@ -19,13 +19,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from loom.cost.collectives import bus_factor
+from loom.cost.collectives import bus_factor, collective_time, group_span
 from loom.cost.hardware import GIB, Cluster, Device, Link
 from loom.dist.collectives import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["Calibration", "calibrate", "fit_knee", "fit_link", "measure_rank"]
+__all__ = [
+    "PLACEHOLDER_LINK",
+    "Calibration",
+    "calibrate",
+    "fit_knee",
+    "fit_link",
+    "link_check",
+    "measure_rank",
+]
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per collective buffer
+PLACEHOLDER_LINK = (1e-5, 1e9)  # (latency per step, bus bandwidth) when no all-reduce was measured
 COLLECTIVE_KINDS = (
     "all_reduce",
     "all_gather",
@@ -133,8 +142,12 @@ def fit_knee(small: tuple[int, float], large: tuple[int, float]) -> tuple[float,
 
 
 def fit_link(points: Sequence[tuple[float, float]], n: int) -> tuple[float, float]:
-    """(latency per step, bus bandwidth) from all-reduce (bytes, seconds) points by least squares."""
+    """(latency per step, bus bandwidth) from all-reduce (bytes, seconds) points by least squares; from one
+    point, its bus bandwidth with no latency (a line needs two sizes)."""
     factor = bus_factor("all_reduce", n)
+    if len(points) == 1:
+        size, seconds = points[0]
+        return 0.0, size * factor / seconds
     steps = 2 * (n - 1)
     xs, ys = [b * factor for b, _ in points], [s for _, s in points]
     mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -143,6 +156,18 @@ def fit_link(points: Sequence[tuple[float, float]], n: int) -> tuple[float, floa
         return 0.0, max(x / y for x, y in zip(xs, ys, strict=True))
     intercept = max(my - slope * mx, 0.0)
     return intercept / steps, 1 / slope
+
+
+def link_check(calibration: Calibration) -> list[tuple[int, float, float]]:
+    """Each measured all-reduce as (bytes, measured seconds, seconds the fitted link predicts): the
+    simulator's own `collective_time` on the profile, so a reader sees how well the fit matches."""
+    cluster = calibration.cluster
+    span = group_span(cluster.gpus, 1, cluster.gpus_per_node)
+    return [
+        (row["bytes"], row["seconds"], collective_time("all_reduce", row["bytes"], span, cluster))
+        for row in calibration.collectives
+        if row["kind"] == "all_reduce"
+    ]
 
 
 def _total_memory_gib() -> float:
@@ -162,7 +187,8 @@ def build_profile(ranks: list[dict], nprocs: int, name: str = "this-machine") ->
     peak, knee = fit_knee(points[0], points[-1]) if len(points) > 1 else (points[0][1], 0.0)
     collectives = ranks[0]["collectives"]
     all_reduce = [(row["bytes"], row["seconds"]) for row in collectives if row["kind"] == "all_reduce"]
-    latency, bandwidth = fit_link(all_reduce, nprocs) if len(all_reduce) > 1 else (1e-5, 1e9)
+    # without an all-reduce to fit (one rank), a placeholder link that `loom bench` reports as such
+    latency, bandwidth = fit_link(all_reduce, nprocs) if all_reduce and nprocs > 1 else PLACEHOLDER_LINK
     link = Link(name="gloo-local", bandwidth=bandwidth, latency_s=latency, efficiency=1.0)
     device = Device(
         name=name, peak_flops={"fp32": peak}, memory_gib=_total_memory_gib() / nprocs,

@@ -10,7 +10,10 @@ of the attempt before its first. Each attempt sees its number in TORCHELASTIC_RE
 `loom/train/job.py`).
 
 An exception raised before a rank reported its first step (a bad config, a model that does not fit the mesh)
-is not retried: it would fail the same way again. A hang before the first step is restarted like any other:
+is not retried: it would fail the same way again. Nor, at any step, is an error that a restart cannot fix
+(`PERMANENT_ERRORS`: a configuration error such as ValueError or TypeError, a filesystem layout error such
+as NotADirectoryError or FileExistsError, a PermissionError): it is logged and recorded, then re-raised.
+Writing the events file never stops the supervisor: if it cannot be written, the event is only logged. A hang before the first step is restarted like any other:
 its usual causes (a stalled file system, a peer that never arrived, a deadlock that depends on timing) pass,
 and one that does not spends the restart budget, which bounds it.
 """
@@ -26,10 +29,22 @@ from typing import Any
 
 from loom.dist.launch import LaunchError, WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError
 
-__all__ = ["FailureEvent", "RestartBudgetExceeded", "RestartPolicy", "supervise"]
+__all__ = ["PERMANENT_ERRORS", "FailureEvent", "RestartBudgetExceeded", "RestartPolicy", "supervise"]
 
 # Exceptions that ask for a restart on purpose (the non-finite guard's rollback): retried at any time.
 _RESTART_REQUESTS = ("loom.fault.guard.NonFiniteRollback",)
+
+# Errors that a restart cannot fix: the same settings and the same files give the same error again.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,  # a setting out of range, a config that does not fit the mesh (loom's user errors)
+    TypeError,
+    NotImplementedError,
+    ImportError,
+    PermissionError,
+    NotADirectoryError,  # a file where a directory should be (checkpoint.dir naming a file)
+    IsADirectoryError,
+    FileExistsError,
+)
 
 
 @dataclass(kw_only=True)
@@ -116,6 +131,9 @@ def supervise(
             event = _event(attempt, error, group)
             if event is None:
                 raise
+            if _permanent(error):
+                _record(event, policy, log, then="not retried: a restart cannot fix this error")
+                raise
             events.append(event)
             _record(event, policy, log)
     raise RestartBudgetExceeded(
@@ -152,15 +170,34 @@ def _event(attempt: int, error: LaunchError, group: WorkerGroup) -> FailureEvent
     return None  # a timeout of the whole task, or a group that never started: not a worker's fault
 
 
-def _record(event: FailureEvent, policy: RestartPolicy, log: Callable[[str], None]) -> None:
+def _permanent(error: LaunchError) -> bool:
+    """Whether a worker's exception is one that a restart cannot fix (`PERMANENT_ERRORS`), judged by the
+    worker's exception object when it survived the trip, else by its type's name."""
+    if not isinstance(error, WorkerError) or error.exc_type in _RESTART_REQUESTS:
+        return False
+    original = error.__cause__
+    if original is not None:
+        return isinstance(original, PERMANENT_ERRORS)
+    return error.exc_type in {cls.__qualname__ for cls in PERMANENT_ERRORS}
+
+
+def _record(
+    event: FailureEvent, policy: RestartPolicy, log: Callable[[str], None], then: str | None = None
+) -> None:
     left = policy.max_restarts - event.attempt
-    then = f"restarting ({left} restart(s) left)" if left > 0 else "no restarts left"
+    if then is None:
+        then = f"restarting ({left} restart(s) left)" if left > 0 else "no restarts left"
     log(f"loom: {event.describe()}; {then}")
     if policy.events_file is not None:
         path = Path(policy.events_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as file:
-            file.write(json.dumps(asdict(event)) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as file:
+                file.write(json.dumps(asdict(event)) + "\n")
+        except OSError as error:  # the job's own problem may be this very directory: never crash on it
+            log(
+                f"loom: could not append the event to {str(path)!r} ({type(error).__name__}: {error}); logged only"
+            )
 
 
 def _first_line(text: str, limit: int = 300) -> str:

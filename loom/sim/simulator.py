@@ -27,6 +27,13 @@ from loom.sim.schedule import device_orders, peak_in_flight
 __all__ = ["PlanError", "SimResult", "check_plan", "simulate"]
 
 
+# The one definition of the pipeline bubble that `loom simulate` prints (summary and breakdown alike).
+BUBBLE_DEFINITION = (
+    "pipeline bubble: time the slowest device waits inside the pipeline schedule with no forward or "
+    "backward pass to run, as a share of the whole iteration (the breakdown's pipeline_bubble row)"
+)
+
+
 class PlanError(ValueError):
     """A plan that cannot run at all; `.reasons` says why, one line each."""
 
@@ -45,7 +52,7 @@ class SimResult:
     model_tflops_per_device: float
     mfu: float
     hfu: float
-    bubble_fraction: float
+    bubble_fraction: float  # breakdown["pipeline_bubble"] / iteration_s: see BUBBLE_DEFINITION
     memory_per_device_gib: float
     memory_capacity_gib: float
     fits: bool
@@ -203,7 +210,7 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    makespan = playback.makespan
+    breakdown = _breakdown(plan, pieces, per_chunk, slowest, times)
     return SimResult(
         iteration_s=iteration,
         tokens_per_s=tokens / iteration,
@@ -211,14 +218,14 @@ def simulate(
         model_tflops_per_device=model_flops / iteration / plan.devices / 1e12,
         mfu=model_flops / iteration / peak_flops,
         hfu=hardware_flops / iteration / peak_flops,
-        bubble_fraction=sum(makespan - busy for busy in playback.busy) / (plan.pp * makespan),
+        bubble_fraction=breakdown["pipeline_bubble"] / iteration,
         memory_per_device_gib=peak_gib,
         memory_capacity_gib=capacity,
         fits=fits,
         reason=""
         if fits
         else f"needs {peak_gib:.1f} GiB per device, more than the {capacity:g} GiB of {cluster.name}",
-        breakdown=_breakdown(plan, pieces, per_chunk, slowest, times),
+        breakdown=breakdown,
         memory_breakdown_gib={name: value / GIB for name, value in fullest.items()},
         timeline=playback.intervals,
     )

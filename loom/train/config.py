@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import textwrap
 import tomllib
 import types
@@ -32,6 +33,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "TrainingConfig",
+    "config_help",
     "load_config",
     "parse_overrides",
 ]
@@ -103,6 +105,11 @@ def _parse_text(where: str, text: str, hint: Any) -> Any:
     return text  # str and Literal (checked against the choices by `_coerce`)
 
 
+def _key(default: Any, help: str) -> Any:
+    """A TOML key: its default and the one line `loom train --help` prints for it (see `config_help`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(kw_only=True)
 class _Section:
     """Base of the sections: type checks from annotations, then the section's own range checks."""
@@ -139,19 +146,21 @@ class ModelConfig(_Section):
     `d_ff=None` means 4 * d_model."""
 
     SECTION: ClassVar[str] = "model"
-    name: Literal["gpt"] = "gpt"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int = 64
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    positions: Literal["learned", "rotary"] = "learned"
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    tie_embeddings: bool = True
-    dropout: float = 0.0
+    name: Literal["gpt"] = _key("gpt", "the model family (only the reference GPT today)")
+    vocab_size: int = _key(
+        256, "token ids 0..vocab_size-1 (>= 256 for byte tokens: arithmetic and text data)"
+    )
+    d_model: int = _key(128, "hidden size; n_heads must divide it")
+    n_layers: int = _key(2, "transformer blocks (at least pp stages' worth with pipelines)")
+    n_heads: int = _key(4, "attention heads; parallel.tp must divide it")
+    n_kv_heads: int | None = _key(None, "key/value heads for grouped-query attention (none: n_heads)")
+    d_ff: int | None = _key(None, "MLP hidden size (none: 4 * d_model); parallel.tp must divide it")
+    max_seq_len: int = _key(64, "longest sequence the model takes (>= data.seq_len)")
+    norm: Literal["layernorm", "rmsnorm"] = _key("layernorm", "normalisation layer")
+    positions: Literal["learned", "rotary"] = _key("learned", "learned position embeddings or rotary (RoPE)")
+    mlp: Literal["gelu", "swiglu"] = _key("gelu", "MLP kind: GELU or gated SwiGLU")
+    tie_embeddings: bool = _key(True, "share the input embedding with the output head")
+    dropout: float = _key(0.0, "dropout probability in [0, 1)")
 
     def check(self) -> None:
         self._at_least(1, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
@@ -188,12 +197,16 @@ class DataConfig(_Section):
     of `dtype`) or `"text"` (a UTF-8 file, byte tokens); `path` is the file for the last two."""
 
     SECTION: ClassVar[str] = "data"
-    kind: Literal["arithmetic", "tokens", "text"] = "arithmetic"
-    path: str | None = None
-    dtype: Literal["uint16", "uint32"] = "uint16"
-    seq_len: int = 32
-    seed: int = 0
-    max_operand: int = 9  # single digits: learnable in a few hundred steps (see ArithmeticCorpus)
+    kind: Literal["arithmetic", "tokens", "text"] = _key(
+        "arithmetic",
+        "built-in sums, a .bin file of token ids, or a UTF-8 text file",
+    )
+    path: str | None = _key(None, "the file for kind = tokens or text")
+    dtype: Literal["uint16", "uint32"] = _key("uint16", "the id type of a tokens file")
+    seq_len: int = _key(32, "tokens per training sequence (<= model.max_seq_len)")
+    seed: int = _key(0, "seed of the data order and of the arithmetic corpus")
+    # single digits by default: learnable in a few hundred steps (see ArithmeticCorpus)
+    max_operand: int = _key(9, "largest operand of the arithmetic task")
 
     def check(self) -> None:
         self._at_least(1, "seq_len", "max_operand")
@@ -207,14 +220,16 @@ class ParallelConfig(_Section):
     micro-batches, sequence parallelism, the optimizer level (ZeRO stage 0-3) and recomputation."""
 
     SECTION: ClassVar[str] = "parallel"
-    dp: int = -1
-    tp: int = 1
-    pp: int = 1
-    schedule: Literal["1f1b", "gpipe", "interleaved", "zero_bubble"] = "1f1b"
-    microbatches: int = 1
-    sequence_parallel: bool = False
-    optimizer_level: int = 0
-    recompute: Literal["none", "full", "selective"] = "none"
+    dp: int = _key(-1, "data-parallel size (-1: the devices left by tp and pp)")
+    tp: int = _key(1, "tensor-parallel size (divides heads, kv heads, d_ff and vocab_size)")
+    pp: int = _key(1, "pipeline-parallel size (stages over ranks)")
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zero_bubble"] = _key(
+        "1f1b", "pipeline schedule when pp > 1"
+    )
+    microbatches: int = _key(1, "micro-batches per pipeline step (>= pp when pp > 1)")
+    sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
+    optimizer_level: int = _key(0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters")
+    recompute: Literal["none", "full", "selective"] = _key("none", "activation recomputation per block")
 
     def check(self) -> None:
         if self.dp != -1 and self.dp < 1:
@@ -249,30 +264,32 @@ class TrainingConfig(_Section):
     `workers` is the number of local processes `loom train` starts."""
 
     SECTION: ClassVar[str] = "train"
-    steps: int = 300
-    global_batch: int = 32
-    grad_accum: int = 1
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8  # AdamW's epsilon
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    momentum: float = 0.9
-    clip_grad_norm: float | None = 1.0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale_init: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
-    seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
-    workers: int = 1
-    metrics_file: str | None = None
-    tensorboard_dir: str | None = None
-    sample_every: int = 0
+    steps: int = _key(300, "optimizer steps in the whole run")
+    global_batch: int = _key(32, "sequences per optimizer step over all data-parallel ranks")
+    grad_accum: int = _key(1, "gradient-accumulation micro-steps per optimizer step")
+    lr: float = _key(3e-3, "peak learning rate")
+    min_lr: float = _key(3e-4, "learning rate at the end of the schedule (<= lr)")
+    warmup_steps: int = _key(20, "linear warm-up steps")
+    schedule: Literal["cosine", "constant", "linear"] = _key("cosine", "learning-rate schedule after warm-up")
+    weight_decay: float = _key(0.1, "decoupled weight decay")
+    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW's betas, two numbers in (0, 1)")
+    eps: float = _key(1e-8, "AdamW's epsilon")  # AdamW's epsilon
+    optimizer: Literal["adamw", "sgd"] = _key("adamw", "the optimizer")
+    momentum: float = _key(0.9, "SGD's momentum")
+    clip_grad_norm: float | None = _key(1.0, "global gradient-norm clip (none: no clipping)")
+    precision: Literal["fp32", "bf16", "fp16"] = _key(
+        "fp32", "compute precision (fp16 uses dynamic loss scaling)"
+    )
+    loss_scale_init: float = _key(2.0**16, "fp16's initial loss scale")
+    loss_scale_growth_interval: int = _key(2000, "fp16: steps without overflow before the scale doubles")
+    seed: int = _key(0, "seed of the model initialisation and of each step's random numbers")
+    eval_every: int = _key(100, "evaluate every N steps (0: never)")
+    eval_batches: int = _key(4, "held-out batches per evaluation")
+    log_every: int = _key(10, "print and log metrics every N steps")
+    workers: int = _key(1, "local worker processes loom train starts")
+    metrics_file: str | None = _key(None, "append one JSON line per logged step here")
+    tensorboard_dir: str | None = _key(None, "write TensorBoard scalars here (needs tensorboard)")
+    sample_every: int = _key(0, "not used yet (the arithmetic task samples once, after training)")
 
     def check(self) -> None:
         self._at_least(1, "steps", "global_batch", "grad_accum", "loss_scale_growth_interval")
@@ -298,12 +315,14 @@ class CheckpointConfig(_Section):
     whether saving overlaps training, and whether a failed save stops training or is reported and skipped."""
 
     SECTION: ClassVar[str] = "checkpoint"
-    dir: str | None = None
-    every_steps: int = 0
-    every_minutes: float = 0.0
-    keep_last: int = 3
-    async_save: bool = False
-    on_save_error: Literal["stop", "continue"] = "stop"
+    dir: str | None = _key(None, "directory of the checkpoints (created if missing; none: no checkpoints)")
+    every_steps: int = _key(0, "save every N steps (0: not by steps)")
+    every_minutes: float = _key(0.0, "save every M minutes (0: not by time)")
+    keep_last: int = _key(3, "checkpoints kept; older ones are deleted")
+    async_save: bool = _key(False, "write checkpoints in the background while training goes on")
+    on_save_error: Literal["stop", "continue"] = _key(
+        "stop", "a failed save stops training, or is reported and skipped"
+    )
 
     def check(self) -> None:
         self._at_least(0, "every_steps", "every_minutes")
@@ -325,11 +344,15 @@ class FaultConfig(_Section):
     (0: never) the job rolls back to the last checkpoint and skips the data that failed."""
 
     SECTION: ClassVar[str] = "fault"
-    max_restarts: int = 3
-    heartbeat_timeout_s: float = 300.0
-    collective_timeout_s: float = 1800.0
-    skip_nonfinite: bool = True
-    rollback_after: int = 3
+    max_restarts: int = _key(3, "restarts after a failure, from the last checkpoint")
+    heartbeat_timeout_s: float = _key(
+        300.0, "seconds a rank may stay silent before it counts as hung (0: never)"
+    )
+    collective_timeout_s: float = _key(1800.0, "seconds one collective may take")
+    skip_nonfinite: bool = _key(True, "skip a step whose loss or gradient norm is not finite")
+    rollback_after: int = _key(
+        3, "roll back to the last checkpoint after N skipped steps in a row (0: never)"
+    )
 
     def check(self) -> None:
         self._at_least(0, "max_restarts", "heartbeat_timeout_s", "rollback_after")
@@ -427,17 +450,80 @@ class TrainConfig:
                 f"data.kind = {data.kind!r} uses byte tokens (0..255) but model.vocab_size = {model.vocab_size}; "
                 "set model.vocab_size >= 256"
             )
-        for what, size in (("n_heads", model.n_heads), ("kv heads", model.kv_heads), ("d_ff", model.ffn_dim)):
+        cut_over_tp = (
+            ("model.n_heads", model.n_heads),
+            ("model.n_kv_heads (kv heads)", model.kv_heads),
+            ("model.d_ff (MLP size)", model.ffn_dim),
+            ("model.vocab_size (the embedding is cut by rows)", model.vocab_size),
+        )
+        for what, size in cut_over_tp:
             if size % par.tp:
+                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
                 raise ValueError(
-                    f"parallel.tp = {par.tp} must divide model {what} = {size}; choose another tp"
+                    f"parallel.tp = {par.tp} must divide {what} = {size}; choose tp in {divisors} "
+                    f"or change {what.split(' ')[0]}"
                 )
+        if par.sequence_parallel and par.tp > 1 and data.seq_len % par.tp:
+            raise ValueError(
+                f"parallel.sequence_parallel cuts data.seq_len = {data.seq_len} over parallel.tp = {par.tp}; "
+                f"use a seq_len divisible by {par.tp} or set sequence_parallel = false"
+            )
         if par.pp > model.n_layers:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
+        self.check_pipeline()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
         if dp is not None:
             self._check_batch_split(dp)
         return self
+
+    def check_pipeline(self) -> None:
+        """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.
+        The one place these rules live: `validate` calls it, so `loom train` reports them before it starts
+        any worker, and the job calls `validate` again on its mesh."""
+        par, model = self.parallel, self.model
+        if par.pp == 1:
+            return
+        from loom.pipeline.schedule import SCHEDULES, validate_microbatches  # torch: only with pipelines
+
+        virtual = SCHEDULES[par.schedule].min_virtual
+        if model.n_layers < par.pp * virtual:
+            raise ValueError(
+                f"parallel.pp = {par.pp}: schedule {par.schedule!r} puts {virtual} stages on each of {par.pp} "
+                f"ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"
+            )
+        try:
+            validate_microbatches(par.microbatches, par.pp)
+        except ValueError as error:
+            raise ValueError(
+                f"parallel.microbatches = {par.microbatches} with parallel.pp = {par.pp}: {error}"
+            ) from None
+
+    def check_files(self) -> TrainConfig:
+        """Check the paths the run reads and writes, before any worker starts: `data.path` is a readable file
+        (of whole ids for tokens), and `checkpoint.dir`, `train.tensorboard_dir` and the directory of
+        `train.metrics_file` are (or can be created as) writable directories. Returns self."""
+        if self.data.kind != "arithmetic" and self.data.path is not None:
+            from loom.train.data import check_data_file
+
+            check_data_file(self.data.kind, self.data.path, self.data.dtype)
+        for key, directory in (
+            ("checkpoint.dir", self.checkpoint.dir),
+            ("train.tensorboard_dir", self.train.tensorboard_dir),
+        ):
+            if directory is not None:
+                _check_writable_dir(key, Path(directory))
+        if self.train.metrics_file is not None:
+            path = Path(self.train.metrics_file)
+            if path.is_dir():
+                raise ValueError(
+                    f"train.metrics_file = {str(path)!r} is a directory; name a file, e.g. {str(path / 'metrics.jsonl')!r}"
+                )
+            _check_writable_dir("train.metrics_file", path.parent, of=str(path))
+        return self
+
+    def preflight(self, world_size: int) -> TrainConfig:
+        """Everything that can be checked before workers start: `validate(world_size)` and `check_files`."""
+        return self.validate(world_size).check_files()
 
     def _check_batch_split(self, dp: int) -> None:
         train, par = self.train, self.parallel
@@ -452,6 +538,48 @@ class TrainConfig:
                 f"a micro-batch step of {rows} rows per data-parallel rank is not divisible by "
                 f"parallel.microbatches = {par.microbatches}; change global_batch or microbatches"
             )
+
+
+def _check_writable_dir(key: str, path: Path, of: str | None = None) -> None:
+    """`path` is a directory this process can write in, or can be created as one: a ValueError naming `key`
+    otherwise (an existing file in the way, no permission)."""
+    shown = f"{key} = {of or str(path)!r}"
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"{shown}: {str(path)!r} is an existing file, not a directory; point {key} at a directory "
+            "(created if missing) or move the file away"
+        )
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists decides whether it can be created
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"{shown}: {str(existing)!r} is a file, so the directory cannot be created there; "
+            f"choose another path for {key}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{shown}: no permission to write in {str(existing)!r}; choose a directory you can write to "
+            f"or change its permissions"
+        )
+
+
+def config_help() -> str:
+    """Every TOML key with its default and description, by section: what `loom train --help` lists
+    (generated from the section dataclasses, so it never disagrees with them)."""
+    lines = []
+    for name, cls in _SECTIONS.items():
+        lines.append(f"[{name}]")
+        for item, hint in zip(dataclasses.fields(cls), cls.field_types().values(), strict=True):
+            default = _jsonable(item.default)
+            shown = (
+                "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+            )
+            text = item.metadata.get("help", "")
+            if get_origin(hint) is Literal:
+                text += f" ({' | '.join(get_args(hint))})"
+            lines.append(f"  {f'{name}.{item.name} = {shown}':<38} {text}")
+    return "\n".join(lines)
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,6 +11,7 @@ but an index permutation, and a resumed run can continue from an `(epoch, index)
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "TokenDataset",
     "TokenFileDataset",
     "build_dataset",
+    "check_data_file",
     "micro_batches",
     "write_token_file",
 ]
@@ -55,6 +57,27 @@ def _check_dtype(dtype: str) -> np.dtype:
 def _check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+
+
+def check_data_file(kind: str, path: str | Path, dtype: str = "uint16") -> Path:
+    """The file `data.path` names for `data.kind` ("tokens" or "text"), checked without reading it: it exists,
+    is a file, can be read and (tokens) holds whole `dtype` ids. Raises a ValueError naming `data.path`."""
+    path = Path(path)
+    what = "token file (raw ids, see write_token_file)" if kind == "tokens" else "UTF-8 text file"
+    if not path.exists():
+        raise ValueError(f"data.path = {str(path)!r} does not exist; point data.path at a {what}")
+    if not path.is_file():
+        raise ValueError(f"data.path = {str(path)!r} is a directory, not a file; point data.path at a {what}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"data.path = {str(path)!r} cannot be read (permission denied); fix its permissions")
+    if kind == "tokens":
+        size, itemsize = path.stat().st_size, _check_dtype(dtype).itemsize
+        if size % itemsize:
+            raise ValueError(
+                f"data.path = {str(path)!r} has {size} bytes, not a multiple of the {itemsize}-byte "
+                f"{dtype} of data.dtype; set data.dtype to the dtype the file was written with"
+            )
+    return path
 
 
 def _window(tokens: np.ndarray | Sequence[int], start: int, seq_len: int) -> Batch:
@@ -105,15 +128,8 @@ class TokenFileDataset(_WindowDataset):
 
     def __init__(self, path: str | Path, seq_len: int, dtype: str = "uint16") -> None:
         np_dtype = _check_dtype(dtype)
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"token file {str(path)!r} does not exist; write one with write_token_file")
+        path = check_data_file("tokens", path, dtype)
         size = path.stat().st_size
-        if size % np_dtype.itemsize:
-            raise ValueError(
-                f"token file {str(path)!r} has {size} bytes, not a multiple of the {np_dtype.itemsize}-byte "
-                f"{dtype}; check the dtype the file was written with"
-            )
         tokens = np.memmap(path, dtype=np_dtype, mode="r") if size else np.zeros(0, dtype=np_dtype)
         super().__init__(tokens, seq_len, f"token file {str(path)!r}")
         self.path, self.dtype = path, dtype
@@ -169,9 +185,7 @@ class TextFileDataset(_WindowDataset):
     """A UTF-8 text file, tokenized once in memory, sampled in windows like `TokenFileDataset`."""
 
     def __init__(self, path: str | Path, seq_len: int, tokenizer: ByteTokenizer | None = None) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"text file {str(path)!r} does not exist; point data.path at a UTF-8 text file")
+        path = check_data_file("text", path)
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:

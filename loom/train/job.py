@@ -17,7 +17,6 @@ first step as well as later, is noticed.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import loom
-from loom.checkpoint import Checkpointer
 from loom.dist import env
 from loom.dist.context import unsharded
 from loom.dist.launch import heartbeat
@@ -39,7 +37,6 @@ from loom.pipeline import (
     pipeline_optimizer,
     rank_stages,
     stage_parameters,
-    validate_microbatches,
     whole_gpt,
 )
 from loom.recompute import recompute
@@ -49,6 +46,7 @@ from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.precision import DTYPES, DynamicLossScaler
+from loom.train.report import ReportedCheckpointer, group_layouts, main_rank_warnings
 from loom.train.schedules import lr_multiplier
 from loom.train.trainer import Trainer
 
@@ -73,20 +71,19 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
 
 
 def check_pipeline(config: TrainConfig) -> None:
-    """With `parallel.pp > 1`: a ValueError for each combination that pipelines do not support yet, saying
-    how to fix it."""
-    par, model = config.parallel, config.model
-    if par.pp == 1:
-        return
-    virtual = SCHEDULES[par.schedule].min_virtual
-    unsupported = [
-        (model.n_layers < par.pp * virtual, f"schedule {par.schedule!r} puts {virtual} stages on each of "
-         f"{par.pp} ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"),
-    ]  # fmt: skip
-    for bad, message in unsupported:
-        if bad:
-            raise ValueError(f"parallel.pp = {par.pp}: {message}")
-    validate_microbatches(par.microbatches, par.pp)
+    """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse (the rules live in
+    `TrainConfig.check_pipeline`, which `loom train` runs before it starts the workers)."""
+    config.check_pipeline()
+
+
+def check_faults(config: TrainConfig, faults: Sequence[Fault]) -> None:
+    """The injected `faults` this job can honour (a ValueError otherwise; checked before workers start)."""
+    _startup_faults(faults)
+    if config.parallel.pp > 1 and any(fault.during == "step" for fault in faults):
+        raise ValueError(
+            "LOOM_FAULTS: faults during a step hook the model's forward, which pipeline runs (parallel.pp > 1) "
+            'do not call yet; use during="save" or "startup", or parallel.pp = 1'
+        )
 
 
 def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[GPT, Pipeline]:
@@ -206,17 +203,22 @@ def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> s
     return tokenizer.decode(ids[len(tokenizer.encode(prompt)) :])
 
 
-def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
+def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = False) -> dict:
     """Train as `config` says, inside a worker of `loom.launch` or `loom.fault.supervise`; returns the
-    summary (losses of the steps this attempt ran). `faults` are injected on purpose (tests of recovery)."""
-    disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
+    summary (losses of the steps this attempt ran, from `first_step`). `faults` are injected on purpose
+    (tests of recovery). Rank 0 prints the plan (every parameter with `verbose`, else one line per layout
+    pattern) and each warning; the other ranks' warnings are silenced (`main_rank_warnings`)."""
     env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
+    with main_rank_warnings(loom.rank() == 0):
+        return _run(config, faults, verbose)
+
+
+def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
+    disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
     mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
-    config.validate(mesh.world_size)
-    check_pipeline(config)
-    if config.parallel.pp > 1 and any(fault.during == "step" for fault in faults):
-        raise ValueError("faults during a step hook the model's forward, which pipeline runs do not call yet")
+    config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
+    check_faults(config, faults)
     t, is_main = config.train, loom.rank() == 0
     torch.manual_seed(t.seed)
     _phase("loading the data")
@@ -234,7 +236,7 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,
     )  # fmt: skip
-    checkpointer = Checkpointer.from_config(config, batches) if config.checkpoint.dir else None
+    checkpointer = ReportedCheckpointer.from_config(config, batches) if config.checkpoint.dir else None
     callbacks = [MetricsCallback(logger), Heartbeat()]
     if checkpointer is not None:
         if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
@@ -254,18 +256,20 @@ def run(config: TrainConfig, faults: Sequence[Fault] = ()) -> dict:
             fault.install(trainer)
     if is_main:
         print(
-            plan_text(config, model) if pipeline is None else pipeline_plan_text(config, model, mesh),
+            plan_text(config, model, verbose)
+            if pipeline is None
+            else pipeline_plan_text(config, model, mesh),
             flush=True,
         )
     steps = (micro_batches(next(batches), t.grad_accum) for _ in iter(int, 1))
-    start = time.perf_counter()
+    start, first_step = time.perf_counter(), trainer.step + 1
     results = trainer.fit(
         steps, t.steps - trainer.step, t.eval_every, lambda: _eval_batches(config, mesh)
     )  # a resumed run does the steps left
     if checkpointer is not None and checkpointer.last_saved_step != trainer.step:
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
-    summary = {"losses": losses, "seconds": time.perf_counter() - start}
+    summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus) and pipeline is None:
         summary.update(_arithmetic_report(dataset, model, mesh))
     elif isinstance(dataset, ArithmeticCorpus):
@@ -303,8 +307,9 @@ def _pipeline_arithmetic_report(
     return report[0]
 
 
-def plan_text(config: TrainConfig, model: GPT) -> str:
-    """The plan: mesh, every parameter's layout and local shape, optimizer level, recomputation."""
+def plan_text(config: TrainConfig, model: GPT, verbose: bool = False) -> str:
+    """The plan: mesh, optimizer level, recomputation, and the parameters' layouts and local shapes: one
+    line per layout pattern (how many parameters share it), or per parameter with `verbose`."""
     state = model.loom
     par = config.parallel
     lines = [
@@ -312,14 +317,19 @@ def plan_text(config: TrainConfig, model: GPT) -> str:
         f"sequence parallel {'on' if par.sequence_parallel else 'off'}, precision {config.train.precision}",
         f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
         f"d_model {config.model.d_model}, {config.model.n_heads} heads",
+        "parameters" + ("" if verbose else " by layout (loom train --verbose lists each one)") + ":",
     ]
     names, shape = state.mesh.device_mesh.mesh_dim_names, state.mesh.canonical_shape
-    for name, param in model.named_parameters():
-        layout = state.parameter_layouts[name].describe(names, shape)
-        lines.append(
-            f"  {name:32s} {tuple(param.shape)!s:14s} {layout:26s} local {tuple(param.to_local().shape)}"
+    rows = [
+        (
+            name,
+            tuple(p.shape),
+            state.parameter_layouts[name].describe(names, shape),
+            tuple(p.to_local().shape),
         )
-    return "\n".join(lines)
+        for name, p in model.named_parameters()
+    ]
+    return "\n".join(lines + group_layouts(rows, verbose=verbose))
 
 
 def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
@@ -349,12 +359,3 @@ def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
         "on every rank once training ends"
     )
     return "\n".join(lines)
-
-
-def steps_summary(losses: list[float]) -> str:
-    """First and last losses, as one line."""
-    head = sum(losses[:10]) / min(10, len(losses))
-    tail = sum(losses[-10:]) / min(10, len(losses))
-    return f"loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10 steps)" + (
-        "" if math.isfinite(tail) else " (not finite!)"
-    )
