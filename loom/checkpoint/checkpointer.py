@@ -447,6 +447,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Only the parameters of one checkpoint directory into `model` (any layout, or a plain model on one
     process): DCP reshards them to whatever `model` holds."""
     path = mf.require_checkpoint(path)
+    read_metadata(path / "dcp" / METADATA)  # a clear error here, where DCP would try other files first
     state = {"model": st.model_state(model)}
     with _full_parameters(model):
         try:

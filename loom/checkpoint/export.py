@@ -255,7 +255,7 @@ def _read_tensor_file(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
             tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
     except Exception as exc:  # header and I/O errors come in many types; all mean "unreadable"
         raise CheckpointError(
-            f"{source}: not a readable safetensors file ({type(exc).__name__}: {exc})"
+            f"{source}: not a readable safetensors file ({type(exc).__name__}: {exc}); {fix}"
         ) from None
     _check_tensors(source, tensors)
     return tensors, metadata
@@ -276,6 +276,11 @@ def _check_tensors(source: Path, tensors: Any) -> None:
 
 def _import_target(path: Path, step: int | None) -> tuple[int, Path]:
     """(step, checkpoint directory) for an import into `path` (a root, or a `step_N` directory)."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"{path}: is a file; import into a directory (a checkpoint root, which gets step_NNNNNN/ inside, "
+            "or a step_N directory)"
+        )
     named = mf.step_of(path.name)
     if named is None:
         step = 0 if step is None else step

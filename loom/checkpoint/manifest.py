@@ -196,7 +196,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint directory; `CheckpointError` saying what is wrong otherwise."""
     path = directory / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing (the save did not finish)")
+        raise CheckpointError(f"{path}: missing (the save did not finish); use an earlier step_* checkpoint")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
