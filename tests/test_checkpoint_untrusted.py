@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import rehash, saved, trainer
 
 from loom.checkpoint import (
     Checkpointer,
@@ -17,15 +18,11 @@ from loom.checkpoint import (
     load_checkpoint,
     load_from,
     load_model_weights,
-    read_manifest,
     read_model_tensors,
-    save_checkpoint,
 )
-from loom.checkpoint import manifest as mf
 from loom.checkpoint.safe import read_metadata
 from loom.checkpoint.storage import _TensorLayout
 from loom.cli.main import main as cli_main
-from loom.train import Trainer
 
 FOREIGN = "holds something other than checkpoint data"
 
@@ -38,30 +35,6 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
-
-
-def trainer():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-
-def saved(root: Path, lr=None) -> Path:
-    """A one-process checkpoint at step 1 under `root` (with `lr` as the optimizer's setting); its
-    directory."""
-    t = trainer()
-    t.model(torch.randn(5, 4)).pow(2).mean().backward()
-    t.optimizer.step()
-    t.step = 1
-    if lr is not None:
-        t.optimizer.param_groups[0]["lr"] = lr
-    return save_checkpoint(root, t)
-
-
-def rehash(checkpoint: Path) -> None:
-    """Rewrite the manifest to match the files as they are now (what an attacker can always do)."""
-    info = {k: v for k, v in read_manifest(checkpoint).items() if k not in ("files", "format")}
-    mf.write_manifest(checkpoint, info)
-    assert mf.verify(checkpoint) == []
 
 
 def craft_metadata(checkpoint: Path, marker: Path) -> Path:

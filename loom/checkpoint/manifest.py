@@ -93,9 +93,9 @@ def require_checkpoint(path: str | Path) -> Path:
     steps = list_step_dirs(path)
     if steps:
         raise CheckpointError(
-            f"{path}: is a checkpoint root (it holds {len(steps)} step_* checkpoints), not one checkpoint; "
-            f"give one of them, e.g. {steps[-1][1]}, or load the newest intact one with "
-            f"load_checkpoint({str(path)!r})"
+            f"{path}: is a checkpoint root (it holds step_* checkpoints), not one checkpoint; give one of "
+            f"them, e.g. {steps[-1][1]}, or use what takes a root and picks the newest intact one "
+            "(load_checkpoint, `loom checkpoint export`)"
         )
     if not any(path.iterdir()):
         raise CheckpointError(f"{path}: is empty, not a checkpoint; {hint}")

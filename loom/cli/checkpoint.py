@@ -221,7 +221,10 @@ def _import(source: Path, root: Path, step: int | None, config_file: Path | None
         try:
             config = json.loads(config_file.read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _fail(f"{config_file}: not a readable JSON config ({exc})")
+            return _fail(
+                f"{config_file}: not a readable JSON config ({exc}); give a JSON file of the model config "
+                "(as `export` writes beside its output: <stem>.config.json)"
+            )
     try:
         path = import_model(source, root, step=step, config=config)
     except CheckpointError as exc:
