@@ -188,3 +188,18 @@ def test_private_dcp_names_exist():
     names = _torch_private.dcp_metadata_private_globals()
     assert all(value is not None for value in names.values())
     assert callable(_torch_private.set_nested)
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd"])
+def test_manifest_naming_files_outside_is_refused(name, tmp_path, capsys):
+    """A manifest listing a file outside its checkpoint would have verification read any file."""
+    step = saved(tmp_path / "ckpt")
+    path = step / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][name] = {"size": 1, "xxh3_128": "0", "rank": 0}
+    path.write_text(json.dumps(manifest))
+    assert _cli("verify", step) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"{path}: not a loom checkpoint manifest (file {name!r} is not a path inside the checkpoint)" in out
+    )

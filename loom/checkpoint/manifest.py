@@ -205,7 +205,26 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a loom checkpoint manifest (no file table)")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this loom reads {FORMAT_VERSION}")
+    for name, entry in manifest["files"].items():
+        problem = _entry_problem(name, entry)
+        if problem is not None:
+            raise CheckpointError(f"{path}: not a loom checkpoint manifest ({problem})")
     return manifest
+
+
+def _entry_problem(name: str, entry: Any) -> str | None:
+    """What is wrong with one entry of a manifest's file table (None: nothing): a file outside the
+    checkpoint directory would have verification read any file on the machine."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith("/") or ":" in parts[0] or any(part in ("", ".", "..") for part in parts):
+        return f"file {name!r} is not a path inside the checkpoint"
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("size"), int)
+        or isinstance(entry["size"], bool)
+    ):
+        return f"the entry of {name!r} has no size in bytes"
+    return None
 
 
 def verify(directory: str | Path, checksums: bool = True, share: tuple[int, int] | None = None) -> list[str]:

@@ -170,7 +170,7 @@ def _verify(target: Path) -> int:
             print(f"  {line}")
     if failed:
         return _fail(f"{failed} of {len(checkpoints)} checkpoints failed verification (see above)")
-    print(f"verified {len(checkpoints)} checkpoint(s): loading them runs no code from the files")
+    print(f"verified {len(checkpoints)} checkpoint(s): intact, and holding checkpoint data only")
     return 0
 
 
@@ -181,9 +181,20 @@ def _manifest_summary(path: Path) -> str:
     size = sum(int(entry["size"]) for entry in files.values())
     algorithms = sorted({key for entry in files.values() for key in entry if key not in ("size", "rank")})
     return (
-        f"manifest.json: {len(files)} files, {size / 1024:.1f} KiB; sizes and {'/'.join(algorithms)} "
-        "checksums match"
+        f"manifest.json: {len(files)} files, {_size(size)}; sizes and {'/'.join(algorithms)} checksums match"
     )
+
+
+def _size(count: int) -> str:
+    """A byte count for people: "62.1 KiB", "1.1 GiB"."""
+    if count < 1024:
+        return f"{count} bytes"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
 
 
 def _export(source: Path, out: Path) -> int:
