@@ -45,6 +45,7 @@ from loom.checkpoint import state as st
 from loom.checkpoint import worker
 from loom.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner
 from loom.checkpoint.manifest import CheckpointError, CheckpointWarning
+from loom.checkpoint.safe import METADATA, SafeLoadPlanner, SafeReader, load_torch_file, read_metadata
 from loom.checkpoint.state import Trainable as Trainer
 from loom.checkpoint.storage import DirectReader, HashingWriter, Written, archives_without_crc, write_hashed
 from loom.dist import env
@@ -294,10 +295,12 @@ def load_checkpoint(root: str | Path, trainer: Trainer, *, data: Any = None) -> 
 
     The ranks verify manifests and checksums newest first, each the files of its share of the saving ranks;
     an unusable checkpoint is skipped with a `CheckpointWarning` (on rank 0) naming the file and the problem.
-    `CheckpointError` when checkpoints exist but none is intact. Call it before the first training step.
+    `CheckpointError` when checkpoints exist but none is intact, or when `root` is a file or one checkpoint
+    (`load_from` loads one). Call it before the first training step. Nothing read runs code (see safe.py).
     """
     worker.settle()
-    choice = latest_valid_everywhere(Path(root))
+    root = mf.require_root(root)
+    choice = latest_valid_everywhere(root)
     if choice.path is None:
         if choice.skipped:
             raise CheckpointError(f"no intact checkpoint under {root}: " + " | ".join(choice.skipped))
@@ -328,8 +331,9 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
 
     Any optimizer level's checkpoint loads at any level, on any mesh: DCP reshards the per-parameter states;
     at levels 1-3 each rank reads its own chunks of them when the optimizer builds them (the first step).
+    Nothing read runs code: a file holding anything but checkpoint data is a `CheckpointError` (safe.py).
     """
-    path = Path(path)
+    path = mf.require_checkpoint(path)
     manifest = mf.read_manifest(path)
     model, optimizer = trainer.model, trainer.optimizer
     st.require_unbuilt(optimizer)
@@ -337,7 +341,7 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
         load_model_weights(path, model)
         trainer.step = int(manifest.get("step", 0))
         return
-    metadata = dcp.FileSystemReader(path / "dcp").read_metadata()
+    metadata = read_metadata(path / "dcp" / METADATA)
     _refuse_rank_local_zero(path, manifest, metadata)
     state = st.load_template(model, optimizer, metadata)
     read = _reader(path)
@@ -345,7 +349,7 @@ def load_from(path: str | Path, trainer: Trainer, *, data: Any = None) -> None:
     if not _read_in_place(model, state["model"]):
         model.load_state_dict(state["model"])
     st.load_optimizer_state(model, optimizer, state, metadata, read)
-    shared = torch.load(path / "train_state.pt", weights_only=True)
+    shared = load_torch_file(path / "train_state.pt")
     _load_shared(trainer, data, shared)
     _load_rank(path, manifest, seeded=getattr(trainer, "rng", None) is not None)
 
@@ -402,7 +406,7 @@ def _refuse_rank_local_zero(path: Path, manifest: dict[str, Any], metadata: Meta
     this version cannot read those (rather than resume silently with fresh states)."""
     if manifest.get("optimizer_level", 0) == 0 or st.saved_optimizer_states(metadata):
         return
-    rank_file = torch.load(path / "rank_00000.pt", weights_only=True)
+    rank_file = load_torch_file(path / "rank_00000.pt")
     if rank_file.get("zero") is not None:
         raise CheckpointError(
             f"{path} keeps its optimizer level {manifest['optimizer_level']} states per rank (written by an "
@@ -435,16 +439,26 @@ def _load_rank(path: Path, manifest: dict[str, Any], seeded: bool = False) -> No
                 stacklevel=3,
             )
         return
-    rank_state = torch.load(path / f"rank_{env.rank():05d}.pt", weights_only=True)
+    rank_state = load_torch_file(path / f"rank_{env.rank():05d}.pt")
     st.load_rng_state(rank_state["rng"])
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Only the parameters of one checkpoint directory into `model` (any layout, or a plain model on one
     process): DCP reshards them to whatever `model` holds."""
+    path = mf.require_checkpoint(path)
+    read_metadata(path / "dcp" / METADATA)  # a clear error here, where DCP would try other files first
     state = {"model": st.model_state(model)}
     with _full_parameters(model):
-        with warnings.catch_warnings():  # DCP's notice when it reads on one process: intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=Path(path) / "dcp", no_dist=not distributed())
+        try:
+            with warnings.catch_warnings():  # DCP's notice when it reads on one process: intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state,
+                    storage_reader=SafeReader(path / "dcp"),
+                    planner=SafeLoadPlanner(),
+                    no_dist=not distributed(),
+                )
+        except CheckpointException as exc:
+            raise CheckpointError(f"loading the weights of {path} failed ({describe(exc)})") from None
         model.load_state_dict(state["model"])

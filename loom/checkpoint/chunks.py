@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from loom.checkpoint.safe import SafeLoadPlanner
 from loom.checkpoint.storage import memory_of
 from loom.dist._torch_private import local_offset
 
@@ -163,8 +164,9 @@ class PiecesSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class PiecesLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, which also fills `Pieces` (each box from the chunks that overlap it)."""
+class PiecesLoadPlanner(SafeLoadPlanner):
+    """DCP's default load planner (reading saved values without running code: `SafeLoadPlanner`), which also
+    fills `Pieces` (each box from the chunks that overlap it)."""
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False

@@ -5,7 +5,8 @@
 
 An exported `.safetensors` file is what plain PyTorch reads: `safetensors.torch.load_file` gives name ->
 tensor for `model.load_state_dict` of an unsharded model; its metadata holds the step and the model config
-(JSON). Any other suffix (`.pt`) is written with `torch.save`. An imported checkpoint holds only the model:
+(JSON). `.pt`, `.pth` and `.bin` are written with `torch.save`; any other suffix is refused. Exports are
+created with the permissions the user's umask gives new files. An imported checkpoint holds only the model:
 `dcp/` (the same keys `save_checkpoint` writes, so `load_model_weights` reshards it onto any mesh),
 `plan.json` and a manifest with `"kind": "weights"`; it has no optimizer or data state to resume a run from.
 """
@@ -24,21 +25,26 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint import manifest as mf
 from loom.checkpoint.manifest import CheckpointError
+from loom.checkpoint.safe import SafeLoadPlanner, SafeReader, load_torch_file
 
 PREFIX = "model."
 SAFETENSORS = ".safetensors"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # what `export_model` writes with torch.save
+EXPORT_SUFFIXES = (SAFETENSORS, *TORCH_SUFFIXES)
 # The manifest's "kind": what a checkpoint directory holds ("full" when absent, as save_checkpoint writes).
 FULL, WEIGHTS = mf.FULL, mf.WEIGHTS
 
 
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint directory, whole (resharded from any mesh), on this process."""
-    reader = FileSystemReader(Path(checkpoint) / "dcp")
+    """Every model tensor of a checkpoint directory, whole (resharded from any mesh), on this process.
+    Nothing read runs code (see safe.py)."""
+    checkpoint = mf.require_checkpoint(checkpoint)
+    reader = SafeReader(checkpoint / "dcp")
     metadata = reader.read_metadata().state_dict_metadata
     tensors = {
         key.removeprefix(PREFIX): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -46,9 +52,13 @@ def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
         if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)
     }
     state = {"model": tensors}
-    with warnings.catch_warnings():  # DCP's notice that it reads on one process: that is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP's notice that it reads on one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        failures = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+        raise CheckpointError(f"reading the model of {checkpoint} failed ({failures})") from None
     return state["model"]
 
 
@@ -64,11 +74,12 @@ def export_model(checkpoint: str | Path, out: str | Path) -> int:
     """Write the model's parameters of `checkpoint` to `out`, whole; returns the number of tensors.
 
     `out` ending in `.safetensors`: a safetensors file whose metadata holds "step" and "config" (the JSON
-    of plan.json's config -> model section; "plan", the whole plan, when there is no config). Any other
-    suffix: a `torch.save` file of name -> tensor. When the checkpoint carries a config, it is also written
-    next to `out` as `<stem>.config.json` (what `import_model` reads back). Files appear whole or not at all.
+    of plan.json's config -> model section; "plan", the whole plan, when there is no config). `.pt`, `.pth`,
+    `.bin`: a `torch.save` file of name -> tensor; any other suffix is a `CheckpointError`. When the
+    checkpoint carries a config, it is also written next to `out` as `<stem>.config.json` (what
+    `import_model` reads back). Files appear whole or not at all, readable as the umask says.
     """
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), check_export_target(out)
     tensors = read_model_tensors(checkpoint)
     plan = _read_plan(checkpoint)
     config = _model_config(plan)
@@ -79,6 +90,25 @@ def export_model(checkpoint: str | Path, out: str | Path) -> int:
     if config is not None:
         mf.write_atomic(config_path(out), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
     return len(tensors)
+
+
+def check_export_target(out: str | Path) -> Path:
+    """`out` as a file `export_model` can write; `CheckpointError` naming it and the fix otherwise (an
+    unknown suffix, a directory, a missing parent directory)."""
+    out = Path(out)
+    if out.suffix not in EXPORT_SUFFIXES:
+        found = f"suffix {out.suffix!r}" if out.suffix else "no suffix"
+        raise CheckpointError(
+            f"{out}: {found}; export writes {SAFETENSORS} (safetensors) or {', '.join(TORCH_SUFFIXES)} "
+            f"(torch.save): name the file e.g. {out.with_suffix(SAFETENSORS).name}"
+        )
+    if out.is_dir():
+        raise CheckpointError(
+            f"{out}: is a directory; give a file to write, e.g. {out / 'model.safetensors'}"
+        )
+    if not out.parent.is_dir():
+        raise CheckpointError(f"{out}: its directory {out.parent} does not exist; create it first")
+    return out
 
 
 def _read_plan(checkpoint: Path) -> dict[str, Any]:
@@ -153,9 +183,24 @@ def _replace_with(out: Path, write: Any) -> None:
     tmp = out.with_name(out.name + ".partial")
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600 whatever the umask
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where it can be, without changing it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ---- import --------------------------------------------------------------------------------------------
@@ -193,20 +238,25 @@ def import_model(
 
 
 def _read_tensor_file(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """name -> tensor from a safetensors or torch.save file, and the safetensors metadata ({} for .pt)."""
+    """name -> tensor from a safetensors or torch.save file, and the safetensors metadata ({} for .pt). A
+    torch.save file is read with torch's weights-only unpickler: a file from elsewhere runs no code."""
+    fix = f"import takes a {SAFETENSORS} file or a torch.save file ({', '.join(TORCH_SUFFIXES)}) of name -> tensor"
+    if source.is_dir():
+        raise CheckpointError(f"{source}: is a directory; {fix}")
     if not source.is_file():
-        raise CheckpointError(f"{source}: no such file")
+        raise CheckpointError(f"{source}: no such file; {fix}")
+    if source.suffix != SAFETENSORS:
+        tensors = load_torch_file(source, fix=fix)
+        _check_tensors(source, tensors)
+        return tensors, {}
     try:
-        if source.suffix == SAFETENSORS:
-            with safe_open(source, framework="pt") as file:
-                metadata = file.metadata() or {}
-                tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
-        else:
-            # weights_only: a checkpoint file from elsewhere must not run code when unpickled
-            tensors, metadata = torch.load(source, map_location="cpu", weights_only=True), {}
-    except Exception as exc:  # header, pickle and I/O errors come in many types; all mean "unreadable"
-        kind = "safetensors" if source.suffix == SAFETENSORS else "torch.save"
-        raise CheckpointError(f"{source}: not a readable {kind} file ({type(exc).__name__}: {exc})") from None
+        with safe_open(source, framework="pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as exc:  # header and I/O errors come in many types; all mean "unreadable"
+        raise CheckpointError(
+            f"{source}: not a readable safetensors file ({type(exc).__name__}: {exc}); {fix}"
+        ) from None
     _check_tensors(source, tensors)
     return tensors, metadata
 
@@ -226,6 +276,11 @@ def _check_tensors(source: Path, tensors: Any) -> None:
 
 def _import_target(path: Path, step: int | None) -> tuple[int, Path]:
     """(step, checkpoint directory) for an import into `path` (a root, or a `step_N` directory)."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"{path}: is a file; import into a directory (a checkpoint root, which gets step_NNNNNN/ inside, "
+            "or a step_N directory)"
+        )
     named = mf.step_of(path.name)
     if named is None:
         step = 0 if step is None else step

@@ -74,6 +74,51 @@ def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` looks like one checkpoint (a manifest or a dcp/ in it), complete or not."""
+    return (path / MANIFEST).exists() or (path / "dcp").is_dir()
+
+
+def require_checkpoint(path: str | Path) -> Path:
+    """`path` as one checkpoint directory (`step_000100/`); `CheckpointError` naming it and the fix when it
+    is missing, a file, empty, a checkpoint root, or no checkpoint at all. Its contents are checked later."""
+    path = Path(path)
+    hint = "give a step_* directory under a run's checkpoint dir (`loom checkpoint ls DIR` lists them)"
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory; {hint}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is a file, not a checkpoint directory; {hint}")
+    if is_checkpoint_dir(path):
+        return path
+    steps = list_step_dirs(path)
+    if steps:
+        raise CheckpointError(
+            f"{path}: is a checkpoint root (it holds step_* checkpoints), not one checkpoint; give one of "
+            f"them, e.g. {steps[-1][1]}, or use what takes a root and picks the newest intact one "
+            "(load_checkpoint, `loom checkpoint export`)"
+        )
+    if not any(path.iterdir()):
+        raise CheckpointError(f"{path}: is empty, not a checkpoint; {hint}")
+    raise CheckpointError(f"{path}: not a loom checkpoint (no {MANIFEST}, no dcp/); {hint}")
+
+
+def require_root(root: str | Path) -> Path:
+    """`root` as a checkpoint root (the directory holding `step_*` checkpoints; missing or empty is fine:
+    no checkpoint yet); `CheckpointError` naming it and the fix when it is a file or one checkpoint."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"{root}: is a file, not a checkpoint directory; give the directory that holds (or will hold) "
+            "the step_* checkpoints (the [checkpoint] dir), not a file inside it"
+        )
+    if root.is_dir() and is_checkpoint_dir(root):
+        raise CheckpointError(
+            f"{root}: is one checkpoint, not a checkpoint root; give its parent {root.parent} to resume from "
+            f"the newest intact checkpoint there, or load_from({str(root)!r}) to load this one"
+        )
+    return root
+
+
 def hasher(algorithm: str = CHECKSUM) -> Any:
     """A fresh running checksum (`update(bytes)`, `hexdigest()`)."""
     return _HASHERS[algorithm]()
@@ -151,7 +196,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     """The parsed manifest of a checkpoint directory; `CheckpointError` saying what is wrong otherwise."""
     path = directory / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing (the save did not finish)")
+        raise CheckpointError(f"{path}: missing (the save did not finish); use an earlier step_* checkpoint")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -160,7 +205,26 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a loom checkpoint manifest (no file table)")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this loom reads {FORMAT_VERSION}")
+    for name, entry in manifest["files"].items():
+        problem = _entry_problem(name, entry)
+        if problem is not None:
+            raise CheckpointError(f"{path}: not a loom checkpoint manifest ({problem})")
     return manifest
+
+
+def _entry_problem(name: str, entry: Any) -> str | None:
+    """What is wrong with one entry of a manifest's file table (None: nothing): a file outside the
+    checkpoint directory would have verification read any file on the machine."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith("/") or ":" in parts[0] or any(part in ("", ".", "..") for part in parts):
+        return f"file {name!r} is not a path inside the checkpoint"
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("size"), int)
+        or isinstance(entry["size"], bool)
+    ):
+        return f"the entry of {name!r} has no size in bytes"
+    return None
 
 
 def verify(directory: str | Path, checksums: bool = True, share: tuple[int, int] | None = None) -> list[str]:

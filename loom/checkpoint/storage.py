@@ -6,9 +6,11 @@ coordinator DCP's `.metadata`) when the write ends: the manifest is assembled fr
 with no second pass over the data. A write can be stopped (`stop`): its next block raises `SaveStopped`.
 `write_hashed` does the same for loom's own small files.
 
-`DirectReader` is DCP's `FileSystemReader` that reads a saved tensor's bytes straight into the tensor that
+`DirectReader` is DCP's `FileSystemReader` (loom's `safe.SafeReader`: metadata read without running code) that reads a saved tensor's bytes straight into the tensor that
 receives them (one copy from the page cache), where DCP's reader deserialises each item into a new tensor
 and copies that. The files are DCP's own format (each item a `torch.save` archive): any reader reads them.
+It unpickles nothing that could run code: its parser of an item's pickled layout admits a plain tensor only,
+and the items it leaves to DCP's reader are read with torch's weights-only unpickler.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from loom.checkpoint.manifest import hasher
+from loom.checkpoint.safe import SafeReader, foreign, reason
 from loom.dist._torch_private import storage_span
 
 # What a rank reports for each file it wrote: (size in bytes, hex checksum).
@@ -165,8 +168,8 @@ class _Record:
     nbytes: int
 
 
-class DirectReader(FileSystemReader):
-    """DCP's `FileSystemReader`, reading each saved tensor's bytes straight into its destination when the
+class DirectReader(SafeReader):
+    """DCP's `FileSystemReader` (metadata read safely: `SafeReader`), reading each saved tensor's bytes straight into its destination when the
     part it needs is one contiguous run of both (the common case: the same layout, or a layout cut along
     the first dim); other items go through DCP's own path."""
 
@@ -199,7 +202,10 @@ class DirectReader(FileSystemReader):
                     if not _read_into(file, records[offset], saved, item, planner):
                         others.append(item)
         if others:
-            return super().read_data(dataclasses.replace(plan, items=others), planner)
+            try:
+                return super().read_data(dataclasses.replace(plan, items=others), planner)
+            except pickle.UnpicklingError as exc:  # torch's weights-only unpickler refused an item
+                raise foreign(self.path, f"a saved item: {reason(exc)}") from None
         done: Future[None] = Future()
         done.set_result(None)
         return done

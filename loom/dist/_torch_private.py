@@ -53,3 +53,25 @@ def storage_span(info) -> tuple[str, int, int, bool]:  # noqa: ANN001
     whether stream transforms such as compression were applied). `info` is a value of
     `Metadata.storage_data`, DCP's private `filesystem._StorageInfo`."""
     return info.relative_path, int(info.offset), int(info.length), bool(info.transform_descriptors)
+
+
+def dcp_metadata_private_globals() -> dict[tuple[str, str], object]:
+    """The private names a DCP `.metadata` pickle refers to, by (module, name) as the pickle names them:
+    its storage entry class, its memory-format enum and torch's layout lookup (see
+    `loom.checkpoint.safe`, which admits these and DCP's public metadata classes only)."""
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    }
+
+
+def set_nested(state, path, value) -> None:  # noqa: ANN001
+    """Put `value` at `path` (DCP's flattening mappings) of the nested state dict `state`, as DCP's
+    default load planner does with the values it reads."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state, path, value)
