@@ -53,3 +53,12 @@ def storage_span(info) -> tuple[str, int, int, bool]:  # noqa: ANN001
     whether stream transforms such as compression were applied). `info` is a value of
     `Metadata.storage_data`, DCP's private `filesystem._StorageInfo`."""
     return info.relative_path, int(info.offset), int(info.length), bool(info.transform_descriptors)
+
+
+def without_dispatch_modes():  # noqa: ANN201
+    """A context in which no `TorchDispatchMode` is active (restored after): loom's own consistency checks
+    run their one small collective there, so that a `CommDebugMode` around user code counts only the
+    collectives of the computation itself (the check's cost is counted by `loom.dist.consistency.stats`)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
