@@ -49,7 +49,7 @@ def check_entry_kinds(op: str, strategy: tuple, input_names: Sequence[str]) -> N
     is known."""
     for name, entry in zip(input_names, strategy, strict=True):
         if not isinstance(entry, TensorMap):
-            check_cuts(op, name, entry, [1] * len(entry) if isinstance(entry, tuple | list) else [])
+            check_cuts(op, name, entry, list(entry) if isinstance(entry, tuple | list) else [])
 
 
 def _example(count: int) -> str:
