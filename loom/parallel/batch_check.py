@@ -57,7 +57,8 @@ class BatchRows:
 
     def refuse(self, group: dist.ProcessGroup | None, longest: int) -> None:
         """The error path (every rank saw the disagreement): name each rank's rows and raise."""
-        per_rank = _gather_rows(self.rows, group, longest)
+        rows, self.rows = self.rows, []  # the next step starts afresh
+        per_rank = _gather_rows(rows, group, longest)
         raise ValueError(
             f"loom.parallelize(mode='data_parallel'): the ranks brought local batches of different sizes since "
             f"the last gradient sync ({_per_rank(per_rank, group)} rows per forward); gradients are averaged "
