@@ -38,7 +38,7 @@ def _error(fn) -> str | None:
     """The message of the error `fn()` raises (None if it returns)."""
     try:
         fn()
-    except (ValueError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001  (the message is what the tests check)
         return str(error)
     return None
 
@@ -99,6 +99,16 @@ def two_rank_cases() -> dict:
     )
     out["full batch"] = _error(lambda: model(own))
     out["full batch agreeing"] = _error(lambda: model(same))
+    # a lone tensor as example_inputs is taken as (x,); a plain target outside the model: model.loom.distribute
+    model = loom.parallelize(Chain(((2, 1), (1, 1))), mode="semi_auto", example_inputs=same)
+    target = _same(8, 4, seed=5)
+    output = model(same)
+    out["mixed"] = _error(lambda: output - target) or "no error"
+    out["distributed target"] = torch.allclose(
+        loom.full(output - model.loom.distribute(target)),
+        torch.cat([same, same]) @ w - torch.cat([target, target]),
+        atol=1e-5,
+    )
     # 5. data parallelism: local batches of 4 and 1 rows are refused at the gradient sync
     loom.init()
     dp = loom.parallelize(nn.Linear(8, 2), mode="data_parallel")
@@ -179,6 +189,12 @@ def test_semi_auto_refuses_rank_dependent_strategies_and_differing_full_batches(
         assert "the first forward of a semi_auto model" in message and "input #0 (a plain tensor)" in message
         assert "full_batch=True every rank must bring the same whole batch" in message
         assert result["full batch agreeing"] is None
+
+
+def test_target_outside_the_model_is_distributed_like_the_inputs(two_ranks):
+    for result in two_ranks:
+        assert "mixed torch.Tensor and DTensor" in result["mixed"]  # torch's own error, documented
+        assert result["distributed target"]
 
 
 def test_uneven_data_parallel_batches_are_refused_with_sizes_per_rank(two_ranks):

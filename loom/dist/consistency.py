@@ -280,7 +280,7 @@ def _message(context: str, name: str, known: list, members: list[tuple[int, list
     who = "ranks that read the same rows of the batch" if known[4] else "ranks"
     return (
         f"loom consistency check ({context}): {name} differs across {who} that must agree: {parts}. "
-        f"{known[3]} ({HOW_TO_TURN_OFF})"
+        f"{known[3][:1].upper()}{known[3][1:]} ({HOW_TO_TURN_OFF})"
     )
 
 

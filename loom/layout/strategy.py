@@ -22,11 +22,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_entry_count(op: str, strategy: object, input_names: Sequence[str]) -> None:
-    """One entry per input, or a clear error."""
+def check_entry_count(
+    op: str, strategy: object, input_names: Sequence[str], what: str = "in_strategy"
+) -> None:
+    """One entry per input (per output for `what="out_strategy"`), or a clear error."""
     if not isinstance(strategy, tuple | list):
         raise ValueError(
-            f"{op}: in_strategy must be a tuple with one entry per input ({', '.join(input_names)}), "
+            f"{op}: {what} must be a tuple with one entry per input ({', '.join(input_names)}), "
             f"e.g. {_example(len(input_names))}; got {strategy!r}"
         )
     if strategy and all(isinstance(c, int) and not isinstance(c, bool) for c in strategy):
@@ -34,12 +36,12 @@ def check_entry_count(op: str, strategy: object, input_names: Sequence[str]) -> 
         entries = [repr(flat)] + [repr((1,) * len(flat))] * (len(input_names) - 1)
         fixed = "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
         raise ValueError(
-            f"{op}: in_strategy {flat!r} is one flat tuple, but a strategy is one tuple per input "
+            f"{op}: {what} {flat!r} is one flat tuple, but a strategy is one tuple per tensor "
             f"({', '.join(input_names)}), each with a cut per dim: write e.g. {fixed}"
         )
     if len(strategy) != len(input_names):
         raise ValueError(
-            f"{op}: in_strategy has {len(strategy)} entries but the operator takes {len(input_names)} "
+            f"{op}: {what} has {len(strategy)} entries but the operator takes {len(input_names)} "
             f"input(s) ({', '.join(input_names)}); give one entry per input, e.g. {_example(len(input_names))}"
         )
 

@@ -41,6 +41,9 @@ class Primitive:
         """Set how each input is cut (and, optionally, the output's layout); returns the primitive."""
         check_entry_count(self.name, in_strategy, self.input_names)
         check_entry_kinds(self.name, in_strategy, self.input_names)
+        if out_strategy is not None:
+            check_entry_count(self.name, out_strategy, ("output",), "out_strategy")
+            check_entry_kinds(self.name, out_strategy, ("output",))
         self.in_strategy, self.out_strategy = tuple(in_strategy), out_strategy
         return self
 
@@ -75,8 +78,10 @@ class Primitive:
         count = len(self.input_names)
         tensors, extra = args[:count], args[count:]
         if len(tensors) < count or not all(isinstance(t, torch.Tensor) for t in tensors):
+            got = ", ".join(type(a).__name__ for a in args) or "nothing"
             raise TypeError(
-                f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first"
+                f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first, then its "
+                f"other arguments; got {got}: pass tensors (torch.tensor(...) for numbers or lists)"
             )
         mesh = current_mesh()
         recording = active_recording()

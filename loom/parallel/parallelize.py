@@ -49,6 +49,16 @@ class ParallelState:
     parameter_layouts: dict[str, TensorLayout] = field(default_factory=dict)
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
     parameter_sharding: object | None = None  # set by an optimizer at level 3
+    batch_dims: tuple[int, ...] = ()  # semi_auto: the canonical mesh dims that cut the batch
+
+    def distribute(self, *tensors: torch.Tensor) -> Any:
+        """Plain tensors laid out as the model's inputs are (semi_auto; data_parallel: unchanged): a local
+        batch becomes its rows of the global batch. For a target outside the model, whose output is a global
+        DTensor: `loss = ((out - model.loom.distribute(y)) ** 2).mean()` (`out - y` is torch's "mixed
+        torch.Tensor and DTensor" error)."""
+        if self.mode == "semi_auto":
+            tensors = _distribute_inputs(tensors, {}, self.mesh, self.batch_dims)[0]
+        return tensors[0] if len(tensors) == 1 else tensors
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -159,6 +169,7 @@ def parallelize(
         grad_sync=sync,
         parameter_layouts=all_layouts,
         consumers=consumers,
+        batch_dims=batch_dims,
     )
     return model
 
