@@ -241,5 +241,7 @@ def test_ranks_reading_the_same_rows_must_agree(dist_run):
     for result in dist_run(4, four_rank_cases):
         assert result["agreeing"] is None
         message = result["tp peers differ"]
-        assert "differs across ranks that read the same rows of the batch" in message, message
+        assert "differs across ranks that read the same rows of the batch (they must agree)" in message, (
+            message
+        )
         assert "ranks 0" not in message and "rank 0:" in message and "rank 1:" in message

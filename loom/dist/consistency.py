@@ -277,9 +277,9 @@ def _message(context: str, name: str, known: list, members: list[tuple[int, list
     parts = "; ".join(
         f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {detail[d]}" for d, r in sides.items()
     )
-    who = "ranks that read the same rows of the batch" if known[4] else "ranks"
+    who = "ranks that read the same rows of the batch (they must agree)" if known[4] else "ranks that must agree"
     return (
-        f"loom consistency check ({context}): {name} differs across {who} that must agree: {parts}. "
+        f"loom consistency check ({context}): {name} differs across {who}: {parts}. "
         f"{known[3][:1].upper()}{known[3][1:]} ({HOW_TO_TURN_OFF})"
     )
 
