@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from loom.dist import consistency
 from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs, to_layout
@@ -39,24 +41,65 @@ def shard(
     if parameter_plan:
         raise ValueError("loom.shard: parameter_plan applies to modules only; this is a function")
     name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
+    check = consistency.FirstCall()
 
     @functools.wraps(fn_or_module)
     def sharded(*args: Any, **kwargs: Any) -> Any:
-        args = lay_out_inputs(name, args, in_strategy, mesh)
+        args = lay_out_inputs(name, args, in_strategy, mesh, check, out_strategy)
         return lay_out_outputs(name, fn_or_module(*args, **kwargs), out_strategy, mesh)
 
     return sharded
 
 
-def lay_out_inputs(op: str, args: Sequence[Any], in_strategy: tuple, mesh: Mesh) -> tuple:
-    """The positional inputs redistributed to their strategy entries (non-tensors pass through)."""
+def lay_out_inputs(
+    op: str,
+    args: Sequence[Any],
+    in_strategy: tuple,
+    mesh: Mesh,
+    check: consistency.FirstCall | None = None,
+    out_strategy: tuple | None = None,
+) -> tuple:
+    """The positional inputs redistributed to their strategy entries (non-tensors pass through); with
+    `check`, the consistency check first when it is due (see `loom.dist.consistency`)."""
     names = [f"#{i}" for i in range(len(args))]
     shapes = [a.shape if isinstance(a, torch.Tensor) else None for a in args]
     layouts = compile_inputs(op, names, in_strategy, shapes, mesh.canonical_shape)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if check is not None and check.due() and consistency.checkable(tensors):
+        check.done = True
+        consistency.submit(
+            _claims(op, args, layouts, in_strategy, out_strategy, mesh), mesh, f"loom.shard({op})"
+        )
     return tuple(
         a if layout is None else to_layout(a, layout, mesh, f"{op} input {i}")
         for i, (a, layout) in enumerate(zip(args, layouts, strict=True))
     )
+
+
+def _claims(
+    op: str,
+    args: Sequence[Any],
+    layouts: Sequence,
+    in_strategy: tuple,
+    out_strategy: tuple | None,
+    mesh: Mesh,
+) -> list[consistency.Claim]:
+    """The plain tensors laid out here (each the same global tensor on every rank), then the strategy."""
+    names, shape = mesh.device_mesh.mesh_dim_names, mesh.canonical_shape
+    claims = [
+        consistency.tensor_claim(
+            f"loom.shard({op}) input #{i} (a plain tensor)", a, consistency.REPLICATED_FIX
+        )
+        for i, (a, layout) in enumerate(zip(args, layouts, strict=True))
+        if layout is not None and not isinstance(a, DTensor)
+    ]
+    text = f"loom.shard({op}, {in_strategy!r}, {out_strategy!r}) on inputs " + ", ".join(
+        f"#{i} {tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__} -> "
+        + ("as it comes" if layout is None else layout.describe(names, shape))
+        for i, (a, layout) in enumerate(zip(args, layouts, strict=True))
+    )
+    claims.append(consistency.text_claim(f"the strategy of loom.shard({op})", text, consistency.STRATEGY_FIX))
+    return claims
 
 
 def lay_out_outputs(op: str, out: Any, out_strategy: tuple | None, mesh: Mesh) -> Any:
@@ -84,6 +127,9 @@ def _shard_module(
             f"{op} parameter {name}", [name], (entry,), [shapes[name]], mesh.canonical_shape
         )
     lay_out_parameters(module, {k: v for k, v in layouts.items() if v is not None}, mesh)
-    module.register_forward_pre_hook(lambda _, args: lay_out_inputs(op, args, in_strategy, mesh))
+    check = consistency.FirstCall()
+    module.register_forward_pre_hook(
+        lambda _, args: lay_out_inputs(op, args, in_strategy, mesh, check, out_strategy)
+    )
     module.register_forward_hook(lambda _, __, out: lay_out_outputs(op, out, out_strategy, mesh))
     return module

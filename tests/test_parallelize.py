@@ -223,4 +223,4 @@ def test_tied_weight_keeps_its_layout_keywords_are_distributed_and_uneven_batche
     for shape, loss, error in dist_run(2, tied_keyword_case, (2, 1)):
         assert shape == (4, 4)  # (8, 4) cut in two by rows, although the weight has a second consumer
         assert loss > 0
-        assert "local batches of different sizes (1 to 2 rows)" in error
+        assert "local batches of different sizes (rank 0: [2, 2], rank 1: [1, 1] rows" in error

@@ -75,3 +75,12 @@ def set_nested(state, path, value) -> None:  # noqa: ANN001
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state, path, value)
+
+
+def without_dispatch_modes():  # noqa: ANN201
+    """A context in which no `TorchDispatchMode` is active (restored after): loom's own consistency checks
+    run their one small collective there, so that a `CommDebugMode` around user code counts only the
+    collectives of the computation itself (the check's cost is counted by `loom.dist.consistency.stats`)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

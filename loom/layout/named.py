@@ -32,8 +32,16 @@ class Layout:
                 f"Layout: device_matrix {device_matrix} has {len(device_matrix)} axes but alias_name "
                 f"{alias_name} names {len(alias_name)}; give one name per axis"
             )
-        if any(not isinstance(s, int) or s < 1 for s in device_matrix):
-            raise ValueError(f"Layout: device_matrix {device_matrix} must hold positive ints")
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in device_matrix):
+            raise ValueError(
+                f"Layout: device_matrix {device_matrix} must hold positive ints, one size per axis, "
+                f"e.g. Layout((2, 2), ('dp', 'mp'))"
+            )
+        if any(not isinstance(n, str) for n in alias_name):
+            raise ValueError(
+                f"Layout: alias_name {alias_name} must hold axis names (strings), one per axis, "
+                f"e.g. Layout((2, 2), ('dp', 'mp'))"
+            )
         if len(set(alias_name)) != len(alias_name) or NONE in alias_name:
             raise ValueError(f"Layout: alias names {alias_name} must be distinct and not {NONE!r}")
         object.__setattr__(self, "device_matrix", device_matrix)
@@ -44,7 +52,7 @@ class Layout:
         dims: list[tuple[str, ...]] = []
         used: dict[str, int] = {}
         for dim, entry in enumerate(tensor_map):
-            names = (entry,) if isinstance(entry, str) else tuple(entry)
+            names = _axis_names(dim, entry, self.alias_name)
             names = tuple(n for n in names if n != NONE)
             for name in names:
                 if name not in self.alias_name:
@@ -63,6 +71,29 @@ class Layout:
 
     def size(self, name: str) -> int:
         return self.device_matrix[self.alias_name.index(name)]
+
+
+def _axis_names(dim: int, entry: object, alias_name: tuple[str, ...]) -> tuple[str, ...]:
+    """The axis names of one dim's entry: a name, a tuple of names, or "None" (not cut)."""
+    example = f"layout({alias_name[0]!r}, {NONE!r})" if alias_name else f"layout({NONE!r})"
+    if entry is None:
+        raise ValueError(
+            f"Layout: dim {dim} is Python None; write the string {NONE!r} for a dim that is not cut "
+            f"(MindSpore's convention), e.g. {example}"
+        )
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple | list) and all(isinstance(n, str) for n in entry):
+        return tuple(entry)
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        raise ValueError(
+            f"Layout: dim {dim} is the int {entry}; a Layout maps each dim to axis names "
+            f"{list(alias_name)} (or {NONE!r}), not to a cut: for cuts write a strategy tuple instead"
+        )
+    raise ValueError(
+        f"Layout: dim {dim} is {entry!r}; give an axis name, a tuple of axis names, or {NONE!r}, "
+        f"e.g. {example}"
+    )
 
 
 @dataclass(frozen=True)

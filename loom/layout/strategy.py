@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from loom.layout.named import TensorMap
 from loom.layout.tensor_layout import ArrangementError, TensorLayout, align_device_matrix
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -21,18 +22,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_entry_count(op: str, strategy: object, input_names: Sequence[str]) -> None:
-    """One entry per input, or a clear error."""
+def check_entry_count(
+    op: str, strategy: object, input_names: Sequence[str], what: str = "in_strategy"
+) -> None:
+    """One entry per input (per output for `what="out_strategy"`), or a clear error."""
     if not isinstance(strategy, tuple | list):
         raise ValueError(
-            f"{op}: in_strategy must be a tuple with one entry per input ({', '.join(input_names)}), "
+            f"{op}: {what} must be a tuple with one entry per input ({', '.join(input_names)}), "
             f"e.g. {_example(len(input_names))}; got {strategy!r}"
+        )
+    if strategy and all(isinstance(c, int) and not isinstance(c, bool) for c in strategy):
+        flat = tuple(strategy)
+        entries = [repr(flat)] + [repr((1,) * len(flat))] * (len(input_names) - 1)
+        fixed = "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
+        raise ValueError(
+            f"{op}: {what} {flat!r} is one flat tuple, but a strategy is one tuple per tensor "
+            f"({', '.join(input_names)}), each with a cut per dim: write e.g. {fixed}"
         )
     if len(strategy) != len(input_names):
         raise ValueError(
-            f"{op}: in_strategy has {len(strategy)} entries but the operator takes {len(input_names)} "
+            f"{op}: {what} has {len(strategy)} entries but the operator takes {len(input_names)} "
             f"input(s) ({', '.join(input_names)}); give one entry per input, e.g. {_example(len(input_names))}"
         )
+
+
+def check_entry_kinds(op: str, strategy: tuple, input_names: Sequence[str]) -> None:
+    """Each entry cuts per dim (ints) or is a `Layout` map: checked when the strategy is set, before any shape
+    is known."""
+    for name, entry in zip(input_names, strategy, strict=True):
+        if not isinstance(entry, TensorMap):
+            check_cuts(op, name, entry, list(entry) if isinstance(entry, tuple | list) else [])
 
 
 def _example(count: int) -> str:
@@ -44,8 +63,14 @@ def check_cuts(op: str, name: str, cuts: object, shape: Sequence[int]) -> tuple[
     if not isinstance(cuts, tuple | list) or not all(
         isinstance(c, int) and not isinstance(c, bool) for c in cuts
     ):
+        hint = ""
+        if cuts is None:
+            hint = " (None leaves an input as it comes only in loom.shard; an operator's input takes cuts)"
+        elif isinstance(cuts, tuple | list) and any(c is None or isinstance(c, str) for c in cuts):
+            hint = " (1 leaves a dim whole; axis names such as 'dp' or 'None' belong in a Layout map)"
         raise ValueError(
-            f"{op}: the strategy of input {name} must be a tuple of ints (cuts per dim); got {cuts!r}"
+            f"{op}: the strategy of input {name} must be a tuple of ints, one cut per dim (1 = not cut), "
+            f"e.g. (2, 1); got {cuts!r}{hint}"
         )
     if len(cuts) != len(shape):
         raise ValueError(

@@ -9,10 +9,11 @@ from typing import Self
 import torch
 from torch.distributed.tensor import DTensor
 
+from loom.dist import consistency
 from loom.dist.context import current_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs, compile_operator, layout_of, to_layout
-from loom.layout.strategy import check_entry_count
+from loom.layout.strategy import check_entry_count, check_entry_kinds
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import InputEvent, OpEvent, active_recording
 
@@ -30,6 +31,7 @@ class Primitive:
     def __init__(self) -> None:
         self.in_strategy: tuple | None = None
         self.out_strategy: tuple | None = None
+        self._check = consistency.FirstCall()
 
     @property
     def name(self) -> str:
@@ -38,6 +40,10 @@ class Primitive:
     def shard(self, in_strategy: tuple, out_strategy: tuple | None = None) -> Self:
         """Set how each input is cut (and, optionally, the output's layout); returns the primitive."""
         check_entry_count(self.name, in_strategy, self.input_names)
+        check_entry_kinds(self.name, in_strategy, self.input_names)
+        if out_strategy is not None:
+            check_entry_count(self.name, out_strategy, ("output",), "out_strategy")
+            check_entry_kinds(self.name, out_strategy, ("output",))
         self.in_strategy, self.out_strategy = tuple(in_strategy), out_strategy
         return self
 
@@ -72,8 +78,10 @@ class Primitive:
         count = len(self.input_names)
         tensors, extra = args[:count], args[count:]
         if len(tensors) < count or not all(isinstance(t, torch.Tensor) for t in tensors):
+            got = ", ".join(type(a).__name__ for a in args) or "nothing"
             raise TypeError(
-                f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first"
+                f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first, then its "
+                f"other arguments; got {got}: pass tensors (torch.tensor(...) for numbers or lists)"
             )
         mesh = current_mesh()
         recording = active_recording()
@@ -93,6 +101,9 @@ class Primitive:
             ]
         if dry_run:
             return self.compute(*tensors, *extra)
+        if self._check.due() and consistency.checkable(tensors):
+            self._check.done = True
+            consistency.submit(self.claims(tensors, layouts, mesh), mesh, f"{self!r}")
         inputs = [
             to_layout(t, lay, mesh, f"{self.name} input {n}")
             for t, lay, n in zip(tensors, layouts, self.input_names, strict=True)
@@ -118,6 +129,26 @@ class Primitive:
             mesh.canonical_shape,
             self.uncut(shapes, *extra),
         )
+
+    def claims(
+        self, tensors: Sequence[torch.Tensor], layouts: Sequence[TensorLayout], mesh: Mesh
+    ) -> list[consistency.Claim]:
+        """What every rank must agree on for this call: the strategy (as compiled, with the input shapes),
+        and every plain input tensor, which is taken as the same global tensor on every rank."""
+        names, shape = mesh.device_mesh.mesh_dim_names, mesh.canonical_shape
+        text = f"{self!r} on inputs " + ", ".join(
+            f"{n} {tuple(t.shape)} -> {lay.describe(names, shape)}"
+            for n, t, lay in zip(self.input_names, tensors, layouts, strict=True)
+        )
+        claims = [
+            consistency.tensor_claim(
+                f"{self.name} input {name} (a plain tensor)", t, consistency.REPLICATED_FIX
+            )
+            for name, t in zip(self.input_names, tensors, strict=True)
+            if not isinstance(t, DTensor)
+        ]
+        claims.append(consistency.text_claim(f"the strategy of {self.name}", text, consistency.STRATEGY_FIX))
+        return claims
 
     def _to_out_layout(self, out: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         (layout,) = compile_inputs(

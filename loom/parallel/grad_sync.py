@@ -32,6 +32,7 @@ from torch import nn
 
 from loom.dist._torch_private import queue_backward_callback
 from loom.dist.collectives import reduce_scatter_flat
+from loom.parallel.batch_check import BatchRows
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ class GradSync:
         self.reduced_bytes = 0  # bytes reduced by the last backward pass (for tests and benchmarks)
         self.collectives = 0  # bucket collectives issued by the last backward pass
         self.handles: list = []
+        # data parallelism: each forward's rows since the last sync, agreed on with the gradient flags
+        self.batch_rows: BatchRows | None = None
         self.attach(module)
 
     def attach(self, module: nn.Module) -> None:
@@ -239,7 +242,7 @@ class GradSync:
         for bucket in self.buckets[self._next_launch :]:  # every bucket, every pass, in the same order
             bucket.launch(self.shard_gradients)
         issued = list(self.buckets)
-        used, leftover = self._agree()
+        used, leftover, uneven = self._agree()
         for bucket in self.buckets:
             bucket.wait_and_unpack(used)
         if leftover:
@@ -247,20 +250,34 @@ class GradSync:
         self.collectives = len(issued)
         self.reduced_bytes = sum(bucket.numel * bucket.dtype.itemsize for bucket in issued)
         self._reset_pass()
+        if self.batch_rows is not None:
+            if uneven:
+                self.batch_rows.refuse(self.group, uneven)
+            self.batch_rows.reset()
         if self.after_sync is not None:
             self.after_sync()
 
-    def _agree(self) -> tuple[set[nn.Parameter], list[nn.Parameter]]:
-        """One small all-reduce: which parameters got a gradient, and which fit no bucket, on any rank."""
+    def _agree(self) -> tuple[set[nn.Parameter], list[nn.Parameter], int]:
+        """One small all-reduce: which parameters got a gradient, and which fit no bucket, on any rank; and
+        (data parallelism) whether the ranks' forwards since the last sync had the same rows: if not, the
+        most forwards a rank made (else 0)."""
         seen = {id(p) for p, _ in self._seen}  # ids: `in` on tensors would compare them elementwise
         leftover_here = {id(p) for p in self._leftover}
-        flags = torch.zeros(2, 2, len(self.params))
+        n = len(self.params)
+        rows = (
+            self.batch_rows.vector() if self.batch_rows is not None else torch.zeros(0, dtype=torch.float64)
+        )
+        flags = torch.zeros(2, 2 * n + rows.numel(), dtype=torch.float64)
         for i, param in enumerate(self.params):
-            flags[0, 0, i] = float(id(param) in seen)
-            flags[0, 1, i] = float(id(param) in leftover_here)
+            flags[0, i] = float(id(param) in seen)
+            flags[0, n + i] = float(id(param) in leftover_here)
+        flags[0, 2 * n :] = rows
         flags[1] = -flags[0]
         # [0]: any rank; [1]: minus "every rank"
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        largest, smallest = flags[0, 2 * n :], -flags[1, 2 * n :]
+        uneven = int(largest[0]) if not torch.equal(largest, smallest) else 0
+        flags = flags[:, : 2 * n].reshape(2, 2, n)
         anywhere, everywhere = flags[0], -flags[1]
         if self.static is None and not torch.equal(anywhere, everywhere):
             differ = [
@@ -275,7 +292,7 @@ class GradSync:
             )
         used = {p for i, p in enumerate(self.params) if anywhere[0, i]}
         leftover = [p for i, p in enumerate(self.params) if anywhere[1, i]]
-        return used, leftover
+        return used, leftover, uneven
 
     def _relearn(self, leftover: list[nn.Parameter]) -> list[Bucket]:
         """Buckets learnt from this pass (in backward order); reduce the leftover gradients with them now."""

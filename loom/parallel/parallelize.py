@@ -12,6 +12,8 @@ The order of transforms, fixed:
 from __future__ import annotations
 
 import copy
+import math
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,12 +24,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from loom.dist import consistency
 from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
 from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import Recording, record
+from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.grad_sync import GradSync
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
 
@@ -45,6 +49,16 @@ class ParallelState:
     parameter_layouts: dict[str, TensorLayout] = field(default_factory=dict)
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
     parameter_sharding: object | None = None  # set by an optimizer at level 3
+    batch_dims: tuple[int, ...] = ()  # semi_auto: the canonical mesh dims that cut the batch
+
+    def distribute(self, *tensors: torch.Tensor) -> Any:
+        """Plain tensors laid out as the model's inputs are (semi_auto; data_parallel: unchanged): a local
+        batch becomes its rows of the global batch. For a target outside the model, whose output is a global
+        DTensor: `loss = ((out - model.loom.distribute(y)) ** 2).mean()` (`out - y` is torch's "mixed
+        torch.Tensor and DTensor" error)."""
+        if self.mode == "semi_auto":
+            tensors = _distribute_inputs(tensors, {}, self.mesh, self.batch_dims)[0]
+        return tensors[0] if len(tensors) == 1 else tensors
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -85,6 +99,7 @@ def parallelize(
     parameter_plan: dict[str, Any] | None = None,
     bucket_mb: float = 25.0,
     example_kwargs: dict[str, Any] | None = None,
+    batch_axes: str | Sequence[str] | None = None,
 ) -> nn.Module:
     """Make `model` train on every rank of the current mesh; returns the same module, changed in place.
 
@@ -93,15 +108,25 @@ def parallelize(
     and `example_kwargs` (each rank's local batch, or the whole batch with `full_batch=True`) drive the dry
     run that lays out the parameters; operators without a strategy run data parallel; outputs are global DTensors (`loom.full`).
     The decisions are in `model.loom` (`model.loom.describe()`).
+
+    `batch_axes` (semi_auto): the mesh axes whose ranks bring different parts of the batch (default `"dp"`);
+    the ranks along the other axes must bring the same rows. `()` on a mesh without a batch axis: every
+    rank brings the same whole batch. A mesh without a `"dp"` axis needs it (or `full_batch=True`).
+    The ranks' agreement (strategies, replicated inputs) is checked on the first forward: see
+    `loom.dist.consistency` and docs/consistency.md.
     """
-    if mode not in MODES:
-        raise ValueError(
-            f"parallelize: unknown mode {mode!r}; choose one of {MODES} ('auto' is not built yet)"
-        )
+    example_inputs = _check_arguments(model, mode, example_inputs, example_kwargs, bucket_mb)
     mesh = require_mesh("loom.parallelize")
     if mode == "data_parallel":
         if parameter_plan:
             raise ValueError("parallelize: parameter_plan needs mode='semi_auto'")
+        if batch_axes is not None and tuple([batch_axes] if isinstance(batch_axes, str) else batch_axes) != (
+            "dp",
+        ):
+            raise ValueError(
+                f"parallelize(mode='data_parallel'): batch_axes={batch_axes!r}, but data parallelism cuts the "
+                f"batch over every rank, on the 'dp' axis; drop batch_axes or use mode='semi_auto'"
+            )
         if mesh.dp_size != mesh.world_size:
             raise ValueError(
                 f"parallelize(mode='data_parallel') replicates the whole model on every rank, so every device "
@@ -109,20 +134,29 @@ def parallelize(
             )
         _broadcast_from_rank0(model)
         sync = GradSync(model, data_parallel_route(), bucket_mb)
+        sync.batch_rows = BatchRows()
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: sync.batch_rows.note(module, args, kwargs), with_kwargs=True
+        )
         model.loom = ParallelState(mode=mode, mesh=mesh, full_batch=full_batch, grad_sync=sync)
         return model
     if example_inputs is None:
         raise ValueError(
-            "parallelize(mode='semi_auto') needs example_inputs (one batch, as forward takes it)"
+            "parallelize(mode='semi_auto') needs example_inputs (one batch, as forward takes it), e.g. "
+            "example_inputs=(x,) or (x, y)"
         )
-    recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, mesh, full_batch)
+    batch_dims = _batch_dims(mesh, batch_axes, full_batch)
+    batch_factor = math.prod(mesh.canonical_shape[d] for d in batch_dims)
+    recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
     layouts.update(_planned(model, parameter_plan or {}, mesh))
     consumers.update({name: "parameter_plan" for name in parameter_plan or {}})
+    if consistency.setting() != "off":
+        _check_plan(recording, layouts, mesh, full_batch, batch_dims, example_inputs, example_kwargs or {})
     lay_out_parameters(model, layouts, mesh)
-    model.register_forward_pre_hook(
-        lambda _, args, kwargs: _distribute_inputs(args, kwargs, mesh, full_batch), with_kwargs=True
-    )
+    first_forward = FirstForwardCheck(mesh, batch_dims, full_batch)
+    model.register_forward_pre_hook(first_forward.before, with_kwargs=True)
+    model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
     all_layouts = {
@@ -135,6 +169,7 @@ def parallelize(
         grad_sync=sync,
         parameter_layouts=all_layouts,
         consumers=consumers,
+        batch_dims=batch_dims,
     )
     return model
 
@@ -150,8 +185,7 @@ def _dry_run(
     model: nn.Module,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any],
-    mesh: Mesh,
-    full_batch: bool,
+    batch_factor: int,
 ) -> tuple[Recording, dict[int, str]]:
     """Run a meta-device copy of `model` on global-shaped meta inputs, recording the sharded operators;
     also return the names of the copy's parameters by id."""
@@ -162,7 +196,6 @@ def _dry_run(
             nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
         )
     meta_model = copy.deepcopy(model, memo)
-    batch_factor = 1 if full_batch else mesh.dp_size
     inputs = [_global_meta(x, batch_factor) for x in example_inputs]
     kwargs = {key: _global_meta(x, batch_factor) for key, x in example_kwargs.items()}
     with torch.no_grad(), record() as recording:
@@ -213,15 +246,179 @@ def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, Te
     return layouts
 
 
-def _distribute_inputs(args: tuple, kwargs: dict, mesh: Mesh, full_batch: bool) -> tuple[tuple, dict]:
-    """Plain tensor inputs (positional or keyword) become global DTensors: the local batches of the `"dp"`
-    ranks stacked on dim 0 (ranks along other axes read the same batch), or the full batch on every rank."""
-    batch_dims = () if full_batch else mesh.batch_dims
+def _check_arguments(
+    model: object, mode: str, example_inputs: object, example_kwargs: object, bucket_mb: object
+) -> Sequence[Any] | None:
+    """Clear errors for the arguments a user can get wrong; a lone tensor as example_inputs is taken as
+    `(tensor,)`."""
+    if not isinstance(model, nn.Module):
+        what = getattr(model, "__name__", None) or type(model).__name__
+        hint = (
+            f"for a function use loom.shard({what}, in_strategy), or wrap it in an nn.Module"
+            if callable(model)
+            else "pass the nn.Module itself"
+        )
+        raise TypeError(f"loom.parallelize takes an nn.Module; got {type(model).__name__} {what!r}: {hint}")
+    if mode not in MODES:
+        hint = " ('auto' is not built yet)" if mode == "auto" else ""
+        raise ValueError(f"parallelize: unknown mode {mode!r}; choose one of {MODES}{hint}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    elif example_inputs is not None and not isinstance(example_inputs, tuple | list):
+        raise TypeError(
+            f"parallelize: example_inputs must be a tuple of forward's positional inputs, e.g. (x,) or (x, y); "
+            f"got {type(example_inputs).__name__}"
+            + (": keyword inputs go in example_kwargs" if isinstance(example_inputs, dict) else "")
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(
+            f"parallelize: example_kwargs must be a dict of forward's keyword inputs, e.g. {{'mask': m}}; "
+            f"got {type(example_kwargs).__name__}"
+        )
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
+        raise ValueError(
+            f"parallelize: bucket_mb must be a positive number of megabytes (default 25.0); got {bucket_mb!r}"
+        )
+    return example_inputs
+
+
+def _batch_dims(mesh: Mesh, batch_axes: str | Sequence[str] | None, full_batch: bool) -> tuple[int, ...]:
+    """The canonical mesh dims that cut the batch: those of `batch_axes` (default "dp"), none with
+    `full_batch`."""
+    if batch_axes is None:
+        if "dp" in mesh.shape.names or full_batch:
+            axes: tuple[str, ...] = ("dp",) if "dp" in mesh.shape.names else ()
+        else:
+            raise ValueError(
+                f"parallelize(mode='semi_auto'): the mesh {mesh} has no 'dp' axis, so loom cannot tell which "
+                f"ranks bring different parts of the batch: pass batch_axes naming the mesh axes that split the "
+                f"batch (e.g. batch_axes=({mesh.shape.names[0]!r},)), or batch_axes=() if every rank brings the "
+                f"same whole batch (or full_batch=True)"
+            )
+    else:
+        axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+        for axis in axes:
+            if axis not in mesh.shape.names:
+                raise ValueError(
+                    f"parallelize: batch_axes names {axis!r}, which is not an axis of the mesh {mesh}; "
+                    f"use some of {list(mesh.shape.names)}, or () if every rank brings the same whole batch"
+                )
+    if full_batch:
+        return ()
+    return tuple(sorted(d for axis in axes for d in mesh.shape.canonical_dims_of(axis)))
+
+
+def _check_plan(
+    recording: Recording,
+    layouts: dict[str, TensorLayout],
+    mesh: Mesh,
+    full_batch: bool,
+    batch_dims: tuple[int, ...],
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any],
+) -> None:
+    """Before any parameter moves: every rank found the same operators with the same strategies, and the same
+    settings (one small all-gather; see `loom.dist.consistency`)."""
+    names, shape = mesh.device_mesh.mesh_dim_names, mesh.canonical_shape
+    inputs = {f"#{i}": x for i, x in enumerate(example_inputs)} | example_kwargs
+    settings = f"full_batch={full_batch}, batch dims {batch_dims}, example inputs " + ", ".join(
+        f"{k} {tuple(x.shape)}" for k, x in inputs.items() if isinstance(x, torch.Tensor)
+    )
+    claims = [
+        consistency.text_claim("the parallelize settings", settings, "call parallelize alike on every rank")
+    ]
+    for i, event in enumerate(recording.events):
+        text = f"{event.op}: " + ", ".join(
+            f"{item.name} {tuple(item.tensor.shape)} -> {item.after.describe(names, shape)}"
+            for item in event.inputs
+        )
+        claims.append(
+            consistency.text_claim(
+                f"the strategy of operator #{i} ({event.op})", text, consistency.STRATEGY_FIX
+            )
+        )
+    text = ", ".join(f"{name}: {layout.describe(names, shape)}" for name, layout in sorted(layouts.items()))
+    claims.append(consistency.text_claim("the parameter layouts", text, consistency.STRATEGY_FIX))
+    group, device = consistency.mesh_group(mesh)
+    consistency.agree(claims, group, "loom.parallelize(mode='semi_auto')", device=device)
+
+
+INPUT_FIX = (
+    "the ranks that read the same rows (the same index along the batch axes) must bring the same local batch: "
+    "feed every rank its rows from one seeded sampler (dp index = its part), or, on a mesh whose ranks all "
+    "bring different data, name those axes in batch_axes"
+)
+FULL_BATCH_FIX = (
+    "with full_batch=True every rank must bring the same whole batch: load it the same way on every rank "
+    "(seeded), or pass each rank's own part of the batch with full_batch=False"
+)
+
+
+class FirstForwardCheck:
+    """The forward hooks of a semi_auto model: plain inputs become global DTensors; on the first forward
+    (every forward with LOOM_CHECK=1) the ranks also check, in one all-gather at its end, that the ranks that
+    must bring the same inputs did, and that the operators ran with the same strategies everywhere."""
+
+    def __init__(self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool) -> None:
+        self.mesh, self.batch_dims, self.full_batch = mesh, batch_dims, full_batch
+        self.check = consistency.FirstCall()
+        self.tokens: list[tuple[object, consistency.Scope, list]] = []
+
+    def before(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        labelled = [(f"input #{i}", x) for i, x in enumerate(args)] + [
+            (f"input {k!r}", x) for k, x in kwargs.items()
+        ]
+        plain = [
+            (label, x) for label, x in labelled if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        ]
+        due = self.check.due() and consistency.checkable([x for _, x in plain])
+        claims = []
+        if due:
+            self.check.done = True
+            fix = FULL_BATCH_FIX if self.full_batch else INPUT_FIX
+            claims = [
+                consistency.tensor_claim(f"{label} (a plain tensor)", x, fix, peers=bool(self.batch_dims))
+                for label, x in plain
+            ]
+        result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims)
+        if not torch.compiler.is_compiling():
+            scope, token = consistency.enter_scope(collect=due)
+            self.tokens.append((token, scope, claims if due else None))
+        return result
+
+    def after(self, _: nn.Module, __: tuple, output: Any) -> None:
+        if not self.tokens:
+            return
+        token, scope, claims = self.tokens.pop()
+        consistency.exit_scope(token)
+        if claims is None or sys.exc_info()[1] is not None:
+            return  # not a checked forward, or the forward raised
+        key = _batch_index(self.mesh, self.batch_dims)
+        group, device = consistency.mesh_group(self.mesh)
+        consistency.agree(
+            claims + scope.claims, group, "the first forward of a semi_auto model", key=key, device=device
+        )
+
+
+def _batch_index(mesh: Mesh, batch_dims: tuple[int, ...]) -> int:
+    """This rank's index along the batch dims (the ranks with the same index read the same rows)."""
+    index = 0
+    for dim in batch_dims:
+        index = index * mesh.canonical_shape[dim] + mesh.device_mesh.get_local_rank(dim)
+    return index
+
+
+def _distribute_inputs(
+    args: tuple, kwargs: dict, mesh: Mesh, batch_dims: tuple[int, ...]
+) -> tuple[tuple, dict]:
+    """Plain tensor inputs (positional or keyword) become global DTensors: the local batches of the batch
+    axes' ranks stacked on dim 0 (ranks along other axes read the same batch), or, without batch dims, the
+    full batch on every rank."""
     tensors = [
         x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
     ]
     if batch_dims and tensors:
-        _check_even_batches(tensors, mesh)
+        check_even_batches(tensors, mesh)
 
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
@@ -230,17 +427,3 @@ def _distribute_inputs(args: tuple, kwargs: dict, mesh: Mesh, full_batch: bool) 
         return DTensor.from_local(x, mesh.device_mesh, placements, run_check=False)
 
     return tuple(convert(x) for x in args), {key: convert(x) for key, x in kwargs.items()}
-
-
-def _check_even_batches(tensors: list[torch.Tensor], mesh: Mesh) -> None:
-    """Every data-parallel rank must bring a local batch of the same size (one tiny all-reduce)."""
-    sizes = torch.tensor([float(t.shape[0]) if t.ndim else 0.0 for t in tensors])
-    bounds = torch.cat([sizes, -sizes])
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=mesh.sub_mesh(mesh.batch_dims).get_group())
-    largest, smallest = bounds[: len(sizes)], -bounds[len(sizes) :]
-    if not torch.equal(largest, smallest):
-        raise ValueError(
-            f"the data-parallel ranks brought local batches of different sizes ({int(smallest.min())} to "
-            f"{int(largest.max())} rows): the global batch is their concatenation, cut evenly; give every "
-            f"rank the same number of rows (drop or pad the last batch)"
-        )
