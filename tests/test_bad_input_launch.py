@@ -10,6 +10,8 @@ process, as a user would (a script without the guard, a script on stdin, `loom r
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -195,3 +197,114 @@ def test_function_defined_under_the_main_guard_runs_in_workers(worker_pool, tmp_
     payload = launch_module._dump_task(fn, (21,), {})
     monkeypatch.undo()
     assert worker_pool.group(2)._run_payload(payload, "running under_the_guard", 120) == [(0, 42), (1, 42)]
+
+
+# ------------------------------------------------------------------ as a user runs them: real processes
+
+
+def _python(
+    args: list[str], cwd, stdin: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run(
+        [sys.executable, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+UNGUARDED_SCRIPT = textwrap.dedent(
+    """
+    import loom
+
+    def work():
+        return loom.rank()
+
+    print("importing the script")
+    results = loom.launch(work, 2)
+    print("results", results)
+    """
+)
+
+
+def test_script_without_main_guard_is_explained_once(tmp_path):
+    path = tmp_path / "unguarded.py"
+    path.write_text(UNGUARDED_SCRIPT)
+    done = _python([str(path)], tmp_path)
+    assert done.returncode == 1
+    expected = (
+        f"{path}, line 8 (`results = loom.launch(work, 2)`) calls loom.launch at the top level of the script, "
+        'without an `if __name__ == "__main__":` guard.'
+    )
+    assert done.stderr.count(expected) == 1, done.stderr
+    assert '    if __name__ == "__main__":\n        results = loom.launch(work, 2)\n' in done.stderr
+    # Not multiprocessing's bootstrapping error from every rank, nor a hint about memory.
+    assert "RuntimeError" not in done.stderr and "out of memory" not in done.stderr
+    assert done.stderr.count("Traceback") == 1  # the caller's, one frame deep in loom
+    assert "results" not in done.stdout
+
+
+STDIN_SCRIPT = textwrap.dedent(
+    """
+    import torch, loom
+
+    class Scaled:
+        def __init__(self, value):
+            self.value = value
+
+    def work(k):
+        return Scaled(torch.randn(2) * k), loom.rank()
+
+    results = loom.launch(work, 2, 10)
+    assert all(type(r) is Scaled for r, _ in results)
+    print("ranks", [rank for _, rank in results], "same", torch.equal(results[0][0].value, results[1][0].value))
+    print("lambda", loom.launch(lambda: loom.world_size(), 1))
+    """
+)
+
+
+def test_functions_typed_on_stdin_run_in_workers(tmp_path):
+    # `python - < script`: __main__.__file__ is "<stdin>", which spawn used to run in every worker
+    # (FileNotFoundError); the functions now travel by value, a lambda too.
+    done = _python(["-"], tmp_path, stdin=STDIN_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ranks [0, 1] same True" in done.stdout  # seeded alike
+    assert "lambda [1]" in done.stdout
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")  # as written for torchrun
+    rank = int(os.environ["RANK"])
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    print(f"rank {rank} sum={total.item():g}")
+    try:
+        dist.init_process_group(backend="gloo", world_size=3)
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchrun_script_calling_init_process_group_runs_under_loom_run(tmp_path, capfd):
+    path = tmp_path / "torchrun_style.py"
+    path.write_text(TORCHRUN_SCRIPT)
+    assert main(["run", "-n", "2", "--timeout", "200", str(path)]) == 0
+    out = capfd.readouterr().out
+    for rank in range(2):
+        assert f"rank {rank} sum=1" in out
+        assert (
+            f"rank {rank} refused: torch.distributed.init_process_group was called under `loom run`, which "
+            "already joined every rank to the default process group, but asks for world_size=3 (the "
+            "group's is 2: loom run -n sets the world size" in out
+        )
