@@ -153,7 +153,7 @@ def test_readme_simulate_and_checkpoint_commands_run(workdir, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", loom_commands("train") + loom_commands("bench"))
+@pytest.mark.parametrize("command", loom_commands("train") + loom_commands("bench"), ids=lambda c: c[:60])
 def test_readme_training_and_bench_commands_run_short(workdir, command):
     extra = SHORT[" ".join(command.split()[:2])]
     if command.startswith("loom train"):
