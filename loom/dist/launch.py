@@ -477,16 +477,17 @@ def _describe(fn: Callable) -> str:
 
 
 def _check_nprocs(nprocs: object, where: str = "loom.launch") -> int:
+    example = f"{where}(fn, 4)" if where == "loom.launch" else f"{where}(4)"
     if isinstance(nprocs, bool) or not isinstance(nprocs, numbers.Integral):
         hint = " (the call is loom.launch(fn, nprocs, *args): fn first)" if callable(nprocs) else ""
         raise TypeError(
             f"{where}: nprocs must be a positive int, the number of worker processes; got {nprocs!r} "
-            f"({type(nprocs).__name__}){hint}. E.g. {where}(fn, 4)"
+            f"({type(nprocs).__name__}){hint}. E.g. {example}"
         )
     if nprocs < 1:
         raise ValueError(
             f"{where}: nprocs must be a positive int, the number of worker processes; got {nprocs}. "
-            f"E.g. {where}(fn, 4) for 4 ranks (1 runs fn in one worker)"
+            f"E.g. {example} for 4 ranks (1 runs fn in one worker)"
         )
     return int(nprocs)
 
