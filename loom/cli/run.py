@@ -9,7 +9,7 @@ import inspect
 import os
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -37,30 +37,29 @@ traceback go to stderr); the script's own status when it calls sys.exit with one
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number of ranks, e.g. -n 4; got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of ranks, e.g. -n 4; got {value}")
-    return value
+def _positive(convert: Callable[[str], float], wrong_type: str, not_positive: str) -> Callable[[str], float]:
+    """An argparse type: `convert(text)`, which must be > 0; each error names the text and an example."""
+
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{wrong_type}; got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{not_positive}; got {text}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds, e.g. --timeout 600; got {text!r}"
-        ) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive number of seconds (leave it out for no limit); got {text}"
-        )
-    return value
+_positive_int = _positive(
+    int, "must be a whole number of ranks, e.g. -n 4", "must be a positive number of ranks, e.g. -n 4"
+)
+_positive_seconds = _positive(
+    float,
+    "must be a number of seconds, e.g. --timeout 600",
+    "must be a positive number of seconds (leave it out for no limit)",
+)
 
 
 def _seed(text: str) -> int | None:
