@@ -317,3 +317,13 @@ def _listening_addresses() -> list[str]:
 def test_local_rendezvous_store_listens_on_loopback_only(dist_run):
     addresses = dist_run(2, _listening_addresses)[0]  # rank 0 hosts the store
     assert addresses == ["0100007F"]  # 127.0.0.1 only: not 0.0.0.0, not every IPv6 interface
+
+
+@pytest.mark.parametrize(
+    ("master_addr", "bound"),
+    [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"), ("127.0.1.1", "127.0.1.1"), ("10.0.0.1", None),
+     ("node0", None), ("::1", None)],
+)  # fmt: skip
+def test_only_a_literal_loopback_master_addr_binds_the_store_to_loopback(master_addr, bound):
+    # Other addresses, and host names (which may name this machine to other nodes), keep env://'s binding.
+    assert env._loopback_ipv4(master_addr) == bound

@@ -102,21 +102,28 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
         _join_on_loopback(backend, "127.0.0.1", 0, 0, 1, timeout)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _join_through_agent_store(backend, timeout)
-    elif _is_loopback(os.environ["MASTER_ADDR"]):
+    elif (loopback := _loopback_ipv4(os.environ["MASTER_ADDR"])) is not None:
         rank_, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-        _join_on_loopback(backend, os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), rank_, world, timeout)
+        _join_on_loopback(backend, loopback, _env_int("MASTER_PORT", 0), rank_, world, timeout)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     # A script under torchrun rarely tears its group down; leaving together avoids gloo's abort at exit.
     atexit.register(shutdown_process_group)
 
 
-def _is_loopback(host: str) -> bool:
-    """True when `host` names this machine's loopback interface (127.0.0.1, localhost, ::1)."""
+def _loopback_ipv4(host: str) -> str | None:
+    """The IPv4 loopback address that MASTER_ADDR `host` spells ("127.0.0.1", "localhost"), else None.
+
+    Literal addresses only: a host name that merely resolves to a loopback address here (Debian maps the
+    machine's name to 127.0.1.1) may name this machine to the other nodes of a multi-node run.
+    """
+    if host == "localhost":
+        return "127.0.0.1"
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host if address.version == 4 and address.is_loopback else None
 
 
 def _join_on_loopback(
@@ -134,7 +141,7 @@ def _join_on_loopback(
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((socket.gethostbyname(host), port))
+            listener.bind((host, port))
             listener.listen(max(128, world))
         except BaseException:
             listener.close()
