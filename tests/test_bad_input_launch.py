@@ -308,3 +308,11 @@ def test_torchrun_script_calling_init_process_group_runs_under_loom_run(tmp_path
             "already joined every rank to the default process group, but asks for world_size=3 (the "
             "group's is 2: loom run -n sets the world size" in out
         )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="nccl can run here")
+def test_loom_run_with_nccl_and_no_gpus_is_refused_before_any_worker_starts(no_spawn, tmp_path, capsys):
+    (tmp_path / "ok.py").write_text("print('hi')\n")
+    assert main(["run", "-n", "2", "--backend", "nccl", str(tmp_path / "ok.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loom run: error: loom.launch: backend 'nccl'") and "use 'gloo'" in err
