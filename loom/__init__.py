@@ -1,6 +1,6 @@
 """loom: train ordinary PyTorch models across many devices.
 
-The public API (see DESIGN.md): processes and mesh (`launch`, `init`, `rank`, `world_size`, `current_mesh`),
+The public API (see DESIGN.md): processes and mesh (`launch`, `seed`, `init`, `rank`, `world_size`, `current_mesh`),
 MindSpore-style sharding (`Layout`, `shard`, `ops`), whole models (`parallelize`, `full`).
 """
 
@@ -8,6 +8,7 @@ from loom import ops
 from loom.dist.context import current_mesh, init, rank, world_size
 from loom.dist.launch import launch
 from loom.dist.mesh import Mesh
+from loom.dist.rng import seed
 from loom.layout import Layout, full
 from loom.parallel import parallelize
 from loom.shard import shard
@@ -22,6 +23,7 @@ __all__ = [
     "ops",
     "parallelize",
     "rank",
+    "seed",
     "shard",
     "world_size",
 ]

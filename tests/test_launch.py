@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import loom
 from loom.dist import env
+from loom.dist import launch as launch_module
 from loom.dist.launch import (
     LaunchError,
     WorkerDiedError,
@@ -62,7 +65,7 @@ def _raise_on(ranks: list[int]) -> int:
 
 
 def _return_unpicklable() -> object:
-    return lambda: None
+    return threading.Lock()
 
 
 def _act(pid_dir: str | None, actions: dict[int, str]) -> int:
@@ -130,8 +133,9 @@ def test_launch_passes_arguments_and_stops_its_workers(tmp_path):
 
 
 def test_unpicklable_function_is_rejected_before_any_process_starts():
-    with pytest.raises(TypeError, match="module level"):
-        launch(lambda: None, 2)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"cannot send .*<lambda> and its arguments"):
+        launch(lambda: lock.locked(), 2)  # a lambda travels by value, but not the lock it closes over
 
 
 # ------------------------------------------------------------------ worker errors
@@ -272,3 +276,54 @@ def test_partial_torchrun_environment_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="not WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         env.ensure_process_group()
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ seeding, and the rendezvous store
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+
+    return torch.randn(3), random.random(), float(np.random.rand())
+
+
+def test_launch_seeds_every_rank_alike(worker_pool):
+    group = worker_pool.group(2)
+    seeded = group._run_payload(launch_module._dump_task(_draws, (), {}, seed=5), "running _draws", 120)
+    loom.seed(5)
+    here = _draws()
+    for draws in seeded:  # every rank drew what this process draws after loom.seed(5)
+        assert torch.equal(draws[0], here[0]) and draws[1:] == here[1:]
+    unseeded = group._run_payload(launch_module._dump_task(_draws, (), {}, seed=None), "running _draws", 120)
+    assert not torch.equal(unseeded[0][0], here[0])  # seed=None: the generators go on, not reseeded
+
+
+def _listening_addresses() -> list[str]:
+    """The local addresses of the sockets that listen on MASTER_PORT, from /proc/net/tcp and tcp6."""
+    port = f"{int(os.environ['MASTER_PORT']):04X}"
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, local_port = fields[1].rsplit(":", 1)
+            if local_port == port and fields[3] == "0A":  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_local_rendezvous_store_listens_on_loopback_only(dist_run):
+    addresses = dist_run(2, _listening_addresses)[0]  # rank 0 hosts the store
+    assert addresses == ["0100007F"]  # 127.0.0.1 only: not 0.0.0.0, not every IPv6 interface
+
+
+@pytest.mark.parametrize(
+    ("master_addr", "bound"),
+    [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"), ("127.0.1.1", "127.0.1.1"), ("10.0.0.1", None),
+     ("node0", None), ("::1", None)],
+)  # fmt: skip
+def test_only_a_literal_loopback_master_addr_binds_the_store_to_loopback(master_addr, bound):
+    # Other addresses, and host names (which may name this machine to other nodes), keep env://'s binding.
+    assert env._loopback_ipv4(master_addr) == bound

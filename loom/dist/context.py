@@ -24,6 +24,10 @@ def init(mesh: dict[str, int] | None = None, backend: str | None = None) -> Mesh
     `mesh` names the axes and their sizes, e.g. `{"dp": 2, "tp": 2}`; one size may be -1 to fill in; the
     default puts every device on `"dp"`. Calling `init` again is cheap: the same mesh is returned, and a
     different one becomes current (every rank must ask for the same mesh, in the same order).
+
+    `init` seeds no random generator: `loom.launch` and `loom run` seed every rank alike before the user's
+    code runs; under torchrun call `loom.seed(n)` after `init` for random tensors that are the same on
+    every rank.
     """
     global _current
     env.ensure_process_group(backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import ipaddress
 import os
 import socket
 
@@ -82,8 +83,10 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
     LOOM_COLLECTIVE_TIMEOUT_S (set by a supervised `loom train`), else 30 minutes.
 
     With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (torchrun, `loom run`,
-    `loom.launch` workers) the group is joined with ``init_method="env://"``. Without them this process
-    becomes a 1-rank group on 127.0.0.1 with a free port. When `backend` is None it is "nccl" if every
+    `loom.launch` workers) the group is joined as ``init_method="env://"`` would, except that when
+    MASTER_ADDR is a loopback address (every local run of loom) rank 0's rendezvous store listens on that
+    address only, not on every interface. Without them this process becomes a 1-rank group on 127.0.0.1
+    with a free port. When `backend` is None it is "nccl" if every
     local rank has a GPU (this process's LOCAL_RANK then becomes the current device), else "gloo".
     """
     if not dist.is_available():
@@ -96,14 +99,63 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
         torch.cuda.set_device(local)
     timeout = collective_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if not _rendezvous_from_env():
-        init = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=1, timeout=timeout)
+        _join_on_loopback(backend, "127.0.0.1", 0, 0, 1, timeout)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _join_through_agent_store(backend, timeout)
+    elif (loopback := _loopback_ipv4(os.environ["MASTER_ADDR"])) is not None:
+        rank_, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        _join_on_loopback(backend, loopback, _env_int("MASTER_PORT", 0), rank_, world, timeout)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     # A script under torchrun rarely tears its group down; leaving together avoids gloo's abort at exit.
     atexit.register(shutdown_process_group)
+
+
+def _loopback_ipv4(host: str) -> str | None:
+    """The IPv4 loopback address that MASTER_ADDR `host` spells ("127.0.0.1", "localhost"), else None.
+
+    Literal addresses only: a host name that merely resolves to a loopback address here (Debian maps the
+    machine's name to 127.0.1.1) may name this machine to the other nodes of a multi-node run.
+    """
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host if address.version == 4 and address.is_loopback else None
+
+
+def _join_on_loopback(
+    backend: str, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta
+) -> None:
+    """Join the group through a rendezvous store that listens on the loopback interface only.
+
+    `env://` makes rank 0's `TCPStore` listen on every interface (`*:MASTER_PORT`), so that another machine
+    could reach the store of a run that is local by construction. Here rank 0 binds the listening socket
+    to `host` itself and hands it to the store (`master_listen_fd`); the others connect as `env://` would.
+    Port 0 (a 1-process group) lets the OS pick the port. A port taken meanwhile raises OSError
+    EADDRINUSE, which the launcher retries on another port.
+    """
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(128, world))
+        except BaseException:
+            listener.close()
+            raise
+        port = listener.getsockname()[1]
+        # The store owns the descriptor from here on (it closes it when it is destroyed).
+        store = dist.TCPStore(
+            host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+        )
+    else:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    # The key prefix `env://` uses, so that the group sees the store exactly as it would under env://.
+    store = dist.PrefixStore("default_pg", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _join_through_agent_store(backend: str, timeout: datetime.timedelta) -> None:

@@ -10,6 +10,18 @@ Failures are reported as `LaunchError` subclasses and never leave a worker behin
 answer in time (`WorkerTimeoutError`). After a death, a timeout, or an error that leaves peers stuck, the
 group is torn down and marked broken.
 
+What reaches the workers: the task is pickled with cloudpickle. Functions and classes of an importable
+module, and those at the top level of the caller's script (which every worker imports, as multiprocessing's
+"spawn" does), go by reference; the rest of the caller's `__main__` goes by value: functions typed into a
+REPL, a notebook, `python -c` or `python - < script`, defined under `if __name__ == "__main__":`, lambdas
+and nested functions (as Accelerate's `notebook_launcher` allows). A script whose top level calls `launch`
+without that guard would start workers again in every worker: each worker stops at once and the caller
+raises one `LaunchError` that names the line to guard.
+
+`launch` seeds torch, Python's `random` and NumPy alike on every rank before the task (`seed=0`), so that
+"plain tensors are the same on every rank" holds for random ones too; `seed=None` leaves each worker's
+generators as the process started them (different on every rank).
+
 Heartbeats: a task calls `heartbeat(step)` once per training step and `heartbeat(phase=...)` as it enters
 each start-up phase (building the model, loading a checkpoint); outside a loom worker both are no-ops. With
 `heartbeat_timeout`, a rank that stays silent longer than that is taken for hung (`WorkerHangError`) and the
@@ -20,23 +32,35 @@ beat of every rank stays readable in `WorkerGroup.heartbeats`.
 
 from __future__ import annotations
 
+import ast
 import atexit
+import functools
+import inspect
+import io
+import linecache
+import math
 import multiprocessing as mp
+import numbers
 import os
 import pickle
 import signal
 import sys
 import threading
 import time
+import tokenize
 import traceback
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import cloudpickle
 import torch
+import torch.distributed as dist
 
-from loom.dist import env
+from loom.dist import env, rng
 
 __all__ = [
     "LaunchError",
@@ -59,6 +83,11 @@ _START_ATTEMPTS = 3
 _STOP = b""
 # How often the caller wakes to check heartbeats while it waits for answers.
 _BEAT_POLL_S = 0.5
+# The exit status of a worker that found the caller's script calling `launch` at its top level while the
+# worker imported it (no `if __name__ == "__main__":` guard); the caller turns it into one clear error.
+_UNGUARDED_MAIN_EXIT = 76
+# What a worker process is named: the prefix tells loom's workers from other processes.
+_WORKER_NAME = "loom-rank"
 
 
 class LaunchError(RuntimeError):
@@ -178,13 +207,108 @@ def _first_line(text: str, limit: int = 100) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+# ---------------------------------------------------------------------------------------------- pickling
+
+
+def _main_module() -> types.ModuleType | None:
+    return sys.modules.get("__main__")
+
+
+def _main_source() -> str | None:
+    """The file of the caller's `__main__` that every spawned worker imports, or None when it imports none
+    (a REPL, a notebook, `python -c`, `python - < script`)."""
+    main = _main_module()
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None):  # `python -m package.module`
+        origin = getattr(spec, "origin", None)
+        return origin if origin and os.path.isfile(origin) else None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None
+    if not os.path.isabs(path) and mp.process.ORIGINAL_DIR is not None:
+        path = os.path.join(mp.process.ORIGINAL_DIR, path)
+    return path if os.path.isfile(path) else None
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """`if __name__ == "__main__":` (either way round, or any test that reads `__name__`)."""
+    return isinstance(node, ast.If) and any(
+        isinstance(sub, ast.Name) and sub.id == "__name__" for sub in ast.walk(node.test)
+    )
+
+
+def _bound_names(nodes: list[ast.stmt]) -> set[str]:
+    names: set[str] = set()
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(sub.name)
+            elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                names.add(sub.id)
+            elif isinstance(sub, ast.alias):
+                names.add((sub.asname or sub.name).split(".")[0])
+    return names
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_names(path: str, mtime: float) -> frozenset[str]:
+    """Names the script at `path` binds only under its `if __name__ == "__main__":` blocks: a worker that
+    imports the script never defines them."""
+    try:
+        tree = ast.parse(open(path, "rb").read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    guarded = [node for node in tree.body if _is_main_guard(node)]
+    inside = _bound_names([stmt for node in guarded for stmt in node.body + node.orelse])
+    outside = _bound_names([node for node in tree.body if not _is_main_guard(node)])
+    return frozenset(inside - outside)
+
+
+def _workers_import(obj: object) -> bool:
+    """True when a spawned worker finds `obj`, a function or class of the caller's `__main__`, by name: it is
+    defined at the top level of the script that the worker imports, outside the main guard."""
+    qualname = getattr(obj, "__qualname__", "")
+    if "<" in qualname:  # a lambda, or a function or class nested in a function
+        return False
+    path = _main_source()
+    if path is None:
+        return False
+    head = qualname.split(".")[0]
+    if getattr(_main_module(), head, None) is None:
+        return False
+    if qualname == head and getattr(_main_module(), head) is not obj:
+        return False  # redefined since, or made by value in this worker: not the module's object
+    return head not in _guarded_names(path, os.path.getmtime(path))
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, except that the caller's `__main__` functions and classes that every worker imports
+    (top level of the script, outside the guard) go by reference, as plain pickle sends them: so that in
+    the worker they are the script's own objects (what `torch.save` and other pickles there expect)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            isinstance(obj, type | types.FunctionType)
+            and getattr(obj, "__module__", None) == "__main__"
+            and _workers_import(obj)
+        ):
+            return NotImplemented  # pickle's own by-reference path
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 # ---------------------------------------------------------------------------------------------- worker
 
 
 def _send(conn: Connection, kind: str, value: Any) -> None:
     """Send (kind, value) pickled; a value that does not pickle becomes an error the caller can read."""
     try:
-        data = pickle.dumps((kind, value))
+        data = _dumps((kind, value))
     except Exception as exc:
         note = (
             f"the worker could not pickle its {'return value' if kind == 'ok' else kind} "
@@ -247,9 +371,15 @@ def _set_worker_env(rank: int, nprocs: int, port: int, extra: dict[str, str]) ->
 
 def _run_task(payload: bytes) -> tuple[str, Any]:
     try:
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs, seed = pickle.loads(payload)
+        if seed is not None:
+            rng.seed(seed)
         return "ok", fn(*args, **kwargs)
-    except BaseException as exc:  # SystemExit too: a task must never end the worker silently
+    except SystemExit as exc:  # a task must never end the worker silently
+        if exc.code is None or exc.code == 0:
+            return "ok", None  # sys.exit() and sys.exit(0) end the function successfully
+        return "error", _failure(exc, f"sys.exit({exc.code!r})", skip_frames=1)
+    except BaseException as exc:
         return "error", _failure(exc, skip_frames=1)
 
 
@@ -331,8 +461,184 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"exited with exit code {exitcode}"
 
 
+def _death_hint(exitcode: int | None) -> str:
+    if exitcode == -signal.SIGKILL:
+        return "Check the worker's output above: SIGKILL often means the OS ran out of memory"
+    if exitcode is not None and exitcode < 0:
+        return "Check the worker's output above: SIGSEGV, SIGBUS or SIGABRT mean a crash in native code"
+    return (
+        "Check the worker's output above for why it exited (the process ended without raising through "
+        "loom: os._exit, or an error while it started)"
+    )
+
+
 def _describe(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _check_nprocs(nprocs: object, where: str = "loom.launch") -> int:
+    example = f"{where}(fn, 4)" if where == "loom.launch" else f"{where}(4)"
+    if isinstance(nprocs, bool) or not isinstance(nprocs, numbers.Integral):
+        hint = " (the call is loom.launch(fn, nprocs, *args): fn first)" if callable(nprocs) else ""
+        raise TypeError(
+            f"{where}: nprocs must be a positive int, the number of worker processes; got {nprocs!r} "
+            f"({type(nprocs).__name__}){hint}. E.g. {example}"
+        )
+    if nprocs < 1:
+        raise ValueError(
+            f"{where}: nprocs must be a positive int, the number of worker processes; got {nprocs}. "
+            f"E.g. {example} for 4 ranks (1 runs fn in one worker)"
+        )
+    return int(nprocs)
+
+
+def _check_backend(backend: object, nprocs: int) -> None:
+    """`backend` must name a torch.distributed backend this torch build has (nccl: a GPU per rank)."""
+    if backend is None:
+        return
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(
+            f"loom.launch: backend must be a string such as 'gloo' or 'nccl', or None (nccl with a GPU per "
+            f"rank, else gloo); got {backend!r}"
+        )
+    # "gloo", "nccl", or per-device "cpu:gloo,cuda:nccl"
+    names = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
+    for name in names:
+        if name not in dist.Backend.backend_list or name in ("undefined", "fake"):
+            known = ", ".join(repr(b) for b in dist.Backend.backend_list if b not in ("undefined", "fake"))
+            raise ValueError(
+                f"loom.launch: unknown backend {backend!r}; torch.distributed knows {known}. Use 'gloo' "
+                "on CPUs, 'nccl' with one GPU per rank, or None to choose"
+            )
+        if not dist.is_backend_available(name):
+            raise ValueError(
+                f"loom.launch: backend {name!r} is not available in this torch build ({torch.__version__}); "
+                "use 'gloo' on CPUs, or None to choose"
+            )
+    if "nccl" in names and torch.cuda.device_count() < nprocs:
+        raise ValueError(
+            f"loom.launch: backend {backend!r} needs one GPU per rank: nprocs={nprocs} but torch sees "
+            f"{torch.cuda.device_count()} GPU(s); use backend='gloo' (CPU), fewer ranks, or None (nccl "
+            "when every rank has a GPU, else gloo)"
+        )
+
+
+def _check_timeout(timeout: object, name: str = "timeout") -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
+        raise TypeError(
+            f"loom.launch: {name} must be a number of seconds, or None for no limit; got {timeout!r} "
+            f"({type(timeout).__name__})"
+        )
+    if timeout <= 0:
+        raise ValueError(
+            f"loom.launch: {name} must be a positive number of seconds, or None for no limit; got {timeout!r}"
+        )
+
+
+def _check_call(fn: object, args: tuple, kwargs: dict) -> None:
+    """`fn` is callable and takes `*args, **kwargs`: checked here, not in every worker."""
+    if not callable(fn):
+        raise TypeError(
+            f"loom.launch: fn must be a callable that every worker calls, got {fn!r} "
+            f"({type(fn).__name__}); the call is loom.launch(fn, nprocs, *args, **kwargs), e.g. "
+            "loom.launch(main, 4)"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the workers will tell
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        own = [
+            name
+            for name in ("backend", "timeout", "seed")
+            if name in signature.parameters and name not in kwargs
+        ]
+        hint = (
+            f"; loom.launch keeps {', '.join(f'{n}=' for n in own)} for itself: pass fn's own "
+            f"{own[0]} positionally, or bind it with functools.partial(fn, {own[0]}=...)"
+            if own
+            else ""
+        )
+        raise TypeError(
+            f"loom.launch: {_describe(fn)}{signature} cannot be called with the arguments given "
+            f"(args={args!r}, kwargs={kwargs!r}): {exc}. Every worker calls fn(*args, **kwargs) with the "
+            f"arguments that follow nprocs{hint}"
+        ) from None
+
+
+def _in_spawn_bootstrap() -> bool:
+    """True in a process that multiprocessing's "spawn" started and that is still importing the parent's
+    `__main__` (what multiprocessing itself checks before refusing to start a process)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def _without_comment(line: str) -> str:
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return line
+    comment = next((tok for tok in tokens if tok.type == tokenize.COMMENT), None)
+    return line[: comment.start[1]].rstrip() if comment else line
+
+
+def _main_call_site() -> str:
+    """Where the caller's script calls into loom, as "path, line N (`code`)" (the script alone when the
+    call is not found on the stack)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            path, line = frame.f_code.co_filename, frame.f_lineno
+            code = _without_comment(linecache.getline(path, line).strip())
+            return f"{path}, line {line}" + (f" (`{code}`)" if code else "")
+        frame = frame.f_back
+    return _main_source() or "the caller's script"
+
+
+def _unguarded_main_error() -> LaunchError:
+    site = _main_call_site()
+    code = site.split("(`", 1)[1][:-2] if "(`" in site else "results = loom.launch(main, 4)"
+    return LaunchError(
+        f"{site} calls loom.launch at the top level of the script, without an "
+        '`if __name__ == "__main__":` guard. Every worker starts by importing the caller\'s script '
+        '(multiprocessing\'s "spawn" start method), where that call would start workers again; so each '
+        "worker stopped, and no task ran. Put the call under the guard:\n\n"
+        f'    if __name__ == "__main__":\n        {code}\n'
+    )
+
+
+def _refuse_while_bootstrapping() -> None:
+    """Called by `launch` and `WorkerGroup`: in a worker that is importing the caller's script, a call is
+    the script's unguarded top-level `launch`. A loom worker exits at once with a status that its caller
+    explains (one message, not one traceback per rank); any other spawned process raises the explanation."""
+    if not _in_spawn_bootstrap():
+        return
+    if mp.current_process().name.startswith(_WORKER_NAME):
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        os._exit(_UNGUARDED_MAIN_EXIT)
+    raise _unguarded_main_error()
+
+
+@contextmanager
+def _spawnable_main() -> Iterator[None]:
+    """While workers are spawned, hide a `__main__.__file__` that names no file (`python - < script`
+    sets "<stdin>"): spawn would have each worker run that path and fail with FileNotFoundError. Functions
+    from such a `__main__` reach the workers by value."""
+    main = _main_module()
+    path = getattr(main, "__file__", None)
+    if main is None or getattr(main, "__spec__", None) is not None or path is None or _main_source():
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _port_was_taken(error: WorkerError) -> bool:
@@ -346,21 +652,29 @@ def _last_heard(beat: Heartbeat | None) -> str:
     return f"after step {beat.step}" if beat.step is not None else f"in {beat.describe()}"
 
 
-def _dump_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+def _dump_task(fn: Callable, args: tuple, kwargs: dict, seed: int | None = None) -> bytes:
     try:
-        return pickle.dumps((fn, args, kwargs))
+        return _dumps((fn, args, kwargs, seed))
     except Exception as exc:
         raise TypeError(
             f"cannot send {_describe(fn)} and its arguments to the workers: {_safe_str(exc)}. Workers "
-            "receive them pickled: define the function at module level (not a lambda or nested "
-            "function) and pass picklable arguments"
+            "receive them pickled (cloudpickle): pass arguments that pickle (tensors, numbers, strings, "
+            "lists, dicts, plain objects) and create the rest (locks, open files, sockets, process "
+            "groups) inside the function"
         ) from exc
 
 
 def _worker_error(errors: dict[int, _Failure], missing: list[int], task: str, grace: float) -> WorkerError:
     rank = min(errors)
     first = errors[rank]
-    lines = [f"rank {rank} raised {first.type_name} while {task}: {first.message}"]
+    if first.type_name == "SystemExit":
+        lines = [
+            f"rank {rank} called {first.message} while {task}; a worker function reports through its "
+            "result: return a value (sys.exit() and sys.exit(0) count as returning None), or raise an "
+            "exception to report a failure"
+        ]
+    else:
+        lines = [f"rank {rank} raised {first.type_name} while {task}: {first.message}"]
     others = [r for r in sorted(errors) if r != rank]
     if others:
         also = ", ".join(
@@ -399,9 +713,8 @@ class WorkerGroup:
         error_grace: float = _ERROR_GRACE_S,
         env: dict[str, str] | None = None,
     ) -> None:
-        if not isinstance(nprocs, int) or nprocs < 1:
-            raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-        self.nprocs = nprocs
+        _refuse_while_bootstrapping()
+        self.nprocs = _check_nprocs(nprocs, "WorkerGroup")
         self.backend = backend
         self.error_grace = error_grace
         self.start_timeout = start_timeout
@@ -434,14 +747,15 @@ class WorkerGroup:
 
     def _spawn(self, port: int) -> None:
         ctx = mp.get_context("spawn")
-        for rank in range(self.nprocs):
-            ours, theirs = ctx.Pipe()
-            args = (rank, self.nprocs, port, self.backend, self.extra_env, theirs)
-            proc = ctx.Process(target=_worker_main, args=args, name=f"loom-rank{rank}")
-            proc.start()
-            theirs.close()  # only the worker holds its end, so its death reads as EOF here
-            self._procs.append(proc)
-            self._conns.append(ours)
+        with _spawnable_main():
+            for rank in range(self.nprocs):
+                ours, theirs = ctx.Pipe()
+                args = (rank, self.nprocs, port, self.backend, self.extra_env, theirs)
+                proc = ctx.Process(target=_worker_main, args=args, name=f"{_WORKER_NAME}{rank}")
+                proc.start()
+                theirs.close()  # only the worker holds its end, so its death reads as EOF here
+                self._procs.append(proc)
+                self._conns.append(ours)
 
     @property
     def broken(self) -> bool:
@@ -578,15 +892,15 @@ class WorkerGroup:
             self._procs[rank].join(timeout=5)
         rank = dead[0]
         code = self._procs[rank].exitcode
+        if code == _UNGUARDED_MAIN_EXIT and not self.pids:  # still starting: see _refuse_while_bootstrapping
+            self._stop_all("the caller's script has no main guard")
+            raise _unguarded_main_error()
         message = f"rank {rank} {_exit_reason(code)} while {task}"
         if rank in self.heartbeats:
             message += f" (its last heartbeat: {self.heartbeats[rank].describe()})"
         if len(dead) > 1:
             message += f" ({_ranks(dead[1:])} died too)"
-        message += (
-            "; every worker was stopped. Check the worker's output above: SIGKILL often means the OS ran "
-            "out of memory, SIGSEGV or SIGABRT a crash in native code"
-        )
+        message += f"; every worker was stopped. {_death_hint(code)}"
         self._stop_all(f"{_ranks(dead)} died")
         raise WorkerDiedError(message, rank=rank, exitcode=code)
 
@@ -667,16 +981,32 @@ def launch(
     *args: Any,
     backend: str | None = None,
     timeout: float | None = None,
+    seed: int | None = 0,
     **kwargs,
 ) -> list:
     """Run `fn(*args, **kwargs)` in `nprocs` local worker processes; return their results, index = rank.
 
     Each worker is one rank of an initialised process group (`backend`: None picks nccl with a GPU per
-    rank, else gloo). `timeout` is in seconds for the task (None: no limit). A worker's exception is
-    re-raised as `WorkerError` naming its rank and carrying its traceback; a worker that dies raises
-    `WorkerDiedError`, a timeout `WorkerTimeoutError`. No worker outlives the call.
+    rank, else gloo). `timeout` is in seconds for the task (None: no limit). Before `fn` runs, every rank
+    calls `loom.seed(seed)`: torch, Python's `random` and NumPy draw the same numbers on every rank
+    (`seed=None`: not seeded, each process draws its own). `fn` may be any function, also one defined in a
+    REPL, a notebook or under the script's main guard (it is sent by value); a script that calls `launch`
+    must do so under `if __name__ == "__main__":`. A worker's exception is re-raised as `WorkerError`
+    naming its rank and carrying its traceback (a `sys.exit(code)` with a non-zero code too; `sys.exit(0)`
+    returns None); a worker that dies raises `WorkerDiedError`, a timeout `WorkerTimeoutError`. No worker
+    outlives the call. Bad arguments raise TypeError or ValueError before any process starts.
     """
+    _refuse_while_bootstrapping()
+    nprocs = _check_nprocs(nprocs)
+    _check_call(fn, args, kwargs)
+    _check_backend(backend, nprocs)
+    _check_timeout(timeout)
+    seed = rng.check_seed(seed, "loom.launch: seed", allow_none=True)
     # Pickle first: a function that cannot reach the workers is reported before any process starts.
-    payload = _dump_task(fn, args, kwargs)
-    with WorkerGroup(nprocs, backend=backend) as group:
+    payload = _dump_task(fn, args, kwargs, seed)
+    try:
+        group = WorkerGroup(nprocs, backend=backend)
+    except LaunchError as exc:
+        raise exc.with_traceback(None) from exc.__cause__  # loom's own frames tell the user nothing
+    with group:
         return group._run_payload(payload, f"running {_describe(fn)}", timeout)

@@ -35,7 +35,36 @@ import torch
 from loom.dist import env
 from loom.dist.mesh import Mesh
 
-__all__ = ["DEVICE_AXES", "SHARED_AXES", "StepSeeds"]
+__all__ = ["DEVICE_AXES", "SHARED_AXES", "StepSeeds", "check_seed", "seed"]
+
+def check_seed(value: object, what: str = "loom.seed: n", *, allow_none: bool = False) -> int | None:
+    """`value` as a seed (an int in [0, 2**64)); a clear TypeError or ValueError naming `what` otherwise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        none = ", or None not to seed" if allow_none else ""
+        raise TypeError(
+            f"{what} must be an int between 0 and 2**64 - 1{none}; got {value!r} ({type(value).__name__})"
+        )
+    if not 0 <= int(value) < 2**64:
+        raise ValueError(f"{what} must be an int between 0 and 2**64 - 1; got {value}")
+    return int(value)
+
+
+def seed(n: int) -> None:
+    """Seed torch (the CPU generator and every GPU's), Python's `random` and NumPy's legacy generator with `n`.
+
+    Called with the same `n` on every rank, every rank then draws the same numbers: `torch.randn` gives the
+    same "plain" tensor everywhere, as one process would. `loom.launch` calls it in every worker before the
+    task (`seed=0` by default), and so does `loom run` before the script; under torchrun call it yourself
+    after `loom.init()`. A `Trainer(seed=...)` reseeds every step per rank (see `StepSeeds`).
+    """
+    n = check_seed(n)
+    torch.manual_seed(n)  # also every CUDA device's generator
+    random.seed(n)
+    # NumPy's legacy seed takes 32 bits; a larger seed goes in as two words.
+    np.random.seed(n if n < 2**32 else [n & 0xFFFFFFFF, n >> 32])
+
 
 # Axes whose peers compute on the same data: their CPU draws are alike.
 SHARED_AXES = frozenset({"tp"})
