@@ -47,7 +47,6 @@ ONE_WORKER = ["--train.workers", "1", "--parallel.dp", "1", "--parallel.tp", "1"
 # README commands that exit 1 today because the plan they show does not fit in memory (the simulator says
 # so and exits 1; the timeline is still drawn). Either status passes; the message must say why.
 DOES_NOT_FIT = {
-    "loom simulate --model llama3-70b": "needs 203.7 GiB per device, more than the 141 GiB of h200",
     "loom simulate --model gpt3-175b --gpus 64": "needs 111.3 GiB per device, more than the 80 GiB",
 }
 
