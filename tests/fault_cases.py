@@ -8,7 +8,7 @@ import time
 from loom.dist.env import restart_count
 from loom.dist.launch import heartbeat
 
-HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_TIMEOUT_S = 2.5
 
 
 def beat_then_hang(hang_rank: int) -> int:
@@ -21,9 +21,9 @@ def beat_then_hang(hang_rank: int) -> int:
 
 
 def slow_start_then_hang(hang_rank: int) -> int:
-    """6 s of start-up, longer than the heartbeat timeout but never silent for long; then `hang_rank` hangs
+    """4 s of start-up, longer than the heartbeat timeout but never silent for long; then `hang_rank` hangs
     in another phase."""
-    for _ in range(12):
+    for _ in range(8):
         heartbeat(phase="warming up")
         time.sleep(0.5)
     if int(os.environ["RANK"]) == hang_rank:
