@@ -327,3 +327,37 @@ def test_local_rendezvous_store_listens_on_loopback_only(dist_run):
 def test_only_a_literal_loopback_master_addr_binds_the_store_to_loopback(master_addr, bound):
     # Other addresses, and host names (which may name this machine to other nodes), keep env://'s binding.
     assert env._loopback_ipv4(master_addr) == bound
+
+
+# ------------------------------------------------------------------ how workers start
+
+
+def _start_facts() -> tuple:
+    return os.environ.get("LOOM_TEST_MARK"), torch.get_num_threads(), os.getcwd()
+
+
+def test_workers_take_the_callers_environment_and_directory_as_they_start(monkeypatch, tmp_path):
+    """Forked from a server that started earlier, a worker still sees the caller's environment, threads
+    setting and directory of the moment it starts, as a spawned worker would."""
+    launch(_start_facts, 1)  # the forkserver is up from here on (if it was not already)
+    monkeypatch.setenv("LOOM_TEST_MARK", "after the server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    assert launch(_start_facts, 2) == [("after the server started", 1, str(tmp_path))] * 2
+
+
+def test_workers_print_where_the_callers_output_goes_now(capfd):
+    launch(print, 2, "hello from a worker")
+    assert capfd.readouterr().out.count("hello from a worker") == 2
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_start_methods_run_the_same_task(monkeypatch, method):
+    monkeypatch.setenv("LOOM_START_METHOD", method)
+    assert launch(_rank_info, 2)[1][:2] == (1, 2)
+
+
+def test_an_unknown_start_method_is_named(monkeypatch):
+    monkeypatch.setenv("LOOM_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="LOOM_START_METHOD='fork': use 'forkserver'"):
+        launch(_rank_info, 2)

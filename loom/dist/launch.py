@@ -1,9 +1,17 @@
 """Run a function on N local worker processes, each one rank of an initialised process group.
 
 `WorkerGroup` keeps its workers alive between tasks (the test pool and `loom run` build on it); `launch`
-is a group used once. Workers are started with "spawn", set torchrun's environment variables and join
-the group through `env.ensure_process_group`, so user code that calls it again (or reads RANK,
-WORLD_SIZE, LOCAL_RANK) sees what it would see under torchrun.
+is a group used once. Workers set torchrun's environment variables and join the group through
+`env.ensure_process_group`, so user code that calls it again (or reads RANK, WORLD_SIZE, LOCAL_RANK) sees
+what it would see under torchrun.
+
+Workers are started by multiprocessing's "forkserver" where the platform has it (Linux, macOS): a server
+process, started once per caller, imports torch and loom, and each worker is a fork of it, so a group of
+4 starts in a tenth of a second instead of several seconds (each "spawn"ed worker imports torch itself);
+restarts after a failure are as quick. A worker takes the caller's environment as it is when the worker
+starts (not the server's), and then, as with "spawn", imports the caller's script as `__mp_main__`.
+`LOOM_START_METHOD=spawn` starts every worker from scratch instead; settings that torch reads once in a
+process (ATEN_CPU_CAPABILITY) are the server's, so set them before the first launch.
 
 Failures are reported as `LaunchError` subclasses and never leave a worker behind: a worker that raises
 (`WorkerError`), dies (`WorkerDiedError`, noticed at once through the process sentinels) or does not
@@ -53,6 +61,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -152,7 +161,7 @@ class Heartbeat:
     phase: str | None = None
 
     def describe(self) -> str:
-        """"step 3", or "start-up phase 'loading the checkpoint'"."""
+        """ "step 3", or "start-up phase 'loading the checkpoint'"."""
         return f"step {self.step}" if self.step is not None else f"start-up phase {self.phase!r}"
 
 
@@ -399,9 +408,23 @@ def _serve(conn: Connection) -> None:
 
 
 def _worker_main(
-    rank: int, nprocs: int, port: int, backend: str | None, extra_env: dict[str, str], conn: Connection
+    rank: int,
+    nprocs: int,
+    port: int,
+    backend: str | None,
+    extra_env: dict[str, str],
+    caller_env: dict[str, str],
+    caller_streams: tuple[Any, ...],
+    conn: Connection,
 ) -> None:
     """Entry point of a worker process: join the process group, then serve tasks until told to stop."""
+    # A forkserver's child starts with the server's environment and output: take the caller's, as a
+    # "spawn"ed worker has them (its stdout and stderr where the caller's point now: a file, a capture).
+    os.environ.clear()
+    os.environ.update(caller_env)
+    for target, stream in zip((1, 2), caller_streams, strict=True):
+        if stream is not None:
+            os.dup2(stream.detach(), target)
     # Ctrl-C reaches every process of the terminal; the parent owns it and tears the group down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Whole lines, promptly: ranks share the terminal, and a killed worker loses no buffered output.
@@ -411,9 +434,9 @@ def _worker_main(
     _exit_with_parent()
     _set_worker_env(rank, nprocs, port, extra_env)
     # Ranks share the machine's cores; without this 8 ranks on 2 cores oversubscribe badly. A thread count
-    # the user set (OMP_NUM_THREADS, as torchrun sets it) is kept: torch read it at import.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    # the user set (OMP_NUM_THREADS, as torchrun sets it) is kept (set here: a forkserver's child did not
+    # import torch under it).
+    torch.set_num_threads(_thread_count(nprocs))
     try:
         env.ensure_process_group(backend)
     except BaseException as exc:
@@ -427,6 +450,60 @@ def _worker_main(
     finally:
         env.shutdown_process_group()
     _leave()
+
+
+class _CallerFd:
+    """One of the caller's file descriptors, for a worker as it starts: pickled while multiprocessing starts
+    the process, it becomes multiprocessing's own handle on a copy of it in the worker (`.detach()` gives
+    its number there), the way the start methods pass a worker's pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _passed_fd, (reduction.DupFd(self.fd),)
+
+
+def _passed_fd(handle: Any) -> Any:
+    return handle
+
+
+def _caller_streams() -> tuple[_CallerFd | None, ...]:
+    """The caller's stdout and stderr file descriptors (None for one that is not open)."""
+    streams = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            streams.append(None)
+        else:
+            streams.append(_CallerFd(fd))
+    return tuple(streams)
+
+
+def _thread_count(nprocs: int) -> int:
+    """OMP_NUM_THREADS when the user set it to a positive count, else the cores shared among the ranks."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def _context() -> Any:
+    """The multiprocessing context workers start from: "forkserver" preloaded with torch and loom where the
+    platform has it, else "spawn"; `LOOM_START_METHOD` (forkserver or spawn) chooses."""
+    method = os.environ.get("LOOM_START_METHOD", "").strip() or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    )
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(
+            f"LOOM_START_METHOD={method!r}: use 'forkserver' (workers forked from a server that imported "
+            "torch once) or 'spawn' (each worker starts from scratch), or leave it unset"
+        )
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "loom.dist.launch"])  # used when the server starts
+    return ctx
 
 
 def _leave() -> None:
@@ -746,11 +823,14 @@ class WorkerGroup:
             raise
 
     def _spawn(self, port: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         with _spawnable_main():
             for rank in range(self.nprocs):
                 ours, theirs = ctx.Pipe()
-                args = (rank, self.nprocs, port, self.backend, self.extra_env, theirs)
+                args = (
+                    *(rank, self.nprocs, port, self.backend, self.extra_env),
+                    *(dict(os.environ), _caller_streams(), theirs),
+                )
                 proc = ctx.Process(target=_worker_main, args=args, name=f"{_WORKER_NAME}{rank}")
                 proc.start()
                 theirs.close()  # only the worker holds its end, so its death reads as EOF here
