@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import faulthandler
 import functools
 import inspect
 import io
@@ -427,6 +428,9 @@ def _worker_main(
             os.dup2(stream.detach(), target)
     # Ctrl-C reaches every process of the terminal; the parent owns it and tears the group down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A crash in native code (SIGSEGV, SIGBUS, SIGABRT) prints every thread's Python stack to stderr first,
+    # so that the caller's "killed by signal" points at the line that crashed.
+    faulthandler.enable(all_threads=True)
     # Whole lines, promptly: ranks share the terminal, and a killed worker loses no buffered output.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
