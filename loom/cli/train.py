@@ -118,7 +118,7 @@ def _run_here(config: TrainConfig, faults: list[Fault], verbose: bool) -> int:
 
 def _report(console: Console, summary: dict) -> None:
     losses, seconds = summary["losses"], summary["seconds"]
-    console.print(f"{steps_summary(losses, summary.get('first_step', 1))} in {seconds:.1f} s")
+    console.print(f"{steps_summary(losses, summary.get('first_step', 1))} in {seconds:.1f} s", soft_wrap=True)
     for prompt, answer, generated in summary.get("samples", []):
         mark = "[green]right[/]" if generated.split("\n", 1)[0].strip() == answer else "[red]wrong[/]"
         console.print(
