@@ -59,6 +59,7 @@ LAUNCH_CASES = [
     ("timeout-negative", lambda: launch(_two_args, 2, 1, 2, timeout=-5), ValueError, r"got -5"),
     ("timeout-str", lambda: launch(_two_args, 2, 1, 2, timeout="10"), TypeError, r"timeout must be a number of seconds.*got '10' \(str\)"),
     ("timeout-nan", lambda: launch(_two_args, 2, 1, 2, timeout=float("nan")), TypeError, r"got nan"),
+    ("timeout-inf", lambda: launch(_two_args, 2, 1, 2, timeout=float("inf")), TypeError, r"or None for no limit; got inf"),
     ("backend-unknown", lambda: launch(_two_args, 2, 1, 2, backend="glo"), ValueError, r"unknown backend 'glo'.*knows 'gloo'.*Use 'gloo' on CPUs"),
     ("backend-not-str", lambda: launch(_two_args, 2, 1, 2, backend=1), TypeError, r"backend must be a string.*got 1"),
     ("seed-negative", lambda: launch(_two_args, 2, 1, 2, seed=-1), ValueError, r"seed must be an int between 0 and 2\*\*64 - 1; got -1"),
@@ -274,6 +275,31 @@ def test_functions_typed_on_stdin_run_in_workers(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ranks [0, 1] same True" in done.stdout  # seeded alike
     assert "lambda [1]" in done.stdout
+
+
+PACKAGE_MAIN = textwrap.dedent(
+    """
+    import loom
+
+    def world():
+        return loom.world_size()
+
+    if __name__ == "__main__":
+        print("package", loom.launch(world, 2))
+    """
+)
+
+
+def test_a_package_run_with_python_m_launches(tmp_path):
+    # `python -m package`: multiprocessing imports no __main__.py in the workers, so its functions travel
+    # by value (by reference they would be looked up in a __main__ that has none: "Can't get attribute")
+    package = tmp_path / "mypackage"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(PACKAGE_MAIN)
+    done = _python(["-m", "mypackage"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "package [2, 2]" in done.stdout
 
 
 TORCHRUN_SCRIPT = textwrap.dedent(

@@ -153,10 +153,14 @@ STRATEGY_FIX = (
 
 
 def checkable(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a check can run now: not while tracing (meta or fake tensors, torch.compile)."""
+    """Whether a check can run now: not while tracing (meta or fake tensors, torch.compile), and only on
+    dense tensors (a sparse or quantized input is not fingerprinted)."""
     if torch.compiler.is_compiling():
         return False
-    return not any(t.is_meta or type(t).__name__ == "FakeTensor" for t in tensors)
+    return not any(
+        t.is_meta or type(t).__name__ == "FakeTensor" or t.layout != torch.strided or t.is_quantized
+        for t in tensors
+    )
 
 
 # A parallelized model's forward collects the claims of the operators it runs into one check at its end.

@@ -230,6 +230,8 @@ def _main_source() -> str | None:
     main = _main_module()
     spec = getattr(main, "__spec__", None)
     if spec is not None and getattr(spec, "name", None):  # `python -m package.module`
+        if spec.name == "__main__" or spec.name.endswith(".__main__"):
+            return None  # `python -m package`, a directory or a zip: multiprocessing imports none of it
         origin = getattr(spec, "origin", None)
         return origin if origin and os.path.isfile(origin) else None
     path = getattr(main, "__file__", None)
@@ -425,7 +427,11 @@ def _worker_main(
     os.environ.update(caller_env)
     for target, stream in zip((1, 2), caller_streams, strict=True):
         if stream is not None:
-            os.dup2(stream.detach(), target)
+            fd = stream.detach()
+            if fd != target:  # a forkserver's child received a copy: put it in place, keep no other
+                os.dup2(fd, target)
+                os.close(fd)
+    _reseed_numpy_if_inherited()
     # Ctrl-C reaches every process of the terminal; the parent owns it and tears the group down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A crash in native code (SIGSEGV, SIGBUS, SIGABRT) prints every thread's Python stack to stderr first,
@@ -485,12 +491,23 @@ def _caller_streams() -> tuple[_CallerFd | None, ...]:
     return tuple(streams)
 
 
+def _reseed_numpy_if_inherited() -> None:
+    """A forkserver's children inherit its NumPy global generator (Python's `random` reseeds itself at a
+    fork, NumPy's does not): draw fresh entropy, as a "spawn"ed worker starts with (`launch`'s seed, when
+    given, reseeds everything after this)."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed(int.from_bytes(os.urandom(4), "little"))
+
+
 def _thread_count(nprocs: int) -> int:
-    """OMP_NUM_THREADS when the user set it to a positive count, else the cores shared among the ranks."""
+    """OMP_NUM_THREADS when the user set it to a positive count, else the cores this process may use
+    (its affinity mask) shared among the ranks."""
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, (os.cpu_count() or 1) // nprocs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // nprocs)
 
 
 def _context() -> Any:
@@ -607,7 +624,7 @@ def _check_backend(backend: object, nprocs: int) -> None:
 def _check_timeout(timeout: object, name: str = "timeout") -> None:
     if timeout is None:
         return
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
         raise TypeError(
             f"loom.launch: {name} must be a number of seconds, or None for no limit; got {timeout!r} "
             f"({type(timeout).__name__})"
