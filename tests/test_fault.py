@@ -207,6 +207,10 @@ def test_sigkill_while_writing_a_checkpoint(uninterrupted):
     _assert_same(_final(config), expected)
 
 
+# slow: a silent rank after its steps is detected in test_silent_rank_is_taken_for_hung, a hang restarted in
+# test_a_hang_before_the_first_heartbeat_is_restarted, and loom train's restart resumes as if uninterrupted in
+# test_loom_train_restarts_after_an_injected_kill; this joins the three through loom train
+@pytest.mark.slow
 def test_hung_rank_is_detected_and_the_job_restarts(uninterrupted):
     tmp_path, expected = uninterrupted
     config = _config(tmp_path, "hang", heartbeat_timeout_s=8)

@@ -336,17 +336,21 @@ def _start_facts() -> tuple:
     return os.environ.get("LOOM_TEST_MARK"), torch.get_num_threads(), os.getcwd()
 
 
-def test_workers_take_the_callers_environment_and_directory_as_they_start(monkeypatch, tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_take_the_callers_environment_and_directory_as_they_start(monkeypatch, tmp_path, method):
     """Forked from a server that started earlier, a worker still sees the caller's environment, threads
-    setting and directory of the moment it starts, as a spawned worker would."""
-    launch(_start_facts, 1)  # the forkserver is up from here on (if it was not already)
+    setting and directory of the moment it starts, as a spawned worker does."""
+    monkeypatch.setenv("LOOM_START_METHOD", method)
+    launch(_start_facts, 1)  # with forkserver, the server is up from here on (if it was not already)
     monkeypatch.setenv("LOOM_TEST_MARK", "after the server started")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.chdir(tmp_path)
     assert launch(_start_facts, 2) == [("after the server started", 1, str(tmp_path))] * 2
 
 
-def test_workers_print_where_the_callers_output_goes_now(capfd):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_print_where_the_callers_output_goes_now(capfd, monkeypatch, method):
+    monkeypatch.setenv("LOOM_START_METHOD", method)
     launch(print, 2, "hello from a worker")
     assert capfd.readouterr().out.count("hello from a worker") == 2
 

@@ -5,13 +5,14 @@ is a group used once. Workers set torchrun's environment variables and join the 
 `env.ensure_process_group`, so user code that calls it again (or reads RANK, WORLD_SIZE, LOCAL_RANK) sees
 what it would see under torchrun.
 
-Workers are started by multiprocessing's "forkserver" where the platform has it (Linux, macOS): a server
-process, started once per caller, imports torch and loom, and each worker is a fork of it, so a group of
-4 starts in a tenth of a second instead of several seconds (each "spawn"ed worker imports torch itself);
-restarts after a failure are as quick. A worker takes the caller's environment as it is when the worker
-starts (not the server's), and then, as with "spawn", imports the caller's script as `__mp_main__`.
-`LOOM_START_METHOD=spawn` starts every worker from scratch instead; settings that torch reads once in a
-process (ATEN_CPU_CAPABILITY) are the server's, so set them before the first launch.
+Workers are started by multiprocessing's "spawn" (each imports torch itself: about 1.5 s of CPU per
+worker). `LOOM_START_METHOD=forkserver` (Linux, macOS) forks them instead from a server process, started
+once per caller, that imported torch and loom: a group of 4 then starts in a tenth of a second, and so does
+a restart after a failure. It is not the default yet: in seven runs of the test suite with it, one worker of
+a long-lived group died once of SIGSEGV, not reproduced since (workers now print their Python stacks on a
+native crash). A forked worker takes the caller's environment, directory and output as they are when it
+starts (not the server's) and, as with "spawn", imports the caller's script as `__mp_main__`; settings that
+torch reads once in a process (ATEN_CPU_CAPABILITY) are the server's, so set them before the first launch.
 
 Failures are reported as `LaunchError` subclasses and never leave a worker behind: a worker that raises
 (`WorkerError`), dies (`WorkerDiedError`, noticed at once through the process sentinels) or does not
@@ -511,11 +512,9 @@ def _thread_count(nprocs: int) -> int:
 
 
 def _context() -> Any:
-    """The multiprocessing context workers start from: "forkserver" preloaded with torch and loom where the
-    platform has it, else "spawn"; `LOOM_START_METHOD` (forkserver or spawn) chooses."""
-    method = os.environ.get("LOOM_START_METHOD", "").strip() or (
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    )
+    """The multiprocessing context workers start from: "spawn", or with `LOOM_START_METHOD=forkserver` a
+    forkserver preloaded with torch and loom (see the module docstring)."""
+    method = os.environ.get("LOOM_START_METHOD", "").strip() or "spawn"
     if method not in ("forkserver", "spawn"):
         raise ValueError(
             f"LOOM_START_METHOD={method!r}: use 'forkserver' (workers forked from a server that imported "
