@@ -185,7 +185,7 @@ def load_torch_file(source: Path | io.BytesIO, what: str | None = None, fix: str
         raise CheckpointError(f"{name}: missing; {fix}")
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # a crafted or damaged file can fail in many ways (KeyError, BadZipFile, ...)
         hint = _content_hint(source)
         if hint is not None:  # not a torch.save archive at all
             raise CheckpointError(f"{name}: not a torch.save file ({hint}); {fix}") from None
