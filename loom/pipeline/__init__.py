@@ -1,15 +1,22 @@
-"""Pipeline parallelism: stages (marked or balanced), named schedules over torch.distributed.pipelining,
+"""Pipeline parallelism: stages of any model with a sequence of blocks (its recipe) or of loom's GPT (marked or balanced), named schedules over torch.distributed.pipelining,
 per-rank timelines with the bubble fraction, and saved-activation memory per stage."""
 
+from loom.pipeline.blocks import (
+    BlockStage,
+    block_split,
+    model_pipeline,
+    source_names,
+    split_model,
+    stage_parameters,
+    tied_parameters,
+)
 from loom.pipeline.gpt import (
     GPTStage,
     gpt_loss,
     gpt_pipeline,
     materialize_stages,
     rank_stages,
-    source_names,
     split_gpt,
-    stage_parameters,
     tied_embedding,
     whole_gpt,
 )
@@ -44,6 +51,11 @@ from loom.pipeline.timeline import (
 )
 
 __all__ = [
+    "BlockStage",
+    "block_split",
+    "model_pipeline",
+    "split_model",
+    "tied_parameters",
     "pipeline_optimizer",
     "stage_grad_sync",
     "SCHEDULES",

@@ -17,9 +17,7 @@ parallelism also its cut of the sequence), made a DTensor on entry and its local
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +30,7 @@ from loom.layout.parameters import materialize
 from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.parallel.parallelize import parallelize
+from loom.pipeline.blocks import source_names
 from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
 from loom.pipeline.tied import Tied
@@ -103,47 +102,6 @@ def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[G
     groups = group_blocks(list(model.blocks))
     last = len(groups) - 1
     return [GPTStage(model, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
-
-
-def source_names(model: GPT, stage: nn.Module) -> list[str]:
-    """The model's name of each of `stage`'s parameters (in `stage.parameters()` order)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for p in stage.parameters()]
-
-
-class StageParameters(nn.Module):
-    """This rank's part of the whole model's parameters under the model's names (see `stage_parameters`).
-    `full_parameters()` has them whole in memory inside the block (at optimizer level 3 they are sharded at
-    rest), as a parallelised model's `model.loom.full_parameters()` does: checkpoints read them there."""
-
-    def __init__(self, full_parameters: Callable[[], AbstractContextManager] | None = None) -> None:
-        super().__init__()
-        self._full_parameters = full_parameters
-
-    def full_parameters(self) -> AbstractContextManager:
-        return self._full_parameters() if self._full_parameters is not None else contextlib.nullcontext()
-
-
-def stage_parameters(
-    model: GPT,
-    stages: Sequence[nn.Module],
-    full_parameters: Callable[[], AbstractContextManager] | None = None,
-) -> StageParameters:
-    """A module that holds the parameters of `stages` (the very tensors) under the model's names, empty
-    modules in between: its `state_dict` is this rank's part of the whole model's, which is what a
-    checkpoint saves, so that it loads on any other split of the model. `full_parameters`: the pipeline's
-    (`Pipeline.full_parameters`), where its parameters are sharded at rest."""
-    root = StageParameters(full_parameters)
-    for stage in stages:
-        for name, param in zip(source_names(model, stage), stage.parameters(), strict=True):
-            *path, leaf = name.split(".")
-            module = root
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]
-            module.register_parameter(leaf, param)
-    return root
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""Per-model-family recipes as data: where a model keeps its blocks, embeddings and head, and how a block is
+called, so that the parallel layer (pipeline stages, optimizer level 3) works on any model without a branch
+per family.
+
+A `Recipe` names module paths (dotted, as `model.get_submodule` takes them) and three small functions:
+`embed` (what the first pipeline stage does before the blocks), `block_inputs` (the keyword arguments every
+block takes besides the residual stream) and `call_block`. Every function reads modules through the stage
+(`stage.part(path)`) and the model's config (`stage.config`), never through the whole model, so that a stage
+holds only its own modules.
+
+Hugging Face decoder blocks take position ids, a causal mask and, with rotary positions, the `(cos, sin)`
+tables that `model.model.rotary_emb` computes. Without a padding mask these are functions of the sequence
+length alone, so each stage recomputes them from the residual stream it receives: stages exchange only the
+stream (batch, seq, hidden). Training with a padding mask is not supported by these recipes (labels of
+-100 still work: the loss ignores them).
+
+`RECIPES` maps a model's class name to its recipe; `recipe_for(model)` finds it. Other models pass their own
+`Recipe`. More fields (tensor-parallel layouts) may be added to the same entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "blocks")
+"""Where models usually keep their block list, tried in this order when no path is given."""
+
+
+class Stage(Protocol):
+    """What a recipe's functions see of a pipeline stage: its modules by the model's paths, and the config."""
+
+    config: Any
+
+    def part(self, path: str) -> nn.Module: ...
+
+
+Embed = Callable[[Stage, torch.Tensor], torch.Tensor]
+BlockInputs = Callable[[Stage, torch.Tensor], dict[str, Any]]
+CallBlock = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_in_order(paths: tuple[str, ...]) -> Embed:
+    """An `embed` that runs the modules at `paths` one after the other (a plain embedding table)."""
+
+    def embed(stage: Stage, x: torch.Tensor) -> torch.Tensor:
+        for path in paths:
+            x = stage.part(path)(x)
+        return x
+
+    return embed
+
+
+def no_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
+    """Blocks that take the residual stream alone."""
+    return {}
+
+
+def call_with_keywords(block: nn.Module, x: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """`block(x, **inputs)`; a block that returns a tuple (older Hugging Face layers) gives its first item."""
+    out = block(x, **inputs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of logits (batch, seq, vocab) against targets already shifted (batch, seq)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss (`ForCausalLMLoss`): logits at position t predict `labels[t + 1]`,
+    labels of -100 are ignored, the mean over the remaining tokens. When no label is -100 every micro-batch
+    holds as many tokens, so the mean of the micro-batches' means is the whole batch's mean."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Where a model family keeps its pieces, as module paths of the whole model, and how a stage runs them.
+
+    `blocks`: the block list (an `nn.ModuleList` or `nn.Sequential`); a pipeline stage is a contiguous run
+    of its blocks. `before`: modules the first stage runs before the blocks (embeddings); `after`: modules
+    the last stage runs after them, in order (final norm, head); `shared`: parameter-free modules every
+    stage uses (rotary tables). `embed(stage, inputs)` makes the first stage's residual stream (default: the
+    `before` modules in order); `block_inputs(stage, x)` the keyword arguments of every block, from the
+    stream's shape; `call_block(block, x, inputs)` runs one block. `loss(logits, targets)` is the family's
+    training loss, on the last stage.
+    """
+
+    family: str
+    blocks: str
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    embed: Embed | None = None
+    block_inputs: BlockInputs = no_block_inputs
+    call_block: CallBlock = call_with_keywords
+    loss: LossFn = token_cross_entropy
+    classes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        paths = (self.blocks, *self.before, *self.after, *self.shared)
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"recipe {self.family!r}: a module path appears twice in {paths}")
+        if self.embed is None:
+            object.__setattr__(self, "embed", run_in_order(self.before))
+
+    def modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Every module the recipe names, by path, checked to exist in `model`."""
+        return {
+            path: submodule(model, path, self.family)
+            for path in (self.blocks, *self.before, *self.after, *self.shared)
+        }
+
+
+def submodule(model: nn.Module, path: str, family: str) -> nn.Module:
+    """`model.get_submodule(path)`, or a `ValueError` that names the model, the path and the recipe."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(
+            f"{type(model).__name__} has no module {path!r}, which recipe {family!r} names: pass a Recipe "
+            f"whose paths match the model (see loom.models.recipes)"
+        ) from None
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
+    """The model's block list and its path: `path` when given, else the first of `BLOCK_PATHS` that is a
+    list of modules."""
+    if path is not None:
+        blocks = submodule(model, path, "given")
+        if not isinstance(blocks, nn.ModuleList | nn.Sequential):
+            raise ValueError(f"{type(model).__name__}.{path} is a {type(blocks).__name__}, not a block list")
+        return path, blocks
+    for candidate in BLOCK_PATHS:
+        try:
+            blocks = model.get_submodule(candidate)
+        except AttributeError:
+            continue
+        if isinstance(blocks, nn.ModuleList | nn.Sequential):
+            return candidate, blocks
+    raise ValueError(
+        f"{type(model).__name__} has no block list at any of {list(BLOCK_PATHS)}: pass the path of its block "
+        f"list (e.g. blocks='encoder.layers') or a Recipe (loom.models.recipes.Recipe)"
+    )
+
+
+# Hugging Face decoders: positions, masks and rotary tables recomputed on every stage from the stream's shape.
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    """Position ids (1, seq) of a batch without a cache: 0 .. seq-1."""
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The mask the model itself builds without a padding mask (None where the attention kernel applies
+    causality itself), sliding-window where the config asks for one."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    sliding = getattr(config, "sliding_window", None) is not None
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make(
+        config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+
+
+def _gpt2_embed(stage: Stage, ids: torch.Tensor) -> torch.Tensor:
+    x = stage.part("transformer.wte")(ids) + stage.part("transformer.wpe")(_positions(ids))
+    return stage.part("transformer.drop")(x)
+
+
+def _gpt2_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
+    positions = _positions(x)
+    return {"attention_mask": _causal_mask(stage.config, x, positions), "position_ids": positions}
+
+
+def _rotary_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
+    positions = _positions(x)
+    return {
+        "attention_mask": _causal_mask(stage.config, x, positions),
+        "position_ids": positions,
+        "position_embeddings": stage.part("model.rotary_emb")(x, positions),
+    }
+
+
+GPT2 = Recipe(
+    family="gpt2",
+    classes=("GPT2LMHeadModel",),
+    blocks="transformer.h",
+    before=("transformer.wte", "transformer.wpe", "transformer.drop"),
+    after=("transformer.ln_f", "lm_head"),
+    embed=_gpt2_embed,
+    block_inputs=_gpt2_block_inputs,
+    loss=causal_lm_loss,
+)
+
+LLAMA = Recipe(
+    family="llama",
+    classes=("LlamaForCausalLM", "MixtralForCausalLM"),
+    blocks="model.layers",
+    before=("model.embed_tokens",),
+    after=("model.norm", "lm_head"),
+    shared=("model.rotary_emb",),
+    block_inputs=_rotary_block_inputs,
+    loss=causal_lm_loss,
+)
+
+RECIPES: dict[str, Recipe] = {name: recipe for recipe in (GPT2, LLAMA) for name in recipe.classes}
+"""Recipes by the model's class name."""
+
+
+def recipe_for(model: nn.Module) -> Recipe:
+    """The recipe of `model`'s class, or a `ValueError` saying how to give one."""
+    name = type(model).__name__
+    if name not in RECIPES:
+        raise ValueError(
+            f"loom has no recipe for {name} (known: {sorted(RECIPES)}): pass recipe=Recipe(blocks='path.to."
+            f"blocks', before=(embedding paths...), after=(final norm, head paths...)) from "
+            f"loom.models.recipes"
+        )
+    return RECIPES[name]

@@ -1,0 +1,227 @@
+"""Pipeline stages of any model with a sequence of blocks, as its `Recipe` (`loom.models.recipes`) describes.
+
+A stage is a contiguous run of the model's blocks, plus the recipe's "before" modules (embeddings) on the
+first stage and its "after" modules (final norm, head) on the last. `BlockStage` borrows the model's own
+modules (nothing is copied), so a stage trains the very tensors of the model it came from, and its
+parameters keep the model's names through `source_names`. Stages exchange only the residual stream
+(batch, seq, hidden); whatever else a block takes (position ids, a causal mask, rotary tables) each stage
+recomputes from the stream's shape (the recipe's `block_inputs`).
+
+`model_pipeline` builds one rank's part of a pipeline over a mesh's "pp" axis from a whole model (every rank
+builds the model, then keeps running only its stages), with the loom's schedules (`Pipeline`). A
+parameter that stages on several pipeline ranks share (a head tied to the embedding table) becomes a `Tied`
+parameter whose copies take the summed gradient.
+
+A stage is an ordinary module of its model's modules, so a later pass can lay it out on its stage mesh
+(`loom.parallelize(stage, mode="semi_auto", ...)`) as the GPT's tensor-parallel stages are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from loom.dist.mesh import Mesh
+from loom.models.recipes import Recipe, recipe_for, submodule
+from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
+from loom.pipeline.stages import balanced_partition
+from loom.pipeline.tied import Tied
+
+
+class BlockStage(nn.Module):
+    """Blocks `block_indices` of `model`'s block list (as `recipe` names it), plus the recipe's "before"
+    modules when `first` and its "after" modules when `last`, and its shared parameter-free modules.
+
+    The first stage takes the model's inputs (token ids), the others the residual stream; the last returns
+    what the recipe's loss takes (logits). `copy_output`: return a copy of a stream that is a view (a
+    zero-bubble schedule detaches its stages' outputs in place, which a view does not allow).
+    """
+
+    copy_output: bool = False
+
+    def __init__(
+        self, model: nn.Module, recipe: Recipe, block_indices: Sequence[int], *, first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.recipe, self.first, self.last = recipe, first, last
+        self.block_indices = list(block_indices)
+        self.config = getattr(model, "config", None)  # what the recipe's functions read (not a module)
+        blocks = submodule(model, recipe.blocks, recipe.family)
+        self.blocks = nn.ModuleList(blocks[i] for i in self.block_indices)
+        self.parts = nn.ModuleDict()
+        paths = recipe.shared + (recipe.before if first else ()) + (recipe.after if last else ())
+        for path in paths:
+            self.parts[_key(path)] = submodule(model, path, recipe.family)
+
+    def part(self, path: str) -> nn.Module:
+        """The model's module at `path`, which this stage holds."""
+        key = _key(path)
+        if key not in self.parts:
+            raise ValueError(
+                f"recipe {self.recipe.family!r} reads module {path!r} on a stage that does not hold it: list it "
+                f"in the recipe's `before` (first stage), `after` (last stage) or `shared` (every stage)"
+            )
+        return self.parts[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.recipe.embed(self, x)
+        inputs = self.recipe.block_inputs(self, x)
+        for block in self.blocks:
+            x = self.recipe.call_block(block, x, inputs)
+        if self.last:
+            for path in self.recipe.after:
+                x = self.part(path)(x)
+        elif self.copy_output and x._base is not None:
+            x = x.clone()
+        return x
+
+
+def _key(path: str) -> str:
+    """A module path as a `ModuleDict` key (which cannot hold dots)."""
+    return path.replace(".", "_")
+
+
+def block_split(blocks: int, stages: int, split: Sequence[int] | None = None) -> list[list[int]]:
+    """The block indices of each of `stages` stages: `split` gives each stage's block count (uneven splits
+    allowed, e.g. [3, 4, 4, 3]); by default the blocks are cut evenly (the blocks of a model are alike)."""
+    if split is None:
+        if stages > blocks:
+            raise ValueError(
+                f"{stages} pipeline stages for {blocks} blocks: every stage needs a block; lower pp (or "
+                f"virtual stages) or add layers"
+            )
+        marks = balanced_partition([1.0] * blocks, stages)
+        split = [marks.count(k) for k in range(stages)]
+    split = list(split)
+    if len(split) != stages or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != blocks:
+        raise ValueError(
+            f"split {split}: give {stages} block counts (one per stage: pp x virtual), each at least 1, "
+            f"summing to the model's {blocks} blocks"
+        )
+    starts = [sum(split[:k]) for k in range(stages)]
+    return [list(range(start, start + n)) for start, n in zip(starts, split, strict=True)]
+
+
+def split_model(
+    model: nn.Module, stages: int, *, recipe: Recipe | None = None, split: Sequence[int] | None = None
+) -> list[BlockStage]:
+    """All `stages` stages of `model` (its `recipe`, by default the one of its class), blocks cut by
+    `split` (see `block_split`)."""
+    recipe = recipe or recipe_for(model)
+    blocks = submodule(model, recipe.blocks, recipe.family)
+    groups = block_split(len(blocks), stages, split)
+    last = len(groups) - 1
+    return [BlockStage(model, recipe, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
+
+
+def model_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    schedule: str,
+    microbatches: int,
+    virtual: int = 1,
+    recipe: Recipe | None = None,
+    split: Sequence[int] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    bucket_mb: float = 25.0,
+) -> Pipeline:
+    """This rank's part of `model` as a pipeline over `mesh`'s "pp" axis: `pp x virtual` stages cut by
+    `split` (see `split_model`), this rank's placed as `schedule` places them, their gradients averaged over
+    the "dp" axis in buckets of about `bucket_mb` megabytes. `loss_fn(output, targets)` on the last stage
+    defaults to the recipe's loss (a Hugging Face causal LM: its shifted cross-entropy, targets = labels).
+
+    Every rank holds the whole model; only its stages run. The stages compute on this process alone: run
+    them with no current mesh (`loom.dist.context.unsharded`, as `PipelineTrainer` does)."""
+    pp = mesh.axis_size("pp")
+    if pp == 1:
+        raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
+    if mesh.axis_size("tp") > 1:
+        raise ValueError(
+            f"model_pipeline lays out no tensor parallelism inside stages (mesh {mesh}); use a mesh of pp "
+            f"and dp axes"
+        )
+    recipe = recipe or recipe_for(model)
+    every = split_model(model, pp * virtual, recipe=recipe, split=split)
+    stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
+    for stage in stages:
+        stage.copy_output = SCHEDULES[schedule].split_backward
+    return Pipeline(
+        stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        loss_fn=loss_fn or recipe.loss,
+        group=mesh.axis_group("pp"),
+        dp_group=mesh.axis_group("dp"),
+        stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
+        tied=tied_parameters(every, schedule, mesh, virtual),
+        bucket_mb=bucket_mb,
+    )
+
+
+def tied_parameters(stages: Sequence[nn.Module], schedule: str, mesh: Mesh, virtual: int = 1) -> list[Tied]:
+    """A `Tied` for each parameter that stages on several pipeline ranks share (a head tied to the
+    embedding table), in the model's order: its copies are reduced on the group of those pipeline ranks'
+    data-parallel replicas. Shared by stages of one rank only (a V placement puts the first and the last
+    stage on rank 0), a parameter is one tensor there and needs none. A collective call on every rank."""
+    pp = mesh.axis_size("pp")
+    rank_of = {k: r for r in range(pp) for k in stage_indices(schedule, r, pp, virtual)}
+    holders: dict[nn.Parameter, set[int]] = {}
+    for k, stage in enumerate(stages):
+        for param in stage.parameters():
+            holders.setdefault(param, set()).add(rank_of[k])
+    here = mesh.axis_rank("pp")
+    tied = []
+    for param, ranks in holders.items():
+        if len(ranks) < 2:
+            continue
+        vary = {"pp": tuple(sorted(ranks))} | ({"dp": None} if "dp" in mesh.shape.names else {})
+        group = mesh.group(vary)
+        tied.append(Tied(param=param if here in ranks else None, holders=len(ranks), group=group))
+    return tied
+
+
+def source_names(model: nn.Module, stage: nn.Module) -> list[str]:
+    """The model's name of each of `stage`'s parameters (in `stage.parameters()` order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for p in stage.parameters()]
+
+
+class StageParameters(nn.Module):
+    """This rank's part of the whole model's parameters under the model's names (see `stage_parameters`).
+    `full_parameters()` has them whole in memory inside the block (at optimizer level 3 they are sharded at
+    rest), as a parallelised model's `model.loom.full_parameters()` does: checkpoints read them there."""
+
+    def __init__(self, full_parameters: Callable[[], AbstractContextManager] | None = None) -> None:
+        super().__init__()
+        self._full_parameters = full_parameters
+
+    def full_parameters(self) -> AbstractContextManager:
+        return self._full_parameters() if self._full_parameters is not None else contextlib.nullcontext()
+
+
+def stage_parameters(
+    model: nn.Module,
+    stages: Sequence[nn.Module],
+    full_parameters: Callable[[], AbstractContextManager] | None = None,
+) -> StageParameters:
+    """A module that holds the parameters of `stages` (the very tensors) under the model's names, empty
+    modules in between: its `state_dict` is this rank's part of the whole model's, which is what a
+    checkpoint saves, so that it loads on any other split of the model. `full_parameters`: the pipeline's
+    (`Pipeline.full_parameters`), where its parameters are sharded at rest."""
+    root = StageParameters(full_parameters)
+    for stage in stages:
+        for name, param in zip(source_names(model, stage), stage.parameters(), strict=True):
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, nn.Module())
+                module = module._modules[part]
+            module.register_parameter(leaf, param)
+    return root

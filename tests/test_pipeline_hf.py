@@ -1,0 +1,200 @@
+"""Tier 2: Hugging Face GPT-2 and Llama (built offline from a config, unedited, fp32, sdpa attention) cut into
+pipeline stages by their recipes train like one device: 3 Lipschitz AdamW steps (tests/equivalence.py) give
+the one-device losses and gradients (rtol `RTOL`) and parameters (`param_atol`), pp=2 (even and uneven
+splits) and dp=2 x pp=2; optimizer level 3 (parameters sharded at rest) for Llama dp=2 x pp=2 and for GPT-2
+dp=2 without a pipeline. The loss is the model's own causal LM loss, on the last stage."""
+
+import pytest
+import torch
+from equivalence import ADAMW, RTOL, adamw, assert_params_close
+
+import loom
+from loom.dist.context import unsharded
+from loom.models.recipes import RECIPES, Recipe, find_blocks, recipe_for
+from loom.parallel import make_optimizer
+from loom.parallel.zero3 import model_units
+from loom.pipeline import block_split, model_pipeline, pipeline_optimizer, source_names, split_model
+from loom.train.pipeline_trainer import PipelineTrainer
+from loom.train.trainer import global_mean
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 128
+
+
+def build(family: str) -> torch.nn.Module:
+    """The tiny model of `family`, initialised from seed 0 (the same values in every process)."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def batches() -> list[torch.Tensor]:
+    """The runs' token ids, one (BATCH, SEQ) tensor per step; the labels are the ids (the model shifts)."""
+    generator = torch.Generator().manual_seed(0)
+    return list(torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=generator))
+
+
+def reference(family: str) -> tuple:
+    """One device, the model's own forward and loss: losses, gradients, parameters after `STEPS` steps."""
+    model = build(family)
+    optimizer, losses, grads = adamw(model.parameters()), [], []
+    for ids in batches():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def pipeline_case(family: str, dp: int, level: int, schedule: str, split: list[int] | None) -> tuple:
+    """A worker's run through `PipelineTrainer`: losses, gradients by the model's names (level 0: whole;
+    above: none, the gradient norms instead), this rank's parameters, and whether they rest sharded."""
+    mesh = loom.init({"pp": 2, "dp": dp})
+    with unsharded():
+        model = build(family)
+    pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split)
+    optimizer = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
+    names = {
+        id(p): n
+        for stage in pipe.modules
+        for n, p in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
+    grads = []
+    step = optimizer.step
+
+    def recording_step(*args, **kwargs):  # the step's reduced gradients, before the update
+        grads.append({names[id(p)]: p.grad.clone() for p in pipe.parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    optimizer.step = recording_step
+    trainer = PipelineTrainer(pipe, optimizer)
+    rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+    metrics = [trainer.train_step([(rows(ids), rows(ids))]) for ids in batches()]
+    sharded = pipe.sharding is not None and all(
+        p.untyped_storage().nbytes() == 0 for bucket in pipe.grad_sync.buckets for p in bucket.params
+    )
+    with pipe.full_parameters():
+        params = {names[id(p)]: p.detach().clone() for p in pipe.parameters()}
+    return [m.loss for m in metrics], [m.grad_norm for m in metrics], grads, params, sharded
+
+
+def _norm(grads: dict) -> float:
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+
+
+def assert_matches(family: str, results: list[tuple], level: int) -> None:
+    """Every rank's losses, gradient norms, gradients (level 0) and parameters are one device's."""
+    losses, grads, params = reference(family)
+    for rank_losses, norms, rank_grads, rank_params, _ in results:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(losses), rtol=RTOL, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(norms), torch.tensor([_norm(g) for g in grads]), rtol=RTOL, atol=0
+        )
+        if level == 0:
+            for got, expected in zip(rank_grads, grads, strict=True):
+                for name, grad in got.items():
+                    torch.testing.assert_close(grad, expected[name], rtol=RTOL, atol=1e-7, msg=name)
+        assert_params_close(rank_params, {n: params[n] for n in rank_params}, lr=ADAMW["lr"], steps=STEPS)
+    every = {name for *_, rank_params, _ in results for name in rank_params}
+    assert every == set(params), "the stages hold every parameter of the model"
+    if level == 0:
+        compared = {name for _, _, rank_grads, _, _ in results for name in rank_grads[0]}
+        assert compared == set(params), "every gradient is compared"
+
+
+CASES = [  # (family, dp, level, schedule, split)
+    ("gpt2", 1, 0, "1f1b", None),
+    ("llama", 1, 0, "gpipe", [1, 3]),
+    ("gpt2", 2, 0, "1f1b", None),
+    ("llama", 2, 0, "1f1b", [3, 1]),
+    ("llama", 2, 3, "1f1b", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "dp", "level", "schedule", "split"),
+    CASES,
+    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split in CASES],
+)
+def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split):
+    results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split)
+    assert_matches(family, results, level)
+    if level == 3:  # every bucketed parameter holds no memory between steps
+        assert all(sharded for *_, sharded in results)
+
+
+def data_parallel_level3_case(family: str) -> tuple:
+    """dp=2 without a pipeline at optimizer level 3: losses, gradient norms (none: sharded), parameters."""
+    mesh = loom.init({"dp": 2})
+    model = build(family)
+    loom.parallelize(model, mode="data_parallel")
+    optimizer = make_optimizer(model, torch.optim.AdamW, 3, **ADAMW)
+    losses = []
+    for ids in batches():
+        rows = ids.chunk(2)[mesh.dp_rank()]
+        loss = model(rows, labels=rows).loss
+        loss.backward()
+        losses.append(global_mean([loss.detach()]))
+        optimizer.step()
+        optimizer.zero_grad()
+    resting = [p.untyped_storage().nbytes() for p in model.transformer.h.parameters()]
+    with model.loom.full_parameters():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    units = [type(u).__name__ for u in optimizer.sharding.units]
+    return losses, [], [], params, sum(resting) == 0 and units
+
+
+def test_gpt2_data_parallel_at_level_3_matches_one_device(dist_run):
+    results = dist_run(2, data_parallel_level3_case, "gpt2")
+    losses, _, params = reference("gpt2")
+    for rank_losses, _, _, rank_params, units in results:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(losses), rtol=RTOL, atol=0)
+        assert_params_close(rank_params, params, lr=ADAMW["lr"], steps=STEPS)
+        # each block, the position table and the final norm are units; the tied table and head stay in
+        # the root; the blocks rest sharded
+        assert units == ["GPT2Block"] * 4 + ["Embedding", "LayerNorm", "GPT2LMHeadModel"], units
+
+
+def test_recipes_find_every_module_and_cut_uneven_splits():
+    for family in ("gpt2", "llama"):
+        model = build(family)
+        recipe = recipe_for(model)
+        assert recipe is RECIPES[type(model).__name__]
+        recipe.modules(model)  # every path exists
+        stages = split_model(model, 3, split=[1, 2, 1])
+        assert [s.block_indices for s in stages] == [[0], [1, 2], [3]]
+        assert [(s.first, s.last) for s in stages] == [(True, False), (False, False), (False, True)]
+        ids = batches()[0]
+        x = ids
+        for stage in stages:
+            x = stage(x)
+        torch.testing.assert_close(x, model(ids).logits, rtol=0, atol=0)  # the same operations
+    assert block_split(14, 4, [3, 4, 4, 3]) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13]]
+    assert sorted(len(group) for group in block_split(14, 4)) == [3, 3, 4, 4]  # even by default
+    assert find_blocks(build("llama"))[0] == "model.layers"
+
+
+def test_models_without_a_recipe_and_bad_splits_are_clear_errors():
+    with pytest.raises(ValueError, match=r"no recipe for Linear .*Recipe\(blocks="):
+        split_model(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match=r"has no block list at any of .*pass the path of its block list"):
+        find_blocks(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"has no module 'model.layers', which recipe 'mine' names"):
+        split_model(torch.nn.Linear(2, 2), 2, recipe=Recipe(family="mine", blocks="model.layers"))
+    with pytest.raises(ValueError, match=r"split \[1, 2\]: give 2 block counts .* summing to the model's 4"):
+        split_model(build("llama"), 2, split=[1, 2])
+    with pytest.raises(ValueError, match="5 pipeline stages for 4 blocks"):
+        split_model(build("llama"), 5)
+    assert len(model_units(build("llama"))) == 4 + 3 + 1  # blocks, embedding, norm, head, root
