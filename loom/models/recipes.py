@@ -2,11 +2,12 @@
 called, so that the parallel layer (pipeline stages, optimizer level 3) works on any model without a branch
 per family.
 
-A `Recipe` names module paths (dotted, as `model.get_submodule` takes them) and three small functions:
-`embed` (what the first pipeline stage does before the blocks), `block_inputs` (the keyword arguments every
-block takes besides the residual stream) and `call_block`. Every function reads modules through the stage
+A `Recipe` names paths of the model's modules, parameters or buffers (dotted, as `model.get_submodule`
+takes them; or other callables they hold, such as loom's primitives) and four small functions: `embed` (what the first pipeline stage does before the blocks),
+`block_inputs` (the keyword arguments every block takes besides the residual stream), `call_block` and
+`finish` (what the last stage does after them). Every function reads the model's pieces through the stage
 (`stage.part(path)`) and the model's config (`stage.config`), never through the whole model, so that a stage
-holds only its own modules.
+holds only its own pieces.
 
 Hugging Face decoder blocks take position ids, a causal mask and, with rotary positions, the `(cos, sin)`
 tables that `model.model.rotary_emb` computes. Without a padding mask these are functions of the sequence
@@ -14,8 +15,10 @@ length alone, so each stage recomputes them from the residual stream it receives
 stream (batch, seq, hidden). Training with a padding mask is not supported by these recipes (labels of
 -100 still work: the loss ignores them).
 
-`RECIPES` maps a model's class name to its recipe; `recipe_for(model)` finds it. Other models pass their own
-`Recipe`. More fields (tensor-parallel layouts) may be added to the same entries.
+`RECIPES` maps a model's class name to its recipe, or to a function of the model that makes it where the
+layout depends on the model's config (loom's GPT: learned or rotary positions, a tied head);
+`recipe_for(model)` finds it. Other models pass their own `Recipe`. More fields (tensor-parallel layouts)
+may be added to the same entries.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Stage(Protocol):
 
     config: Any
 
-    def part(self, path: str) -> nn.Module: ...
+    def part(self, path: str) -> Any: ...
 
 
 Embed = Callable[[Stage, torch.Tensor], torch.Tensor]
@@ -46,7 +49,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def run_in_order(paths: tuple[str, ...]) -> Embed:
-    """An `embed` that runs the modules at `paths` one after the other (a plain embedding table)."""
+    """A function of a stage and a tensor that runs the modules at `paths` one after the other (a plain
+    embedding table; a final norm and a head)."""
 
     def embed(stage: Stage, x: torch.Tensor) -> torch.Tensor:
         for path in paths:
@@ -83,15 +87,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """Where a model family keeps its pieces, as module paths of the whole model, and how a stage runs them.
+    """Where a model family keeps its pieces, as paths in the whole model, and how a stage runs them.
 
     `blocks`: the block list (an `nn.ModuleList` or `nn.Sequential`); a pipeline stage is a contiguous run
-    of its blocks. `before`: modules the first stage runs before the blocks (embeddings); `after`: modules
-    the last stage runs after them, in order (final norm, head); `shared`: parameter-free modules every
-    stage uses (rotary tables). `embed(stage, inputs)` makes the first stage's residual stream (default: the
-    `before` modules in order); `block_inputs(stage, x)` the keyword arguments of every block, from the
-    stream's shape; `call_block(block, x, inputs)` runs one block. `loss(logits, targets)` is the family's
-    training loss, on the last stage.
+    of its blocks. `before`: what the first stage uses before the blocks (embeddings); `after`: what the
+    last stage uses after them (final norm, head; a table tied to the embedding is in both); `shared`:
+    parameter-free pieces every stage uses (rotary tables, a causal mask). Paths name modules, parameters or
+    buffers. `embed(stage, inputs)` makes the first stage's residual stream (default: the `before` modules
+    in order); `block_inputs(stage, x)` the keyword arguments of every block, from the stream's shape;
+    `call_block(block, x, inputs)` runs one block; `finish(stage, x)` makes the last stage's output
+    (default: the `after` modules in order). `loss(output, targets)` is the family's training loss, on the
+    last stage.
     """
 
     family: str
@@ -102,22 +108,28 @@ class Recipe:
     embed: Embed | None = None
     block_inputs: BlockInputs = no_block_inputs
     call_block: CallBlock = call_with_keywords
+    finish: Embed | None = None
     loss: LossFn = token_cross_entropy
     classes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        paths = (self.blocks, *self.before, *self.after, *self.shared)
-        if len(set(paths)) != len(paths):
-            raise ValueError(f"recipe {self.family!r}: a module path appears twice in {paths}")
+        for group in (self.before, self.after, self.shared):
+            if len(set(group)) != len(group) or self.blocks in group:
+                raise ValueError(
+                    f"recipe {self.family!r}: a path appears twice in {group} (blocks {self.blocks!r})"
+                )
+        if set(self.shared) & set(self.before + self.after):
+            raise ValueError(
+                f"recipe {self.family!r}: shared pieces {self.shared} are on every stage already"
+            )
         if self.embed is None:
             object.__setattr__(self, "embed", run_in_order(self.before))
+        if self.finish is None:
+            object.__setattr__(self, "finish", run_in_order(self.after))
 
-    def modules(self, model: nn.Module) -> dict[str, nn.Module]:
-        """Every module the recipe names, by path, checked to exist in `model`."""
-        return {
-            path: submodule(model, path, self.family)
-            for path in (self.blocks, *self.before, *self.after, *self.shared)
-        }
+    def parts(self, model: nn.Module) -> dict[str, Any]:
+        """Every piece the recipe names besides the blocks, by path, checked to exist in `model`."""
+        return {path: piece(model, path, self.family) for path in (*self.before, *self.after, *self.shared)}
 
 
 def submodule(model: nn.Module, path: str, family: str) -> nn.Module:
@@ -129,6 +141,18 @@ def submodule(model: nn.Module, path: str, family: str) -> nn.Module:
             f"{type(model).__name__} has no module {path!r}, which recipe {family!r} names: pass a Recipe "
             f"whose paths match the model (see loom.models.recipes)"
         ) from None
+
+
+def piece(model: nn.Module, path: str, family: str) -> Any:
+    """The module, parameter, buffer or other callable (a loom primitive) at `path` of `model`, or a
+    `ValueError` as `submodule` gives."""
+    owner, _, leaf = path.rpartition(".")
+    parent = submodule(model, owner, family) if owner else model
+    if leaf in parent._parameters or leaf in parent._buffers or leaf in parent._modules:
+        return getattr(parent, leaf)
+    if callable(getattr(parent, leaf, None)) and not hasattr(type(parent), leaf):  # not a method
+        return getattr(parent, leaf)
+    return submodule(model, path, family)
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
@@ -213,17 +237,75 @@ LLAMA = Recipe(
     loss=causal_lm_loss,
 )
 
-RECIPES: dict[str, Recipe] = {name: recipe for recipe in (GPT2, LLAMA) for name in recipe.classes}
-"""Recipes by the model's class name."""
+
+def _gpt_embed(stage: Stage, ids: torch.Tensor) -> torch.Tensor:
+    x = stage.part("lookup")(stage.part("embedding"), ids)
+    if stage.config.positions == "rotary":
+        return stage.part("enter")(x)
+    return stage.part("add_positions")(x, stage.part("positions")[: ids.shape[1]])
+
+
+def _gpt_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
+    seq = x.shape[1]
+    rotary = stage.config.positions == "rotary"
+    rope = (stage.part("rope_cos")[:seq], stage.part("rope_sin")[:seq]) if rotary else None
+    return {"mask": stage.part("causal_mask")[:seq, :seq], "rope": rope}
+
+
+def _gpt_finish(stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    head = stage.part("embedding" if stage.config.tie_embeddings else "head")
+    return stage.part("logits")(
+        stage.part("norm")(x), head
+    )  # on a stage mesh a DTensor, as the loss takes it
+
+
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from loom.models.gpt import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, targets)
+
+
+def gpt_recipe(model: nn.Module) -> Recipe:
+    """loom's GPT (`loom.models.gpt.GPT`): the token table and its lookup (and the learned positions, or
+    the identity that lays out the stream for rotary ones) before the blocks; the final norm and the logits
+    against the head (the token table itself when tied) after them; the causal mask and rotary tables on
+    every stage. Targets are shifted already."""
+    config = model.config
+    learned = config.positions == "learned"
+    tables = ("causal_mask",) + (() if learned else ("rope_cos", "rope_sin"))
+    return Recipe(
+        family="gpt",
+        blocks="blocks",
+        before=("embedding", "lookup") + (("positions", "add_positions") if learned else ("enter",)),
+        after=("norm", "logits", "embedding" if config.tie_embeddings else "head"),
+        shared=tables,
+        embed=_gpt_embed,
+        block_inputs=_gpt_block_inputs,
+        finish=_gpt_finish,
+        loss=_gpt_loss,
+    )
+
+
+RECIPES: dict[str, Recipe | Callable[[nn.Module], Recipe]] = {
+    **{name: recipe for recipe in (GPT2, LLAMA) for name in recipe.classes},
+    "GPT": gpt_recipe,
+}
+"""Recipes by the model's class name: a recipe, or a function of the model that makes it."""
+
+
+def known_recipe(model: nn.Module) -> Recipe | None:
+    """The recipe of `model`'s class, None when loom has none."""
+    entry = RECIPES.get(type(model).__name__)
+    return entry if entry is None or isinstance(entry, Recipe) else entry(model)
 
 
 def recipe_for(model: nn.Module) -> Recipe:
     """The recipe of `model`'s class, or a `ValueError` saying how to give one."""
-    name = type(model).__name__
-    if name not in RECIPES:
+    recipe = known_recipe(model)
+    if recipe is None:
         raise ValueError(
-            f"loom has no recipe for {name} (known: {sorted(RECIPES)}): pass recipe=Recipe(blocks='path.to."
-            f"blocks', before=(embedding paths...), after=(final norm, head paths...)) from "
-            f"loom.models.recipes"
+            f"loom has no recipe for {type(model).__name__} (known: {sorted(RECIPES)}): pass "
+            f"recipe=Recipe(blocks='path.to.blocks', before=(embedding paths...), after=(final norm, head "
+            f"paths...)) from loom.models.recipes"
         )
-    return RECIPES[name]
+    return recipe

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from loom.models.recipes import RECIPES, Recipe, submodule
+from loom.models.recipes import Recipe, known_recipe, piece, submodule
 from loom.parallel.grad_sync import GradSync
 
 
@@ -38,14 +38,16 @@ def model_units(model: nn.Module, recipe: Recipe | None = None) -> list[nn.Modul
     each block, then each module the recipe puts before or after the blocks, then the model itself; else
     `default_units`.
 
-    A module whose parameters another unit also uses (a head tied to the embedding table) is no unit of its
+    Only modules are units (a parameter a recipe names directly stays in the root). A module whose
+    parameters another unit also uses (a head tied to the embedding table) is no unit of its
     own: a unit's parameters are freed after its forward, while the other user still needs them. Such
     modules stay in the root unit, gathered through the model's whole forward."""
-    recipe = recipe or RECIPES.get(type(model).__name__)
+    recipe = recipe or known_recipe(model)
     if recipe is None:
         return default_units(model)
     blocks = list(submodule(model, recipe.blocks, recipe.family))
-    ends = [submodule(model, path, recipe.family) for path in (*recipe.before, *recipe.after)]
+    paths = dict.fromkeys((*recipe.before, *recipe.after))
+    ends = [m for m in (piece(model, path, recipe.family) for path in paths) if isinstance(m, nn.Module)]
     uses: dict[nn.Parameter, int] = {}
     for unit in blocks + ends:
         for param in dict.fromkeys(unit.parameters()):

@@ -11,13 +11,12 @@ from loom.pipeline.blocks import (
     tied_parameters,
 )
 from loom.pipeline.gpt import (
-    GPTStage,
     gpt_loss,
     gpt_pipeline,
+    gpt_stage,
     materialize_stages,
     rank_stages,
     split_gpt,
-    tied_embedding,
     whole_gpt,
 )
 from loom.pipeline.memory import SavedActivations
@@ -60,7 +59,6 @@ __all__ = [
     "stage_grad_sync",
     "SCHEDULES",
     "Event",
-    "GPTStage",
     "Pipeline",
     "Recorder",
     "SavedActivations",
@@ -71,6 +69,7 @@ __all__ = [
     "bubble_fraction",
     "gpt_loss",
     "gpt_pipeline",
+    "gpt_stage",
     "group_blocks",
     "materialize_stages",
     "measured_costs",
@@ -85,7 +84,6 @@ __all__ = [
     "stage_of_blocks",
     "step_bubbles",
     "stage_parameters",
-    "tied_embedding",
     "theoretical_bubble",
     "whole_gpt",
     "validate_microbatches",

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Placement
 
 from loom.dist.mesh import Mesh
-from loom.models.recipes import Recipe, recipe_for, submodule
+from loom.models.recipes import Recipe, piece, recipe_for, submodule
 from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition
 from loom.pipeline.tied import Tied
@@ -34,13 +36,17 @@ from loom.pipeline.tied import Tied
 
 class BlockStage(nn.Module):
     """Blocks `block_indices` of `model`'s block list (as `recipe` names it), plus the recipe's "before"
-    modules when `first` and its "after" modules when `last`, and its shared parameter-free modules.
+    pieces when `first`, its "after" pieces when `last`, and its shared ones (the model's own modules,
+    parameters and buffers, under `parts`).
 
     The first stage takes the model's inputs (token ids), the others the residual stream; the last returns
-    what the recipe's loss takes (logits). `copy_output`: return a copy of a stream that is a view (a
-    zero-bubble schedule detaches its stages' outputs in place, which a view does not allow).
+    what the recipe's loss takes (logits). A stage laid out on a stage mesh (tensor parallelism inside
+    stages) has `boundary`, the placements of the residual stream it exchanges as local tensors (torch's
+    schedules send plain tensors). `copy_output`: send a copy of the stream (a zero-bubble schedule detaches
+    its stages' outputs in place, which a view of the stream does not allow).
     """
 
+    boundary: tuple[Placement, ...] | None = None
     copy_output: bool = False
 
     def __init__(
@@ -52,20 +58,20 @@ class BlockStage(nn.Module):
         self.config = getattr(model, "config", None)  # what the recipe's functions read (not a module)
         blocks = submodule(model, recipe.blocks, recipe.family)
         self.blocks = nn.ModuleList(blocks[i] for i in self.block_indices)
-        self.parts = nn.ModuleDict()
+        self.parts = nn.Module()
         paths = recipe.shared + (recipe.before if first else ()) + (recipe.after if last else ())
-        for path in paths:
-            self.parts[_key(path)] = submodule(model, path, recipe.family)
+        for path in dict.fromkeys(paths):  # a table tied to the head is in both before and after
+            _borrow(self.parts, _key(path), piece(model, path, recipe.family))
 
-    def part(self, path: str) -> nn.Module:
-        """The model's module at `path`, which this stage holds."""
+    def part(self, path: str) -> Any:
+        """The model's module, parameter, buffer or primitive at `path`, which this stage holds."""
         key = _key(path)
-        if key not in self.parts:
+        if not hasattr(self.parts, key):
             raise ValueError(
-                f"recipe {self.recipe.family!r} reads module {path!r} on a stage that does not hold it: list it "
-                f"in the recipe's `before` (first stage), `after` (last stage) or `shared` (every stage)"
+                f"recipe {self.recipe.family!r} reads {path!r} on a stage that does not hold it: list it in "
+                f"the recipe's `before` (first stage), `after` (last stage) or `shared` (every stage)"
             )
-        return self.parts[key]
+        return getattr(self.parts, key)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -74,16 +80,31 @@ class BlockStage(nn.Module):
         for block in self.blocks:
             x = self.recipe.call_block(block, x, inputs)
         if self.last:
-            for path in self.recipe.after:
-                x = self.part(path)(x)
-        elif self.copy_output and x._base is not None:
+            return self.recipe.finish(self, x)
+        if self.boundary is not None:  # this rank's piece of the stream, as a plain tensor
+            x = x.redistribute(x.device_mesh, self.boundary).to_local()
+        if self.copy_output and (self.boundary is not None or x._base is not None):
             x = x.clone()
         return x
 
 
 def _key(path: str) -> str:
-    """A module path as a `ModuleDict` key (which cannot hold dots)."""
+    """A path as an attribute name of `BlockStage.parts` (which cannot hold dots)."""
     return path.replace(".", "_")
+
+
+def _borrow(parts: nn.Module, key: str, borrowed: object) -> None:
+    """Register the model's own module, parameter or buffer in `parts` (the very object: nothing is
+    copied; a buffer stays out of the stage's state, as the model's constant tables are); anything else
+    (a loom primitive) is a plain attribute."""
+    if isinstance(borrowed, nn.Module):
+        parts.add_module(key, borrowed)
+    elif isinstance(borrowed, nn.Parameter):
+        parts.register_parameter(key, borrowed)
+    elif isinstance(borrowed, torch.Tensor):
+        parts.register_buffer(key, borrowed, persistent=False)
+    else:
+        setattr(parts, key, borrowed)
 
 
 def block_split(blocks: int, stages: int, split: Sequence[int] | None = None) -> list[list[int]]:
