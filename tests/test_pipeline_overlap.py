@@ -156,7 +156,9 @@ def one_path_case(dp: int, tp: int):
     finally:
         for name, function in saved.items():
             setattr(dist, name, function)
-    shared_tables = all(stage.part("causal_mask") is pipe.modules[0].part("causal_mask") for stage in pipe.modules)
+    shared_tables = all(
+        stage.part("causal_mask") is pipe.modules[0].part("causal_mask") for stage in pipe.modules
+    )
     return calls, len(pipe.grad_sync.buckets), shared_tables, any(s.copy_output for s in pipe.modules)
 
 
