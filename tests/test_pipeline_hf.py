@@ -4,6 +4,8 @@ the one-device losses and gradients (rtol `RTOL`) and parameters (`param_atol`),
 splits) and dp=2 x pp=2; optimizer level 3 (parameters sharded at rest) for Llama dp=2 x pp=2 and for GPT-2
 dp=2 without a pipeline. The loss is the model's own causal LM loss, on the last stage."""
 
+import functools
+
 import pytest
 import torch
 from equivalence import ADAMW, RTOL, adamw, assert_params_close
@@ -25,6 +27,13 @@ STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 128
 def build(family: str) -> torch.nn.Module:
     """The tiny model of `family`, initialised from seed 0 (the same values in every process)."""
     torch.manual_seed(0)
+    if family == "mixtral":  # experts replicated (no expert parallelism here)
+        config = transformers.MixtralConfig(
+            num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=4,
+            num_experts_per_tok=2, attn_implementation="sdpa",
+        )  # fmt: skip
+        return transformers.MixtralForCausalLM(config)
     if family == "gpt2":
         config = transformers.GPT2Config(
             n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
@@ -44,6 +53,7 @@ def batches() -> list[torch.Tensor]:
     return list(torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=generator))
 
 
+@functools.cache
 def reference(family: str) -> tuple:
     """One device, the model's own forward and loss: losses, gradients, parameters after `STEPS` steps."""
     model = build(family)
@@ -58,13 +68,15 @@ def reference(family: str) -> tuple:
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def pipeline_case(family: str, dp: int, level: int, schedule: str, split: list[int] | None) -> tuple:
+def pipeline_case(
+    family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1
+) -> tuple:
     """A worker's run through `PipelineTrainer`: losses, gradients by the model's names (level 0: whole;
     above: none, the gradient norms instead), this rank's parameters, and whether they rest sharded."""
     mesh = loom.init({"pp": 2, "dp": dp})
     with unsharded():
         model = build(family)
-    pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split)
+    pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split, virtual=virtual)
     optimizer = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
     names = {
         id(p): n
@@ -114,22 +126,26 @@ def assert_matches(family: str, results: list[tuple], level: int) -> None:
         assert compared == set(params), "every gradient is compared"
 
 
-CASES = [  # (family, dp, level, schedule, split)
-    ("gpt2", 1, 0, "1f1b", None),
-    ("llama", 1, 0, "gpipe", [1, 3]),
-    ("gpt2", 2, 0, "1f1b", None),
-    ("llama", 2, 0, "1f1b", [3, 1]),
-    ("llama", 2, 3, "1f1b", None),
+CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
+    ("gpt2", 1, 0, "1f1b", None, 1),  # tied head: copies on both pipeline ranks
+    ("llama", 1, 0, "gpipe", [1, 3], 1),
+    ("mixtral", 1, 0, "1f1b", None, 1),
+    ("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2),
+    ("llama", 1, 0, "zbv", None, 2),  # V: the first and the last stage on rank 0
+    ("gpt2", 2, 0, "1f1b", None, 1),
+    ("llama", 2, 0, "1f1b", [3, 1], 1),
+    ("llama", 2, 3, "1f1b", None, 1),
+    ("gpt2", 2, 3, "1f1b", None, 1),  # level 3 with tied copies on two pipeline ranks
 ]
 
 
 @pytest.mark.parametrize(
-    ("family", "dp", "level", "schedule", "split"),
+    ("family", "dp", "level", "schedule", "split", "virtual"),
     CASES,
-    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split in CASES],
+    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split, _ in CASES],
 )
-def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split):
-    results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split)
+def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split, virtual):
+    results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split, virtual)
     assert_matches(family, results, level)
     if level == 3:  # every bucketed parameter holds no memory between steps
         assert all(sharded for *_, sharded in results)
