@@ -23,6 +23,7 @@ may be added to the same entries.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -97,7 +98,7 @@ class Recipe:
     in order); `block_inputs(stage, x)` the keyword arguments of every block, from the stream's shape;
     `call_block(block, x, inputs)` runs one block; `finish(stage, x)` makes the last stage's output
     (default: the `after` modules in order). `loss(output, targets)` is the family's training loss, on the
-    last stage.
+    last stage; `check(model)` raises a `ValueError` for a model the recipe cannot run as configured.
     """
 
     family: str
@@ -110,6 +111,7 @@ class Recipe:
     call_block: CallBlock = call_with_keywords
     finish: Embed | None = None
     loss: LossFn = token_cross_entropy
+    check: Callable[[nn.Module], None] | None = None
     classes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -228,7 +230,7 @@ GPT2 = Recipe(
 
 LLAMA = Recipe(
     family="llama",
-    classes=("LlamaForCausalLM", "MixtralForCausalLM"),
+    classes=("LlamaForCausalLM",),
     blocks="model.layers",
     before=("model.embed_tokens",),
     after=("model.norm", "lm_head"),
@@ -236,6 +238,17 @@ LLAMA = Recipe(
     block_inputs=_rotary_block_inputs,
     loss=causal_lm_loss,
 )
+
+
+def _no_router_loss(model: nn.Module) -> None:
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"{type(model).__name__} with output_router_logits=True adds the router's auxiliary loss, which "
+            f"pipeline stages do not compute: set config.output_router_logits = False"
+        )
+
+
+MIXTRAL = dataclasses.replace(LLAMA, family="mixtral", classes=("MixtralForCausalLM",), check=_no_router_loss)
 
 
 def _gpt_embed(stage: Stage, ids: torch.Tensor) -> torch.Tensor:
@@ -287,7 +300,7 @@ def gpt_recipe(model: nn.Module) -> Recipe:
 
 
 RECIPES: dict[str, Recipe | Callable[[nn.Module], Recipe]] = {
-    **{name: recipe for recipe in (GPT2, LLAMA) for name in recipe.classes},
+    **{name: recipe for recipe in (GPT2, LLAMA, MIXTRAL) for name in recipe.classes},
     "GPT": gpt_recipe,
 }
 """Recipes by the model's class name: a recipe, or a function of the model that makes it."""

@@ -134,6 +134,8 @@ def split_model(
     """All `stages` stages of `model` (its `recipe`, by default the one of its class), blocks cut by
     `split` (see `block_split`)."""
     recipe = recipe or recipe_for(model)
+    if recipe.check is not None:
+        recipe.check(model)
     blocks = submodule(model, recipe.blocks, recipe.family)
     groups = block_split(len(blocks), stages, split)
     last = len(groups) - 1
