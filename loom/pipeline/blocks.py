@@ -172,17 +172,40 @@ def model_pipeline(
     recipe = recipe or recipe_for(model)
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
+    return rank_pipeline(
+        stages, every, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
+        loss_fn=loss_fn or recipe.loss, bucket_mb=bucket_mb,
+    )  # fmt: skip
+
+
+def rank_pipeline(
+    stages: Sequence[BlockStage],
+    every: Sequence[BlockStage],
+    mesh: Mesh,
+    *,
+    schedule: str,
+    microbatches: int,
+    virtual: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stage_mesh: Mesh | None = None,
+    bucket_mb: float = 25.0,
+) -> Pipeline:
+    """The `Pipeline` of this rank's `stages` on `mesh`: its pipeline group on "pp", the stages' replicas on
+    "dp", the copies of parameters shared by stages on several ranks (found in `every`, all the model's
+    stages) tied. `stage_mesh`: the mesh the stages are laid out on, if any (tensor parallelism inside
+    stages)."""
     for stage in stages:
         stage.copy_output = SCHEDULES[schedule].split_backward
     return Pipeline(
         stages,
         schedule=schedule,
         microbatches=microbatches,
-        loss_fn=loss_fn or recipe.loss,
+        loss_fn=loss_fn,
         group=mesh.axis_group("pp"),
         dp_group=mesh.axis_group("dp"),
         stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
         tied=tied_parameters(every, schedule, mesh, virtual),
+        mesh=stage_mesh,
         bucket_mb=bucket_mb,
     )
 

@@ -32,8 +32,8 @@ from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.models.recipes import gpt_recipe
 from loom.parallel.parallelize import parallelize
-from loom.pipeline.blocks import BlockStage, source_names, tied_parameters
-from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
+from loom.pipeline.blocks import BlockStage, rank_pipeline, source_names
+from loom.pipeline.schedule import Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
 
 
@@ -201,20 +201,11 @@ def gpt_pipeline(
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
-    for stage in stages:
-        stage.copy_output = SCHEDULES[schedule].split_backward
-    return Pipeline(
-        stages,
-        schedule=schedule,
-        microbatches=microbatches,
-        loss_fn=gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh),
-        group=mesh.axis_group("pp"),
-        dp_group=mesh.axis_group("dp"),
-        stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
-        tied=tied_parameters(split_gpt(model), schedule, mesh, virtual),  # a tied table's copies
-        mesh=stage_mesh,
-        bucket_mb=bucket_mb,
-    )
+    loss_fn = gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh)
+    return rank_pipeline(
+        stages, split_gpt(model), mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
+        loss_fn=loss_fn, stage_mesh=stage_mesh, bucket_mb=bucket_mb,
+    )  # fmt: skip
 
 
 def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:
