@@ -143,12 +143,19 @@ def assert_matches(family: str, results: list[dict], level: int) -> None:
         assert compared == set(expected["params"]), "every gradient is compared"
 
 
+SLOW = pytest.mark.slow  # more combinations of the same features
+
+
+def _values(case) -> tuple:
+    return case.values if hasattr(case, "values") else case
+
+
 CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
     ("gpt2", 1, 0, "1f1b", None, 1),  # tied head: copies on both pipeline ranks
     ("llama", 1, 0, "gpipe", [1, 3], 1),
-    ("mixtral", 1, 0, "1f1b", None, 1),
-    ("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2),
-    ("llama", 1, 0, "zbv", None, 2),  # V: the first and the last stage on rank 0
+    pytest.param("mixtral", 1, 0, "1f1b", None, 1, marks=SLOW),
+    pytest.param("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2, marks=SLOW),
+    pytest.param("llama", 1, 0, "zbv", None, 2, marks=SLOW),  # V: the first and the last stage on rank 0
     ("gpt2", 2, 0, "1f1b", None, 1),
     ("llama", 2, 0, "1f1b", [3, 1], 1),
     ("llama", 2, 3, "1f1b", None, 1),
@@ -159,7 +166,7 @@ CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
 @pytest.mark.parametrize(
     ("family", "dp", "level", "schedule", "split", "virtual"),
     CASES,
-    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split, _ in CASES],
+    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split, _ in map(_values, CASES)],
 )
 def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split, virtual):
     results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split, virtual)
@@ -229,8 +236,42 @@ def test_recipes_find_every_module_and_cut_uneven_splits(attention):
     assert find_blocks(build("llama"))[0] == "model.layers"
 
 
+class Toy(torch.nn.Module):
+    """A model loom has no recipe for: an input layer (a parameter-free one without `projection`), then
+    blocks at `layers`."""
+
+    def __init__(self, projection: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8) if projection else torch.nn.Identity()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_without_a_recipe_runs_its_found_blocks_or_a_given_recipe():
+    torch.manual_seed(0)
+    model, x = Toy(), torch.randn(2, 8)
+    with pytest.raises(
+        ValueError, match=r"parameters \['embed.weight', 'embed.bias'\] are in no pipeline stage"
+    ):
+        split_model(model, 2)  # blocks found at `layers`, but the input layer is in no stage
+    y = x
+    for stage in split_model(model, 2, recipe=Recipe(family="toy", blocks="layers", before=("embed",))):
+        y = stage(y)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    model = Toy(projection=False)  # blocks alone: the block list found at `layers` is the whole recipe
+    y = x
+    for stage in split_model(model, 2, split=[1, 3]):
+        y = stage(y)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+
+
 def test_models_without_a_recipe_and_bad_splits_are_clear_errors():
-    with pytest.raises(ValueError, match=r"no recipe for Linear .*Recipe\(blocks="):
+    with pytest.raises(ValueError, match=r"no block list at .*no recipe for Linear .*Recipe\(family="):
         split_model(torch.nn.Linear(2, 2), 2)
     with pytest.raises(ValueError, match=r"has no block list at any of .*pass the path of its block list"):
         find_blocks(torch.nn.Linear(2, 2))

@@ -2,10 +2,10 @@
 called, so that the parallel layer (pipeline stages, optimizer level 3) works on any model without a branch
 per family.
 
-A `Recipe` names paths of the model's modules, parameters or buffers (dotted, as `model.get_submodule`
-takes them; or other callables they hold, such as loom's primitives) and four small functions: `embed` (what the first pipeline stage does before the blocks),
-`block_inputs` (the keyword arguments every block takes besides the residual stream), `call_block` and
-`finish` (what the last stage does after them). Every function reads the model's pieces through the stage
+A `Recipe` names paths of the model's modules, parameters, buffers or other callables (loom's primitives),
+dotted as `model.get_submodule` takes them, and four small functions: `embed` (what the first pipeline stage
+does before the blocks), `block_inputs` (the keyword arguments every block takes besides the residual
+stream), `call_block` and `finish` (what the last stage does after the blocks). Every function reads the model's pieces through the stage
 (`stage.part(path)`) and the model's config (`stage.config`), never through the whole model, so that a stage
 holds only its own pieces.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -43,22 +43,22 @@ class Stage(Protocol):
     def part(self, path: str) -> Any: ...
 
 
-Embed = Callable[[Stage, torch.Tensor], torch.Tensor]
+StageFn = Callable[[Stage, torch.Tensor], torch.Tensor]
 BlockInputs = Callable[[Stage, torch.Tensor], dict[str, Any]]
 CallBlock = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def run_in_order(paths: tuple[str, ...]) -> Embed:
+def run_in_order(paths: tuple[str, ...]) -> StageFn:
     """A function of a stage and a tensor that runs the modules at `paths` one after the other (a plain
     embedding table; a final norm and a head)."""
 
-    def embed(stage: Stage, x: torch.Tensor) -> torch.Tensor:
+    def run(stage: Stage, x: torch.Tensor) -> torch.Tensor:
         for path in paths:
             x = stage.part(path)(x)
         return x
 
-    return embed
+    return run
 
 
 def no_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
@@ -99,6 +99,7 @@ class Recipe:
     `call_block(block, x, inputs)` runs one block; `finish(stage, x)` makes the last stage's output
     (default: the `after` modules in order). `loss(output, targets)` is the family's training loss, on the
     last stage; `check(model)` raises a `ValueError` for a model the recipe cannot run as configured.
+    `classes`: the model class names `RECIPES` files the recipe under.
     """
 
     family: str
@@ -106,13 +107,13 @@ class Recipe:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
-    embed: Embed | None = None
+    embed: StageFn | None = None
     block_inputs: BlockInputs = no_block_inputs
     call_block: CallBlock = call_with_keywords
-    finish: Embed | None = None
+    finish: StageFn | None = None
     loss: LossFn = token_cross_entropy
     check: Callable[[nn.Module], None] | None = None
-    classes: tuple[str, ...] = field(default=())
+    classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for group in (self.before, self.after, self.shared):
@@ -122,7 +123,8 @@ class Recipe:
                 )
         if set(self.shared) & set(self.before + self.after):
             raise ValueError(
-                f"recipe {self.family!r}: shared pieces {self.shared} are on every stage already"
+                f"recipe {self.family!r}: a path is both shared and before/after; list it once, in `shared` "
+                f"(every stage holds those)"
             )
         if self.embed is None:
             object.__setattr__(self, "embed", run_in_order(self.before))
@@ -312,13 +314,19 @@ def known_recipe(model: nn.Module) -> Recipe | None:
     return entry if entry is None or isinstance(entry, Recipe) else entry(model)
 
 
-def recipe_for(model: nn.Module) -> Recipe:
-    """The recipe of `model`'s class, or a `ValueError` saying how to give one."""
+def recipe_for(model: nn.Module, blocks: str | None = None) -> Recipe:
+    """The recipe of `model`'s class (with `blocks`, its block list at that path). A class loom has no
+    recipe for gets a plain one when it has a block list (at `blocks`, or found at one of `BLOCK_PATHS`):
+    blocks that take the stream alone, nothing before or after them."""
     recipe = known_recipe(model)
-    if recipe is None:
+    if recipe is not None:
+        return recipe if blocks is None else dataclasses.replace(recipe, blocks=blocks)
+    try:
+        path, _ = find_blocks(model, blocks)
+    except ValueError as error:
         raise ValueError(
-            f"loom has no recipe for {type(model).__name__} (known: {sorted(RECIPES)}): pass "
-            f"recipe=Recipe(blocks='path.to.blocks', before=(embedding paths...), after=(final norm, head "
-            f"paths...)) from loom.models.recipes"
-        )
-    return recipe
+            f"{error}. loom has no recipe for {type(model).__name__} (known: {sorted(RECIPES)}): pass "
+            f"recipe=Recipe(family=..., blocks='path.to.blocks', before=(embedding paths...), after=(final "
+            f"norm, head paths...)) from loom.models.recipes"
+        ) from None
+    return Recipe(family=type(model).__name__, blocks=path)

@@ -129,17 +129,31 @@ def block_split(blocks: int, stages: int, split: Sequence[int] | None = None) ->
 
 
 def split_model(
-    model: nn.Module, stages: int, *, recipe: Recipe | None = None, split: Sequence[int] | None = None
+    model: nn.Module,
+    stages: int,
+    *,
+    recipe: Recipe | None = None,
+    blocks: str | None = None,
+    split: Sequence[int] | None = None,
 ) -> list[BlockStage]:
-    """All `stages` stages of `model` (its `recipe`, by default the one of its class), blocks cut by
-    `split` (see `block_split`)."""
-    recipe = recipe or recipe_for(model)
+    """All `stages` stages of `model`, blocks cut by `split` (see `block_split`). `recipe`: where the
+    model's pieces are (default: `recipe_for(model, blocks)`, its class's, `blocks` naming the path of its
+    block list). Every parameter of the model must sit in a stage."""
+    recipe = recipe or recipe_for(model, blocks)
     if recipe.check is not None:
         recipe.check(model)
-    blocks = submodule(model, recipe.blocks, recipe.family)
-    groups = block_split(len(blocks), stages, split)
+    groups = block_split(len(submodule(model, recipe.blocks, recipe.family)), stages, split)
     last = len(groups) - 1
-    return [BlockStage(model, recipe, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
+    every = [BlockStage(model, recipe, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
+    held = {p for stage in every for p in stage.parameters()}
+    missing = [name for name, p in model.named_parameters() if p not in held]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}: parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} are in no "
+            f"pipeline stage of recipe {recipe.family!r}: name their modules in the recipe's `before` (first "
+            f"stage) or `after` (last stage)"
+        )
+    return every
 
 
 def model_pipeline(
@@ -150,14 +164,16 @@ def model_pipeline(
     microbatches: int,
     virtual: int = 1,
     recipe: Recipe | None = None,
+    blocks: str | None = None,
     split: Sequence[int] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     bucket_mb: float = 25.0,
 ) -> Pipeline:
-    """This rank's part of `model` as a pipeline over `mesh`'s "pp" axis: `pp x virtual` stages cut by
-    `split` (see `split_model`), this rank's placed as `schedule` places them, their gradients averaged over
-    the "dp" axis in buckets of about `bucket_mb` megabytes. `loss_fn(output, targets)` on the last stage
-    defaults to the recipe's loss (a Hugging Face causal LM: its shifted cross-entropy, targets = labels).
+    """This rank's part of `model` as a pipeline over `mesh`'s "pp" axis: `pp x virtual` stages of its
+    `recipe` (or the one `recipe_for(model, blocks)` gives) cut by `split` (see `split_model`), this rank's
+    placed as `schedule` places them, their gradients averaged over the "dp" axis in buckets of about
+    `bucket_mb` megabytes. `loss_fn(output, targets)` on the last stage defaults to the recipe's loss (a
+    Hugging Face causal LM: its shifted cross-entropy, targets = labels).
 
     Every rank holds the whole model; only its stages run. The stages compute on this process alone: run
     them with no current mesh (`loom.dist.context.unsharded`, as `PipelineTrainer` does)."""
@@ -169,7 +185,7 @@ def model_pipeline(
             f"model_pipeline lays out no tensor parallelism inside stages (mesh {mesh}); use a mesh of pp "
             f"and dp axes"
         )
-    recipe = recipe or recipe_for(model)
+    recipe = recipe or recipe_for(model, blocks)
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
     return rank_pipeline(
