@@ -1,7 +1,7 @@
 """Tier 2: Hugging Face GPT-2, Llama and Mixtral (built offline from a config, unedited, fp32, sdpa attention)
 cut into pipeline stages by their recipes train like one device: 3 Lipschitz AdamW steps
 (tests/equivalence.py) give the one-device losses, gradient norms, gradients and evaluation loss (rtol
-`RTOL`) and parameters (`param_atol`), at pp=2 (even and uneven splits, 1F1B, GPipe, interleaved, ZBV) and
+`RTOL`) and parameters (`param_atol`; also the whole model gathered on every rank, `whole_model`), at pp=2 (even and uneven splits, 1F1B, GPipe, interleaved, ZBV) and
 dp=2 x pp=2; optimizer level 3 (parameters sharded at rest) for Llama and GPT-2 (tied head) at dp=2 x pp=2,
 and for GPT-2 at dp=2 without a pipeline. The loss is the model's own causal LM loss, on the last stage.
 Tier 1: stages composed in one process give the model's logits exactly (sdpa and eager attention, and
@@ -19,7 +19,14 @@ from loom.models.gpt import GPT, GPTConfig
 from loom.models.recipes import RECIPES, Recipe, find_blocks, recipe_for
 from loom.parallel import make_optimizer
 from loom.parallel.zero3 import model_units
-from loom.pipeline import block_split, model_pipeline, pipeline_optimizer, source_names, split_model
+from loom.pipeline import (
+    block_split,
+    model_pipeline,
+    pipeline_optimizer,
+    source_names,
+    split_model,
+    whole_model,
+)
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import global_mean
 
@@ -113,9 +120,10 @@ def pipeline_case(
     )
     with pipe.full_parameters():
         params = {names[id(p)]: p.detach().clone() for p in pipe.parameters()}
+    whole = dict(whole_model(model, pipe, mesh, split=split).named_parameters())
     return {
         "losses": [m.loss for m in metrics], "norms": [m.grad_norm for m in metrics], "grads": grads,
-        "params": params, "evaluation": evaluation, "sharded": sharded,
+        "params": params, "evaluation": evaluation, "sharded": sharded, "whole": whole,
     }  # fmt: skip
 
 
@@ -136,6 +144,8 @@ def assert_matches(family: str, results: list[dict], level: int) -> None:
                     torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=GRAD_ATOL, msg=name)
         params = result["params"]
         assert_params_close(params, {n: expected["params"][n] for n in params}, lr=ADAMW["lr"], steps=STEPS)
+        # the trained model, whole on every rank
+        assert_params_close(result["whole"], expected["params"], lr=ADAMW["lr"], steps=STEPS)
     every = {name for result in results for name in result["params"]}
     assert every == set(expected["params"]), "the stages hold every parameter of the model"
     if level == 0:

@@ -9,6 +9,7 @@ from loom.pipeline.blocks import (
     split_model,
     stage_parameters,
     tied_parameters,
+    whole_model,
 )
 from loom.pipeline.gpt import (
     gpt_loss,
@@ -55,6 +56,7 @@ __all__ = [
     "model_pipeline",
     "split_model",
     "tied_parameters",
+    "whole_model",
     "pipeline_optimizer",
     "stage_grad_sync",
     "SCHEDULES",

@@ -8,7 +8,8 @@ parameters keep the model's names through `source_names`. Stages exchange only t
 recomputes from the stream's shape (the recipe's `block_inputs`).
 
 `model_pipeline` builds one rank's part of a pipeline over a mesh's "pp" axis from a whole model (every rank
-builds the model, then keeps running only its stages), with the loom's schedules (`Pipeline`). A
+builds the model, then runs only its stages), with loom's schedules (`Pipeline`); `whole_model` gives the
+trained model back whole on every rank. A
 parameter that stages on several pipeline ranks share (a head tied to the embedding table) becomes a `Tied`
 parameter whose copies take the summed gradient.
 
@@ -19,11 +20,13 @@ A stage is an ordinary module of its model's modules, so a later pass can lay it
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Placement
 
@@ -287,3 +290,32 @@ def stage_parameters(
                 module = module._modules[part]
             module.register_parameter(leaf, param)
     return root
+
+
+def whole_model(
+    model: nn.Module,
+    pipeline: Pipeline,
+    mesh: Mesh,
+    *,
+    recipe: Recipe | None = None,
+    blocks: str | None = None,
+    split: Sequence[int] | None = None,
+) -> nn.Module:
+    """A copy of `model` whole on every rank with the values `pipeline` trained (to sample from it or save
+    it): `pipeline` built by `model_pipeline` with the same `recipe`, `blocks` and `split`; each parameter
+    taken on the first pipeline rank that holds it (at optimizer level 3 gathered from its shards) and
+    broadcast over the pipeline. A collective call on every rank of `mesh`; memory for one more whole
+    model per rank."""
+    pp, virtual = mesh.axis_size("pp"), len(pipeline.modules)
+    every = split_model(model, pp * virtual, recipe=recipe, blocks=blocks, split=split)
+    owner: dict[str, int] = {}
+    for pp_rank in range(pp):
+        for k in stage_indices(pipeline.schedule_name, pp_rank, pp, virtual):
+            for name in source_names(model, every[k]):
+                owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
+    with torch.no_grad(), pipeline.full_parameters():
+        whole = copy.deepcopy(model)  # this rank's stages whole inside the block, the rest as built
+    with torch.no_grad():
+        for name, param in whole.named_parameters():
+            dist.broadcast(param, group=mesh.axis_group("pp"), group_src=owner[name])
+    return whole
