@@ -1,9 +1,10 @@
-"""Tier 2: Hugging Face GPT-2, Llama and Mixtral (built offline from a config, unedited, fp32, sdpa attention)
-cut into pipeline stages by their recipes train like one device: 3 Lipschitz AdamW steps
+"""Tier 2: Hugging Face GPT-2, Llama and Mixtral (built offline from a config, unedited, fp32, sdpa
+attention) cut into pipeline stages by their recipes train like one device: 3 Lipschitz AdamW steps
 (tests/equivalence.py) give the one-device losses, gradient norms, gradients and evaluation loss (rtol
-`RTOL`) and parameters (`param_atol`; also the whole model gathered on every rank, `whole_model`), at pp=2 (even and uneven splits, 1F1B, GPipe, interleaved, ZBV) and
-dp=2 x pp=2; optimizer level 3 (parameters sharded at rest) for Llama and GPT-2 (tied head) at dp=2 x pp=2,
-and for GPT-2 at dp=2 without a pipeline. The loss is the model's own causal LM loss, on the last stage.
+`RTOL`) and parameters (`param_atol`; also the whole model gathered on every rank by `whole_model`), at
+pp=2 (even and uneven splits; 1F1B, GPipe, interleaved, ZBV) and dp=2 x pp=2. Optimizer level 3
+(parameters sharded at rest) for Llama and GPT-2 (tied head) at dp=2 x pp=2 and at dp=2 without a
+pipeline. The loss is the model's own causal LM loss, on the last stage.
 Tier 1: stages composed in one process give the model's logits exactly (sdpa and eager attention, and
 loom's GPT through its recipe); bad recipes and splits are clear errors."""
 
@@ -200,24 +201,30 @@ def data_parallel_level3_case(family: str) -> dict:
         losses.append(global_mean([loss.detach()]))
         optimizer.step()
         optimizer.zero_grad()
-    resting = sum(p.untyped_storage().nbytes() for p in model.transformer.h.parameters())
+    blocks = model.get_submodule(recipe_for(model).blocks)
+    resting = sum(p.untyped_storage().nbytes() for p in blocks.parameters())
     with model.loom.full_parameters():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     units = [type(u).__name__ for u in optimizer.sharding.units]
     return {"losses": losses, "params": params, "resting": resting, "units": units}
 
 
-def test_gpt2_data_parallel_at_level_3_matches_one_device(dist_run):
-    expected = reference("gpt2")
-    for result in dist_run(2, data_parallel_level3_case, "gpt2"):
+UNITS = {  # each block, each module before or after the blocks that no other unit uses, the root
+    "gpt2": ["GPT2Block"] * 4 + ["Embedding", "LayerNorm", "GPT2LMHeadModel"],  # the tied table: in the root
+    "llama": ["LlamaDecoderLayer"] * 4 + ["Embedding", "LlamaRMSNorm", "Linear", "LlamaForCausalLM"],
+}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_data_parallel_at_level_3_matches_one_device(dist_run, family):
+    expected = reference(family)
+    for result in dist_run(2, data_parallel_level3_case, family):
         torch.testing.assert_close(
             torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=RTOL, atol=0
         )
         assert_params_close(result["params"], expected["params"], lr=ADAMW["lr"], steps=STEPS)
         assert result["resting"] == 0, "the blocks' parameters are sharded at rest"
-        # each block, the position table and the final norm are units; the tied table and head stay in the
-        # root (see model_units)
-        assert result["units"] == ["GPT2Block"] * 4 + ["Embedding", "LayerNorm", "GPT2LMHeadModel"]
+        assert result["units"] == UNITS[family]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
