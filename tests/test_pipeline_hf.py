@@ -121,10 +121,13 @@ def pipeline_case(
     )
     with pipe.full_parameters():
         params = {names[id(p)]: p.detach().clone() for p in pipe.parameters()}
+    mine = {id(p) for p in pipe.parameters()}
+    others_on_meta = all(p.is_meta for p in model.parameters() if id(p) not in mine)
     whole = dict(whole_model(model, pipe, mesh, split=split).named_parameters())
     return {
         "losses": [m.loss for m in metrics], "norms": [m.grad_norm for m in metrics], "grads": grads,
         "params": params, "evaluation": evaluation, "sharded": sharded, "whole": whole,
+        "others_on_meta": others_on_meta,
     }  # fmt: skip
 
 
@@ -145,6 +148,7 @@ def assert_matches(family: str, results: list[dict], level: int) -> None:
                     torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=GRAD_ATOL, msg=name)
         params = result["params"]
         assert_params_close(params, {n: expected["params"][n] for n in params}, lr=ADAMW["lr"], steps=STEPS)
+        assert result["others_on_meta"], "other ranks' stages hold no memory here"
         # the trained model, whole on every rank
         assert_params_close(result["whole"], expected["params"], lr=ADAMW["lr"], steps=STEPS)
     every = {name for result in results for name in result["params"]}

@@ -8,8 +8,8 @@ parameters keep the model's names through `source_names`. Stages exchange only t
 recomputes from the stream's shape (the recipe's `block_inputs`).
 
 `model_pipeline` builds one rank's part of a pipeline over a mesh's "pp" axis from a whole model (every rank
-builds the model, then runs only its stages), with loom's schedules (`Pipeline`); `whole_model` gives the
-trained model back whole on every rank. A
+builds the model, then keeps and runs only its stages), with loom's schedules (`Pipeline`); `whole_model`
+gives the trained model back whole on every rank. A
 parameter that stages on several pipeline ranks share (a head tied to the embedding table) becomes a `Tied`
 parameter whose copies take the summed gradient.
 
@@ -178,8 +178,10 @@ def model_pipeline(
     `bucket_mb` megabytes. `loss_fn(output, targets)` on the last stage defaults to the recipe's loss (a
     Hugging Face causal LM: its shifted cross-entropy, targets = labels).
 
-    Every rank holds the whole model; only its stages run. The stages compute on this process alone: run
-    them with no current mesh (`loom.dist.context.unsharded`, as `PipelineTrainer` does)."""
+    Every rank builds the whole model; the parameters of the stages other ranks run are then moved to the
+    meta device (no memory here): `model` is not runnable whole afterwards (`whole_model` gives it back).
+    The stages compute on this process alone: run them with no current mesh
+    (`loom.dist.context.unsharded`, as `PipelineTrainer` does)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
@@ -191,10 +193,26 @@ def model_pipeline(
     recipe = recipe or recipe_for(model, blocks)
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
-    return rank_pipeline(
+    pipeline = rank_pipeline(
         stages, every, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
         loss_fn=loss_fn or recipe.loss, bucket_mb=bucket_mb,
     )  # fmt: skip
+    mine = {p for stage in stages for p in stage.parameters()}
+    _replace_parameters(model, lambda p: p if p in mine else torch.empty_like(p, device="meta"))
+    return pipeline
+
+
+def _replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    """Put `make(param)` in place of each parameter of `model` that it does not return itself, as a
+    parameter under every name it has (a tied table keeps one tensor)."""
+    made: dict[nn.Parameter, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if param not in made:
+            new = make(param)
+            made[param] = new if new is param else nn.Parameter(new, param.requires_grad)
+        if made[param] is not param:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, made[param])
 
 
 def rank_pipeline(
@@ -314,7 +332,9 @@ def whole_model(
             for name in source_names(model, every[k]):
                 owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
     with torch.no_grad(), pipeline.full_parameters():
-        whole = copy.deepcopy(model)  # this rank's stages whole inside the block, the rest as built
+        whole = copy.deepcopy(model)  # this rank's stages whole inside the block, the others' on meta
+    device = next(iter(pipeline.parameters())).device
+    _replace_parameters(whole, lambda p: torch.empty_like(p, device=device) if p.is_meta else p)
     with torch.no_grad():
         for name, param in whole.named_parameters():
             dist.broadcast(param, group=mesh.axis_group("pp"), group_src=owner[name])
