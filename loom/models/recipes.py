@@ -12,8 +12,9 @@ holds only its own pieces.
 Hugging Face decoder blocks take position ids, a causal mask and, with rotary positions, the `(cos, sin)`
 tables that `model.model.rotary_emb` computes. Without a padding mask these are functions of the sequence
 length alone, so each stage recomputes them from the residual stream it receives: stages exchange only the
-stream (batch, seq, hidden). Training with a padding mask is not supported by these recipes (labels of
--100 still work: the loss ignores them).
+stream (batch, seq, hidden). Training with a padding mask is not supported by these recipes. Labels of -100
+are ignored by the loss, but a pipeline averages its micro-batches' means, which equals one device's mean
+over the batch's tokens only when every micro-batch holds as many labelled tokens.
 
 `RECIPES` maps a model's class name to its recipe, or to a function of the model that makes it where the
 layout depends on the model's config (loom's GPT: learned or rotary positions, a tied head);
