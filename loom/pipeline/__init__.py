@@ -1,5 +1,7 @@
-"""Pipeline parallelism: stages of any model with a sequence of blocks (its recipe) or of loom's GPT (marked or balanced), named schedules over torch.distributed.pipelining,
-per-rank timelines with the bubble fraction, and saved-activation memory per stage."""
+"""Pipeline parallelism: stages of any model with a sequence of blocks, as its recipe places them
+(`loom.models.recipes`; loom's GPT among them), cut evenly, unevenly, by marks or balanced; named schedules
+over torch.distributed.pipelining, per-rank timelines with the bubble fraction, and saved-activation memory
+per stage."""
 
 from loom.pipeline.blocks import (
     BlockStage,

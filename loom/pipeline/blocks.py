@@ -9,9 +9,8 @@ recomputes from the stream's shape (the recipe's `block_inputs`).
 
 `model_pipeline` builds one rank's part of a pipeline over a mesh's "pp" axis from a whole model (every rank
 builds the model, then keeps and runs only its stages), with loom's schedules (`Pipeline`); `whole_model`
-gives the trained model back whole on every rank. A
-parameter that stages on several pipeline ranks share (a head tied to the embedding table) becomes a `Tied`
-parameter whose copies take the summed gradient.
+gives the trained model back whole on every rank. A parameter that stages on several pipeline ranks share
+(a head tied to the embedding table) becomes a `Tied` parameter whose copies take the summed gradient.
 
 A stage is an ordinary module of its model's modules, so a later pass can lay it out on its stage mesh
 (`loom.parallelize(stage, mode="semi_auto", ...)`) as the GPT's tensor-parallel stages are.
