@@ -58,9 +58,10 @@ def check_data_file(kind: str, path: str | Path, dtype: str = "uint16") -> list[
     if kind == "tokens":
         itemsize = check_dtype(dtype).itemsize
         for file in files:
+            where = f"data.path = {str(path)!r}" + ("" if file == Path(path) else f": {str(file)!r}")
             if file.stat().st_size % itemsize:
                 raise ValueError(
-                    f"data.path: {str(file)!r} has {file.stat().st_size} bytes, not a multiple of the "
+                    f"{where} has {file.stat().st_size} bytes, not a multiple of the "
                     f"{itemsize}-byte {dtype} of data.dtype; set data.dtype to the dtype the file was written with"
                 )
     return files
