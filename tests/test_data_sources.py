@@ -123,6 +123,9 @@ def test_source_errors_name_the_key(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"line 2 is not valid JSON"):
         list(read_documents("jsonl", [tmp_path / "bad.jsonl"]))
+    (tmp_path / "list.jsonl").write_text('["text"]\n')
+    with pytest.raises(ValueError, match=r"line 1 is a JSON list, not an object"):
+        list(read_documents("jsonl", [tmp_path / "list.jsonl"]))
     (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
     with pytest.raises(ValueError, match=r"data.text_field = 'text' holds a int, not text"):
         list(read_documents("jsonl", [tmp_path / "num.jsonl"]))

@@ -85,11 +85,14 @@ def _text_documents(file: Path, _field: str) -> Iterator[str]:
 
 def _field_value(record: object, field: str, where: str) -> str | None:
     """`record[field]` of a JSONL record, checked: a string, or None (no document)."""
-    if not isinstance(record, dict) or field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    if not isinstance(record, dict):
         raise ValueError(
-            f"{where} has no field data.text_field = {field!r} (it has {keys}); set data.text_field to the "
-            "key that holds the text"
+            f"{where} is a JSON {type(record).__name__}, not an object; write one object per line"
+        )
+    if field not in record:
+        raise ValueError(
+            f"{where} has no field data.text_field = {field!r} (it has {sorted(record)}); set "
+            "data.text_field to the key that holds the text"
         )
     value = record[field]
     if value is not None and not isinstance(value, str):

@@ -120,12 +120,16 @@ def tokenizer_eos_id(tokenizer: Any, path: str | Path) -> int:
     eos = _configured_eos(directory)
     if eos is not None and tokenizer.token_to_id(eos) is not None:
         return tokenizer.token_to_id(eos)
+    why = (
+        f"its eos_token {eos!r} is not in the vocabulary"
+        if eos is not None
+        else "no eos_token in tokenizer_config.json or special_tokens_map.json"
+    )
     specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     found = f"the special tokens are {specials}" if specials else "it has no special tokens"
     raise ValueError(
-        f"data.tokenizer = {str(path)!r} names no end-of-sequence token (no eos_token in "
-        f"tokenizer_config.json or special_tokens_map.json; {found}); set data.eos_id to the id that ends "
-        "a document"
+        f"data.tokenizer = {str(path)!r} names no end-of-sequence token ({why}; {found}); set data.eos_id "
+        "to the id that ends a document"
     )
 
 
