@@ -1,5 +1,6 @@
 """Tier 3: `loom train` on a JSONL corpus with a local tokenizer (built offline): the loss falls, and a run
-killed after step 4 resumes from its checkpoint with the steps of the uninterrupted run."""
+killed after step 4 resumes from its checkpoint with the steps of the uninterrupted run (its restart maps
+the ids that the first attempt kept in `data.cache_dir`)."""
 
 import json
 
@@ -43,6 +44,7 @@ kind = "jsonl"
 path = "{corpus_dir / "train.jsonl"}"
 tokenizer = "{corpus_dir / "tokenizer"}"
 seq_len = 16
+cache_dir = "{run_dir / "tokens"}"
 
 [parallel]
 dp = 2

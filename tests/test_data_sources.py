@@ -17,6 +17,7 @@ from loom.train.data import (
     DistributedBatches,
     TokenFileDataset,
     build_dataset,
+    packing,
     read_documents,
     resolve_files,
     tokenize_corpus,
@@ -68,6 +69,12 @@ def write_parquet(path, documents, field="text", row_group_size=5):
     table = pa.table({"id": list(range(len(documents))), field: documents})
     pq.write_table(table, path, row_group_size=row_group_size)
     return path
+
+
+def data_config(kind, path, seq_len=8, *, tokenizer=None, **keys) -> DataConfig:
+    """A `[data]` section for the corpus at `path`."""
+    tokenizer = None if tokenizer is None else str(tokenizer)
+    return DataConfig(kind=kind, path=str(path), seq_len=seq_len, tokenizer=tokenizer, **keys)
 
 
 def take(batches, steps):
@@ -156,34 +163,38 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
 def test_documents_are_tokenised_with_eos_after_each(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "a.jsonl", DOCS[:5])
     write_jsonl(tmp_path / "b.jsonl", DOCS[5:])
-    tokens, _ = tokenize_corpus("jsonl", tmp_path, tokenizer=tokenizer_dir)
+    tokens, _ = tokenize_corpus(data_config("jsonl", tmp_path, tokenizer=tokenizer_dir))
     assert tokens.tolist() == expected_ids(tokenizer_dir, DOCS)
     assert (tokens == 1).sum() == len(DOCS) and tokens[-1] == 1 and not (tokens == 0).any()  # no [UNK]
     # the same documents from Parquet (several row groups), from text files, or from tokenizer.json alone
     # with an explicit eos_id, give the same ids
     write_parquet(tmp_path / "all.parquet", DOCS)
     assert (
-        tokenize_corpus("parquet", tmp_path / "all.parquet", tokenizer=tokenizer_dir)[0].tolist()
+        tokenize_corpus(data_config("parquet", tmp_path / "all.parquet", tokenizer=tokenizer_dir))[0].tolist()
         == tokens.tolist()
     )
     for i, document in enumerate(DOCS):
         (tmp_path / f"doc{i:02d}.txt").write_text(document)
-    assert tokenize_corpus("text", tmp_path, tokenizer=tokenizer_dir)[0].tolist() == tokens.tolist()
-    bare = tokenize_corpus("jsonl", tmp_path, tokenizer=tokenizer_dir / "tokenizer.json", eos_id=1)[0]
+    assert (
+        tokenize_corpus(data_config("text", tmp_path, tokenizer=tokenizer_dir))[0].tolist() == tokens.tolist()
+    )
+    bare = tokenize_corpus(
+        data_config("jsonl", tmp_path, tokenizer=tokenizer_dir / "tokenizer.json", eos_id=1)
+    )[0]
     assert bare.tolist() == tokens.tolist()
 
 
 def test_byte_tokens_without_a_tokenizer(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", ["héllo", "wörld"])
-    tokens, _ = tokenize_corpus("jsonl", tmp_path / "d.jsonl")
+    tokens, _ = tokenize_corpus(data_config("jsonl", tmp_path / "d.jsonl"))
     assert bytes(tokens.tolist()) == "héllowörld".encode()  # no separator unless data.eos_id sets one
-    tokens, _ = tokenize_corpus("jsonl", tmp_path / "d.jsonl", eos_id=10)
+    tokens, _ = tokenize_corpus(data_config("jsonl", tmp_path / "d.jsonl", eos_id=10))
     assert bytes(tokens.tolist()) == "héllo\nwörld\n".encode()
 
 
 def test_windows_pack_the_token_stream_without_padding(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "d.jsonl", DOCS)
-    ds = CorpusDataset("jsonl", tmp_path / "d.jsonl", seq_len=8, tokenizer=tokenizer_dir)
+    ds = CorpusDataset(data_config("jsonl", tmp_path / "d.jsonl", seq_len=8, tokenizer=tokenizer_dir))
     ids = expected_ids(tokenizer_dir, DOCS)
     assert len(ds) == (len(ids) - 1) // 8
     for i in range(len(ds)):
@@ -199,18 +210,42 @@ def test_windows_pack_the_token_stream_without_padding(tmp_path, tokenizer_dir):
 
 def test_corpus_is_tokenised_once_per_process_and_again_when_a_file_changes(tmp_path, tokenizer_dir):
     path = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    first, fingerprint = tokenize_corpus("jsonl", path, tokenizer=tokenizer_dir)
-    again, same = tokenize_corpus("jsonl", path, tokenizer=tokenizer_dir)
+    first, fingerprint = tokenize_corpus(data_config("jsonl", path, tokenizer=tokenizer_dir))
+    again, same = tokenize_corpus(data_config("jsonl", path, tokenizer=tokenizer_dir))
     assert again is first and same == fingerprint and not first.flags.writeable
     write_jsonl(path, DOCS[::-1])
-    changed, other = tokenize_corpus("jsonl", path, tokenizer=tokenizer_dir)
+    changed, other = tokenize_corpus(data_config("jsonl", path, tokenizer=tokenizer_dir))
     assert other != fingerprint and sorted(changed.tolist()) == sorted(first.tolist())
+
+
+def test_cache_dir_keeps_the_ids_for_later_starts(tmp_path, tokenizer_dir, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    data = data_config("jsonl", path, tokenizer=tokenizer_dir, cache_dir=str(tmp_path / "cache"))
+    tokens, fingerprint = tokenize_corpus(data)
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert tokens.tolist() == expected_ids(tokenizer_dir, DOCS) and cached.stat().st_size == 4 * len(tokens)
+    packing._tokenized.cache_clear()  # as a new process would start
+
+    def no_tokenising(*args):
+        raise AssertionError("the corpus was tokenised again")
+
+    monkeypatch.setattr(packing, "pack_documents", no_tokenising)
+    again, same = tokenize_corpus(data)
+    assert isinstance(again, np.memmap) and again.tolist() == tokens.tolist() and same == fingerprint
+    monkeypatch.undo()
+    write_jsonl(path, DOCS[:6])  # another corpus: another file in the cache
+    assert len(tokenize_corpus(data)[0]) < len(tokens) and len(list((tmp_path / "cache").iterdir())) == 2
+    (tmp_path / "blocked").write_text("")
+    with pytest.raises(ValueError, match=r"data.cache_dir = .*blocked/sub' cannot be written"):
+        tokenize_corpus(data_config("jsonl", path, cache_dir=str(tmp_path / "blocked" / "sub")))
 
 
 def test_pre_tokenised_corpus_reads_like_the_documents(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "d.jsonl", DOCS)
-    dtype = write_corpus_tokens(tmp_path / "d.bin", "jsonl", tmp_path / "d.jsonl", tokenizer=tokenizer_dir)
-    packed = CorpusDataset("jsonl", tmp_path / "d.jsonl", 8, tokenizer=tokenizer_dir)
+    dtype = write_corpus_tokens(
+        data_config("jsonl", tmp_path / "d.jsonl", tokenizer=tokenizer_dir), tmp_path / "d.bin"
+    )
+    packed = CorpusDataset(data_config("jsonl", tmp_path / "d.jsonl", 8, tokenizer=tokenizer_dir))
     tokens = TokenFileDataset(tmp_path / "d.bin", 8, dtype)
     assert dtype == "uint16" and len(tokens) == len(packed)
     assert all(torch.equal(tokens[i][0], packed[i][0]) for i in range(len(packed)))
@@ -234,20 +269,20 @@ def test_several_token_files_are_one_stream(tmp_path):
 def test_corpus_errors(tmp_path, tokenizer_dir):
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n')
     with pytest.raises(ValueError, match=r"data.path = .*empty.jsonl' holds no documents"):
-        CorpusDataset("jsonl", tmp_path / "empty.jsonl", 8, tokenizer=tokenizer_dir)
+        CorpusDataset(data_config("jsonl", tmp_path / "empty.jsonl", 8, tokenizer=tokenizer_dir))
     write_jsonl(tmp_path / "short.jsonl", ["the cat"])
     with pytest.raises(ValueError, match=r"holds 3 tokens, fewer than one sample of seq_len \+ 1 = 9"):
-        CorpusDataset("jsonl", tmp_path / "short.jsonl", 8, tokenizer=tokenizer_dir)
+        CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 8, tokenizer=tokenizer_dir))
     with pytest.raises(ValueError, match=r"data.tokenizer = .*nowhere'.*no such file"):
-        CorpusDataset("jsonl", tmp_path / "short.jsonl", 2, tokenizer=tmp_path / "nowhere")
+        CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 2, tokenizer=tmp_path / "nowhere"))
     (tmp_path / "broken.json").write_text("{not a tokenizer")
     with pytest.raises(ValueError, match=r"is not a tokenizer file"):
-        CorpusDataset("jsonl", tmp_path / "short.jsonl", 2, tokenizer=tmp_path / "broken.json")
+        CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 2, tokenizer=tmp_path / "broken.json"))
     bare = tmp_path / "bare"
     bare.mkdir()
     _word_tokenizer().save(str(bare / "tokenizer.json"))
     with pytest.raises(ValueError, match=r"names no end-of-sequence token .*'<eos>': 1.*set data.eos_id"):
-        CorpusDataset("jsonl", tmp_path / "short.jsonl", 2, tokenizer=bare)
+        CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 2, tokenizer=bare))
 
 
 # --- config ---------------------------------------------------------------------------------------------
@@ -297,7 +332,7 @@ def test_build_dataset_and_vocab_checks(tmp_path, tokenizer_dir):
 @pytest.fixture
 def corpus(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "d.jsonl", DOCS)
-    return lambda: CorpusDataset("jsonl", tmp_path / "d.jsonl", 8, tokenizer=tokenizer_dir)
+    return lambda: CorpusDataset(data_config("jsonl", tmp_path / "d.jsonl", 8, tokenizer=tokenizer_dir))
 
 
 def test_window_shuffle_is_deterministic_by_seed(corpus):
@@ -335,9 +370,11 @@ def test_resume_from_the_saved_position_gives_the_next_batches(corpus, resume_dp
 
 def test_resume_refuses_another_corpus(tmp_path, tokenizer_dir):
     path = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    state = DistributedBatches(CorpusDataset("jsonl", path, 4, tokenizer=tokenizer_dir), 4).state_dict()
+    state = DistributedBatches(
+        CorpusDataset(data_config("jsonl", path, 4, tokenizer=tokenizer_dir)), 4
+    ).state_dict()
     write_jsonl(path, DOCS[::-1])  # same tokens, other order: same length, other fingerprint
-    other = DistributedBatches(CorpusDataset("jsonl", path, 4, tokenizer=tokenizer_dir), 4)
+    other = DistributedBatches(CorpusDataset(data_config("jsonl", path, 4, tokenizer=tokenizer_dir)), 4)
     assert len(other.dataset) == state["dataset_len"]
     with pytest.raises(
         ValueError, match=r"the saved data position has fingerprint=.* resume with the data settings"

@@ -211,6 +211,9 @@ class DataConfig(_Section):
     eos_id: int | None = _key(
         None, "id after each document (none: the tokenizer's eos_token; byte tokens: no separator)"
     )
+    cache_dir: str | None = _key(
+        None, "where the tokenised corpus is kept for later starts (none: tokenise at every start)"
+    )
     seq_len: int = _key(32, "tokens per training sequence (<= model.max_seq_len)")
     seed: int = _key(0, "seed of the data order and of the arithmetic corpus")
     # single digits by default: learnable in a few hundred steps (see ArithmeticCorpus)

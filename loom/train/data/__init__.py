@@ -65,10 +65,7 @@ def build_dataset(data: DataConfig) -> TokenDataset:
     if data.kind == "tokens":
         return TokenFileDataset(data.path, data.seq_len, data.dtype)
     if data.kind in DOCUMENT_KINDS:
-        return CorpusDataset(
-            data.kind, data.path, data.seq_len, tokenizer=data.tokenizer, eos_id=data.eos_id,
-            text_field=data.text_field,
-        )  # fmt: skip
+        return CorpusDataset(data)
     raise ValueError(f"unknown data.kind {data.kind!r}; use 'arithmetic', 'tokens', {DOCUMENT_KINDS}")
 
 
