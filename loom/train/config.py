@@ -193,16 +193,27 @@ class ModelConfig(_Section):
 
 @dataclass(kw_only=True)
 class DataConfig(_Section):
-    """`[data]`: `kind = "arithmetic"` (built-in synthetic corpus), `"tokens"` (a `.bin` file of token ids
-    of `dtype`) or `"text"` (a UTF-8 file, byte tokens); `path` is the file for the last two."""
+    """`[data]`: `kind = "arithmetic"` (built-in synthetic corpus), `"tokens"` (`.bin` files of token ids of
+    `dtype`), or documents to tokenise: `"text"` (UTF-8 files, one document each), `"jsonl"` or `"parquet"`
+    (the `text_field` of each record or row). `path` is a file, a directory or a glob. Documents are
+    tokenised by `tokenizer` (a local Hugging Face tokenizer; none: UTF-8 bytes), an end-of-sequence id
+    follows each one, and they are packed into windows of `seq_len + 1` tokens (see `loom.train.data`)."""
 
     SECTION: ClassVar[str] = "data"
-    kind: Literal["arithmetic", "tokens", "text"] = _key(
+    kind: Literal["arithmetic", "tokens", "text", "jsonl", "parquet"] = _key(
         "arithmetic",
-        "built-in sums, a .bin file of token ids, or a UTF-8 text file",
+        "built-in sums, .bin files of token ids, or UTF-8 text, JSONL or Parquet files to tokenise",
     )
-    path: str | None = _key(None, "the file for kind = tokens or text")
+    path: str | None = _key(None, "the data for every kind but arithmetic: a file, a directory or a glob")
     dtype: Literal["uint16", "uint32"] = _key("uint16", "the id type of a tokens file")
+    tokenizer: str | None = _key(None, "a tokenizer.json or a directory holding one (none: byte tokens)")
+    text_field: str = _key("text", "the JSONL key or Parquet column that holds each document's text")
+    eos_id: int | None = _key(
+        None, "id after each document (none: the tokenizer's eos_token; byte tokens: no separator)"
+    )
+    cache_dir: str | None = _key(
+        None, "where the tokenised corpus is kept for later starts (none: tokenise at every start)"
+    )
     seq_len: int = _key(32, "tokens per training sequence (<= model.max_seq_len)")
     seed: int = _key(0, "seed of the data order and of the arithmetic corpus")
     # single digits by default: learnable in a few hundred steps (see ArithmeticCorpus)
@@ -210,8 +221,20 @@ class DataConfig(_Section):
 
     def check(self) -> None:
         self._at_least(1, "seq_len", "max_operand")
+        self._at_least(0, "eos_id")
         if self.kind != "arithmetic" and self.path is None:
-            raise ValueError(f"data.kind = {self.kind!r} needs data.path: set it to the file to train on")
+            raise ValueError(f"data.kind = {self.kind!r} needs data.path: set it to the files to train on")
+        if self.kind == "arithmetic" and self.tokenizer is not None:
+            self._fail("tokenizer", "the arithmetic corpus is byte tokens; remove data.tokenizer")
+        if not self.text_field:
+            self._fail("text_field", "name the JSONL key or Parquet column that holds the text")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """A ValueError when the data's token ids (the tokenizer's vocabulary, byte tokens, `eos_id`) do not
+        fit in `model.vocab_size`; reads the tokenizer file when one is set."""
+        from loom.train.data import check_vocab_size  # torch and tokenizers: only when checked
+
+        check_vocab_size(self, vocab_size)
 
 
 @dataclass(kw_only=True)
@@ -445,11 +468,7 @@ class TrainConfig:
                 f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        if data.kind != "tokens" and model.vocab_size < 256:
-            raise ValueError(
-                f"data.kind = {data.kind!r} uses byte tokens (0..255) but model.vocab_size = {model.vocab_size}; "
-                "set model.vocab_size >= 256"
-            )
+        data.check_vocab(model.vocab_size)
         cut_over_tp = (
             ("model.n_heads", model.n_heads),
             ("model.n_kv_heads (kv heads)", model.kv_heads),
