@@ -108,8 +108,10 @@ class Plan:
         self._check_predictions()
 
     def _check_mesh(self) -> None:
-        if self.dp != -1:
-            check_sizes(OWNER, {"dp": self.dp})
+        if self.dp != -1 and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
+            raise FieldError(
+                OWNER, "dp", self.dp, "use a size >= 1, or -1 to fill the devices left by the other axes"
+            )
         check_sizes(OWNER, {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp})
         if self.dp != -1 and self.dp % self.ep:
             raise FieldError(
@@ -124,8 +126,8 @@ class Plan:
                 OWNER,
                 "micro_batches",
                 self.micro_batches,
-                f"a pipeline needs at least as many micro-batches as stages (pp = {self.pp}); "
-                f"use >= {self.pp} (4x the stages keeps the bubble small)",
+                f"{self.micro_batches} micro-batches for {self.pp} pipeline stages never fill the "
+                f"pipeline; use >= {self.pp} (4x the stages keeps the bubble small)",
             )
         if self.stages is not None:
             check_stages(self.stages, self.pp * self.virtual_stages)
