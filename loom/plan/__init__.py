@@ -12,6 +12,7 @@ from loom.cost.plan import (
     SCHEDULES,
     SIMULATED_SCHEDULES,
     FieldError,
+    default_schedule,
 )
 from loom.plan.plan import Plan
 from loom.plan.specs import MESH_AXES
@@ -26,4 +27,5 @@ __all__ = [
     "SIMULATED_SCHEDULES",
     "FieldError",
     "Plan",
+    "default_schedule",
 ]
