@@ -171,7 +171,7 @@ def test_simulate_a_config_prices_the_run_loom_train_makes(capsys):
 
 
 # ---- checkpoints store the Plan ----
-def test_checkpoint_plan_json_loads_as_a_plan(tmp_path):
+def test_checkpoint_plan_json_loads_as_a_plan(tmp_path, capsys):
     config = load_config(None, ["--parallel.optimizer_level=0", "--parallel.recompute=full"])
     model = torch.nn.Linear(4, 4)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -180,3 +180,6 @@ def test_checkpoint_plan_json_loads_as_a_plan(tmp_path):
     assert saved_plan(step) == config.plan(1) == Plan(dp=1, recompute="full")
     data = json.loads((step / "plan.json").read_text())
     assert TrainConfig.from_dict(data["config"]).plan(1) == Plan.from_dict(data["plan"])
+    shape = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--json"]
+    assert main(["simulate", "--plan", str(step / "plan.json"), *shape]) == 0  # priced as it ran
+    assert json.loads(capsys.readouterr().out)["plan"]["recompute"] == "full"

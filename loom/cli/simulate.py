@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -159,6 +160,17 @@ def _check_sources(args: argparse.Namespace) -> None:
     given = [f"--{flag.replace('_', '-')}" for flag in taken if getattr(args, flag) not in (None, False)]
     if given:
         raise ValueError(f"{why}; leave out {' '.join(given)}")
+
+
+def _read_plan(path: str) -> Plan:
+    """A plan file (`Plan.save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return Plan.load(path)  # which says what is wrong with the file
+    if isinstance(data, dict) and isinstance(data.get("plan"), dict):
+        return Plan.from_dict(data["plan"], f"the plan of checkpoint file {path!r}")
+    return Plan.from_dict(data, f"plan file {path!r}")
 
 
 def _flags_plan(args: argparse.Namespace) -> tuple[Plan, int]:
@@ -311,7 +323,7 @@ def execute(args: argparse.Namespace) -> int:
             require_matplotlib()
         _check_sources(args)
         config = load_config(args.config) if args.config else None
-        saved = Plan.load(args.plan) if args.plan else None
+        saved = _read_plan(args.plan) if args.plan else None
         model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
         print(f"loom simulate: error: {exc}", file=sys.stderr)
