@@ -62,6 +62,7 @@ FULL = Plan(
         ({"parameter_layouts": {"w": ["dp", "dp"]}}, ["axis 'dp' cuts the tensor twice"]),
         ({"parameter_layouts": {"w": ["mp", "None"]}}, ["parameter_layouts['w']", "an axis of"]),
         ({"predicted_step_s": -1.0}, ["plan.predicted_step_s = -1.0", "positive number"]),
+        ({"predicted_memory_bytes": float("nan")}, ["plan.predicted_memory_bytes = nan"]),
     ],
 )
 def test_mistakes_name_the_field_and_the_fix(fields, expected):
@@ -89,6 +90,7 @@ def test_json_round_trip_is_exact_and_stable(tmp_path):
     assert list(json.loads(text)) == list(FULL.to_dict())  # the fields' order, every field written
     assert '"in_strategy": [[2, 1, 1]]' in text  # short lists on one line: a diff shows what changed
     assert Plan.load(FULL.save(tmp_path / "plan.json")) == FULL
+    assert len({FULL, Plan.from_json(text), Plan()}) == 2  # hashable: a planner may keep plans in a set
     assert Plan(strategies={"*.q": {"in_strategy": ((2, 1),)}}) == Plan(
         strategies={"*.q": {"in_strategy": [[2, 1]]}}
     )

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,10 +136,12 @@ class Plan:
     def _check_predictions(self) -> None:
         for key in ("predicted_step_s", "predicted_memory_bytes"):
             value = getattr(self, key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-            ):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and value > 0):
                 raise FieldError(OWNER, key, value, "use a positive number, or leave it out")
+
+    def __hash__(self) -> int:  # its tables are dicts: hash the JSON, which equal plans share
+        return hash(self.to_json())
 
     # ---- mesh ----
     @property
