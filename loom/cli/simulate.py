@@ -150,8 +150,10 @@ def _check_sources(args: argparse.Namespace) -> None:
     if args.config and args.plan:
         raise ValueError("give CONFIG.toml or --plan, not both")
     if args.config:
-        taken = [*MODEL_FLAGS, *PLAN_FLAGS, "gpus"]
-        why = "CONFIG.toml sets the model, the plan, the batch and the devices"
+        taken = [*MODEL_FLAGS, *PLAN_FLAGS, "gpus", "flash_attention", "no_overlap_grad_sync"]
+        why = (
+            "CONFIG.toml sets the model, the plan, the batch and the devices (priced as loom train runs them)"
+        )
     elif args.plan:
         taken = [flag for flag in PLAN_FLAGS if flag not in RUN_FLAGS]
         why = "--plan sets the parallel degrees, the schedule, the memory policies and the precision"
