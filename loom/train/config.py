@@ -224,7 +224,7 @@ class DataConfig(_Section):
         None, "where the tokenised corpus is kept for later starts (none: tokenise at every start)"
     )
     seq_len: int = _key(32, "tokens per training sequence (<= model.max_seq_len)")
-    seed: int = _key(0, "seed of the data order and of the arithmetic corpus")
+    seed: int = _key(0, "seed of the arithmetic corpus (the order of the windows follows train.seed)")
     # single digits by default: learnable in a few hundred steps (see ArithmeticCorpus)
     max_operand: int = _key(9, "largest operand of the arithmetic task")
 
