@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-POLICIES = ("none", "full", "selective")
+from loom.plan import RECOMPUTE as POLICIES
+
 _SAVED = {
     torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default,

@@ -58,7 +58,11 @@ CASES = {
     "tp_d_ff": (["--model.d_ff", "513"], ["model.d_ff (MLP size) = 513", "choose tp in"]),
     "mesh_does_not_fill": (
         ["--train.workers", "3"],
-        ["parallel.dp * tp * pp = 2 * 2 * 1", "make the product 3"],
+        [
+            "parallel.dp = 2",
+            "dp * tp * pp * cp = 2 * 2 * 1 * 1 does not fill 3 devices",
+            "make the product 3",
+        ],
     ),
     "global_batch": (["--train.global_batch", "33"], ["train.global_batch = 33", "use a multiple of 2"]),
     "global_batch_accum": (
@@ -76,7 +80,7 @@ CASES = {
     "byte_vocab": (["--model.vocab_size", "128"], ["model.vocab_size = 128", "set model.vocab_size >= 256"]),
     "pp_microbatches": (
         ["--parallel.pp", "2", "--parallel.dp", "1"],
-        ["parallel.microbatches = 1 with parallel.pp = 2", "use >= 2"],
+        ["parallel.microbatches = 1", "for 2 pipeline stages", "use >= 2"],
     ),
     "pp_interleaved_layers": (
         [

@@ -1,6 +1,5 @@
 """Checkpoint export to safetensors (read by plain PyTorch) and import back as a weights-only checkpoint."""
 
-import dataclasses
 import json
 
 import pytest
@@ -22,22 +21,19 @@ from loom.checkpoint import (
     save_safetensors,
     verify,
 )
+from loom.checkpoint.export import saved_plan
 from loom.cli.main import main as cli_main
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
+from loom.plan import Plan
 from loom.train import Trainer
 from loom.train.config import TrainConfig
 
 SEQ, BATCH = 8, 4
 CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
 TRAIN_CONFIG = {"model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": SEQ}}
+PARALLEL = {"dp": 2, "tp": 2, "optimizer_level": 1}
 IDS = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-
-
-def _gpt_config(model_section):
-    """A GPTConfig from an exported [model] section (which also names the model: "name": "gpt")."""
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{key: value for key, value in model_section.items() if key in known})
 
 
 def _parallel_gpt(dp, tp):
@@ -60,7 +56,11 @@ def save_case(root):
     trainer = Trainer(model, optimizer)
     trainer.train_step([(rows, rows.roll(1, dims=1))])  # so that the weights are no longer the seeded init
     config = TrainConfig.from_dict(
-        {**TRAIN_CONFIG, "data": {"kind": "tokens", "path": "unused.bin", "seq_len": SEQ}}
+        {
+            **TRAIN_CONFIG,
+            "data": {"kind": "tokens", "path": "unused.bin", "seq_len": SEQ},
+            "parallel": PARALLEL,
+        }
     )
     save_checkpoint(root, trainer, config=config)
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_safetensors_export_loads_in_plain_pytorch(saved, tmp_path):
     assert metadata["step"] == "1"
     model_section = json.loads(metadata["config"])
     assert json.loads(config_path(out).read_text()) == model_section
-    model = GPT(_gpt_config(model_section))  # plain, unsharded, built from the exported config
+    model = GPT(GPTConfig.from_dict(model_section))  # plain, unsharded, built from the exported config
     model.load_state_dict(tensors)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS), logits)
@@ -123,6 +123,8 @@ def test_cli_export_import_roundtrip_onto_tp2(saved, dist_run, tmp_path, capsys)
     assert (manifest["kind"], manifest["step"], manifest["world_size"]) == ("weights", 7, 1)
     plan = json.loads((imported / "plan.json").read_text())
     assert plan["config"]["model"] == json.loads(config_path(out).read_text())
+    assert saved_plan(imported) is None  # a weights file carries no plan
+    assert saved_plan(root / "step_000001") == Plan(dp=2, tp=2, optimizer_level=1)  # the run's, loadable
     assert _equal(read_model_tensors(imported), params)
     loaded = dist_run(2, load_case, str(imported))
     assert all(_equal(result, params) for result in loaded)  # bitwise through safetensors and back

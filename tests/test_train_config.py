@@ -170,7 +170,7 @@ def test_validate_with_world_size():
     piped = TrainConfig(parallel=ParallelConfig(pp=2, microbatches=3), train=TrainingConfig(global_batch=8))
     with pytest.raises(ValueError, match="not divisible by parallel.microbatches = 3"):
         piped.validate(world_size=2)
-    assert ParallelConfig(pp=2, tp=2).mesh_sizes(8) == {"pp": 2, "dp": 2, "tp": 2}
+    assert ParallelConfig(pp=2, tp=2, microbatches=2).mesh_sizes(8) == {"pp": 2, "dp": 2, "tp": 2}
 
 
 def test_parse_overrides_types():

@@ -50,6 +50,7 @@ from loom.checkpoint.state import Trainable as Trainer
 from loom.checkpoint.storage import DirectReader, HashingWriter, Written, archives_without_crc, write_hashed
 from loom.dist import env
 from loom.parallel.zero import ZeroOptimizer
+from loom.plan import Plan
 
 # Called on every rank as `hook(step, temp_dir)` once its files are written and before the checkpoint is
 # published: where fault-injection tests stop a rank in the middle of a save (see loom/fault/inject.py).
@@ -117,16 +118,32 @@ def _level(optimizer: torch.optim.Optimizer) -> int:
 
 
 def plan_of(trainer: Trainer, config: Any) -> dict[str, Any]:
-    """What the run looked like: mesh, optimizer level, parameter layouts, config (JSON-ready)."""
+    """What the run looked like, as plan.json holds it (JSON-ready): the run's `loom.plan.Plan` under
+    "plan" (load it with `Plan.from_dict`), the config under "config", and for reading at a glance the
+    optimizer level, the world size, the mesh and each parameter's layout."""
     state = getattr(trainer.model, "loom", None)
-    plan: dict[str, Any] = {"optimizer_level": _level(trainer.optimizer), "world_size": env.world_size()}
+    level, world_size = _level(trainer.optimizer), env.world_size()
+    plan: dict[str, Any] = {"optimizer_level": level, "world_size": world_size}
     if state is not None:
         names, shape = state.mesh.device_mesh.mesh_dim_names, state.mesh.canonical_shape
         plan["mesh"] = repr(state.mesh)
         plan["layouts"] = {n: layout.describe(names, shape) for n, layout in state.parameter_layouts.items()}
     if config is not None:
         plan["config"] = config.to_dict() if hasattr(config, "to_dict") else config
+    plan["plan"] = _run_plan(config, state, level, world_size).to_dict()
     return plan
+
+
+def _run_plan(config: Any, state: Any, level: int, world_size: int) -> Plan:
+    """The run's Plan: the one its TrainConfig compiles to, else what its mesh and optimizer show."""
+    if hasattr(config, "plan"):
+        try:
+            return config.plan(world_size)
+        except ValueError:  # a config that did not set up this run (e.g. another mesh): describe the run
+            pass
+    if state is None:
+        return Plan(dp=world_size, optimizer_level=level)
+    return Plan(dp=state.mesh.dp_size, tp=state.mesh.axis_size("tp"), optimizer_level=level)
 
 
 def _shared_state(trainer: Trainer, data: Any) -> dict[str, Any]:
@@ -188,6 +205,7 @@ def manifest_info(step: int, plan: dict[str, Any]) -> dict[str, Any]:
     the trainer has moved on by the time it is published)."""
     info = {"step": step, **plan}
     info.pop("layouts", None)
+    info.pop("plan", None)  # plan.json has it
     return info
 
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from loom.checkpoint import manifest as mf
 from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.safe import SafeLoadPlanner, SafeReader, load_torch_file
+from loom.plan import Plan
 
 PREFIX = "model."
 SAFETENSORS = ".safetensors"
@@ -121,6 +122,19 @@ def _read_plan(checkpoint: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: corrupt JSON ({exc})") from None
     return plan if isinstance(plan, dict) else {}
+
+
+def saved_plan(checkpoint: str | Path) -> Plan | None:
+    """The `loom.plan.Plan` of the run that saved `checkpoint` (plan.json's "plan"); None for a checkpoint
+    saved without one (an older loom, an imported weights file). A broken one is a `CheckpointError`."""
+    path = Path(checkpoint) / "plan.json"
+    data = _read_plan(Path(checkpoint)).get("plan")
+    if data is None:
+        return None
+    try:
+        return Plan.from_dict(data, str(path))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not a loadable plan ({exc})") from None
 
 
 def _model_config(plan: dict[str, Any]) -> Any:

@@ -1,20 +1,29 @@
-"""`loom simulate`: predict step time, throughput, utilisation and memory of a plan on a cluster."""
+"""`loom simulate`: predict step time, throughput, utilisation and memory of a plan on a cluster.
+
+Three sources of what is priced: a training config (`loom simulate CONFIG.toml`: the model, Plan and batch
+`loom train CONFIG.toml` runs, on its `train.workers` devices), a saved Plan (`--plan plan.json` with a
+model from the flags), or the flags alone. Each becomes a `loom.plan.Plan`, priced through
+`Plan.parallel_plan`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, get_cluster
-from loom.cost.plan import RECOMPUTE, SCHEDULES, ParallelPlan
+from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
+from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDULES, Plan, default_schedule
 from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
+from loom.train.config import TrainConfig, load_config
 
 NAME = "simulate"
 HELP = "predict step time, MFU and memory of a parallel plan (no GPU needed)"
@@ -23,6 +32,8 @@ Simulate one training iteration of a transformer under a parallel plan on a mode
 schedule played as events, tensor/expert/data-parallel communication, recomputation and the optimizer step.
 
 examples:
+  loom simulate configs/demo.toml            # the run `loom train configs/demo.toml` makes
+  loom simulate --plan plan.json --model llama3-8b --hardware h100-sxm --global-batch 512 --seq 4096
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --interleave 3 \\
       --global-batch 1536 --recompute selective --sequence-parallel
   loom simulate --model llama3-70b --hardware h200 --gpus 64 --tp 8 --pp 2 --global-batch 256 --seq 8192 \\
@@ -34,7 +45,9 @@ examples:
 models: {", ".join(PRESETS)}
 hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`
 
-dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined).
+dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
+with --plan to dp * the plan's micro-batches * micro-batch. A CONFIG.toml sets the model, the plan, the batch
+and the devices itself: only the hardware and output options go with it.
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
 2 for usage errors. --timeline draws the schedule of a plan that does not fit too (as if memory allowed),
 says so, and still exits 1. A timeline with many micro-batches gets a second panel zoomed on the step's start.
@@ -57,8 +70,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+DEFAULT_SEQ = 2048
+PLAN_FLAGS = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "recompute")
+PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype")
+MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts")
+MODEL_FLAGS += ("top_k", "vocab", "swiglu")
+RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `loom simulate`'s arguments to `parser`."""
+    parser.add_argument(
+        "config", nargs="?", metavar="CONFIG.toml", help="a training config: price the run loom train makes"
+    )
+    parser.add_argument(
+        "--plan", metavar="PLAN.json", help="price a saved loom.plan.Plan (model from the flags)"
+    )
     model = parser.add_argument_group("model (a preset, a file, or the shape)")
     model.add_argument(
         "--model", choices=sorted(PRESETS), metavar="NAME", help="a preset (see the list below)"
@@ -79,17 +106,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for axis in ("dp", "tp", "pp", "interleave", "ep", "micro-batch", "global-batch"):
         plan.add_argument(f"--{axis}", type=positive_int, metavar="N")
     plan.add_argument(
-        "--seq", type=positive_int, default=2048, metavar="N", help="sequence length (default 2048)"
+        "--seq", type=positive_int, metavar="N", help=f"sequence length (default {DEFAULT_SEQ})"
     )
-    plan.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    plan.add_argument("--recompute", choices=RECOMPUTE, help="default none")
     plan.add_argument("--sequence-parallel", action="store_true")
-    plan.add_argument("--optimizer-level", type=int, choices=(0, 1, 2, 3), default=0)
+    plan.add_argument("--optimizer-level", type=int, choices=OPTIMIZER_LEVELS, help="default 0")
     plan.add_argument(
-        "--schedule", choices=SCHEDULES, help="default: interleaved when --interleave > 1, else 1f1b"
+        "--schedule",
+        choices=SIMULATED_SCHEDULES,
+        help="default: interleaved when --interleave > 1, else 1f1b",
     )
     plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
     plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
-    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp8", "fp32"), default="bf16")
+    plan.add_argument("--dtype", choices=PRECISIONS, help="default bf16")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument(
@@ -116,7 +145,38 @@ def _model(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(name="custom", gated_mlp=args.swiglu, **given)
 
 
-def _plan(args: argparse.Namespace) -> tuple[ParallelPlan, int]:
+def _check_sources(args: argparse.Namespace) -> None:
+    """A usage error for flags that the chosen source (CONFIG.toml or --plan) already sets."""
+    if args.config and args.plan:
+        raise ValueError("give CONFIG.toml or --plan, not both")
+    if args.config:
+        taken = [*MODEL_FLAGS, *PLAN_FLAGS, "gpus", "flash_attention", "no_overlap_grad_sync"]
+        why = (
+            "CONFIG.toml sets the model, the plan, the batch and the devices (priced as loom train runs them)"
+        )
+    elif args.plan:
+        taken = [flag for flag in PLAN_FLAGS if flag not in RUN_FLAGS]
+        why = "--plan sets the parallel degrees, the schedule, the memory policies and the precision"
+    else:
+        return
+    given = [f"--{flag.replace('_', '-')}" for flag in taken if getattr(args, flag) not in (None, False)]
+    if given:
+        raise ValueError(f"{why}; leave out {' '.join(given)}")
+
+
+def _read_plan(path: str) -> Plan:
+    """A plan file (`Plan.save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return Plan.load(path)  # which says what is wrong with the file
+    if isinstance(data, dict) and isinstance(data.get("plan"), dict):
+        return Plan.from_dict(data["plan"], f"the plan of checkpoint file {path!r}")
+    return Plan.from_dict(data, f"plan file {path!r}")
+
+
+def _flags_plan(args: argparse.Namespace) -> tuple[Plan, int]:
+    """The Plan and global batch the plan flags describe."""
     tp, pp = args.tp or 1, args.pp or 1
     if args.dp is None:
         gpus = args.gpus or tp * pp
@@ -126,19 +186,51 @@ def _plan(args: argparse.Namespace) -> tuple[ParallelPlan, int]:
             )
         dp = gpus // (tp * pp)
     else:
-        dp, gpus = args.dp, args.gpus or args.dp * tp * pp
-    micro = args.micro_batch or 1
+        dp = args.dp
+    micro, interleave = args.micro_batch or 1, args.interleave or 1
     batch = args.global_batch or dp * micro * (4 * pp if pp > 1 else 1)
-    try:
-        plan = ParallelPlan(
-        dp=dp, tp=tp, pp=pp, interleave=args.interleave or 1, ep=args.ep or 1, micro_batch=micro,
-        global_batch=batch, seq=args.seq, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-        optimizer_level=args.optimizer_level, schedule=args.schedule, overlap_grad_sync=not args.no_overlap_grad_sync,
-        flash_attention=args.flash_attention, dtype=args.dtype,
+    if batch % (dp * micro):
+        raise PlanError(
+            [
+                f"global batch {batch} is not a multiple of dp*micro_batch = {dp}*{micro}; "
+                "change --global-batch or --micro-batch"
+            ]
+        )
+    plan = Plan(
+        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, schedule=args.schedule or default_schedule(interleave),
+        virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=args.recompute or "none",
+        sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
+        precision=args.dtype or "bf16",
     )  # fmt: skip
+    return plan, batch
+
+
+def _saved_plan(args: argparse.Namespace, saved: Plan) -> tuple[Plan, int]:
+    """A loaded Plan (`dp = -1` resolved on --gpus) and the global batch to price it with."""
+    if not saved.resolved and args.gpus is None:
+        raise PlanError(["the plan has dp = -1: give --gpus to fill it in"])
+    plan = saved if args.gpus is None else saved.resolve(args.gpus)
+    batch = args.global_batch or plan.dp * plan.micro_batches * (args.micro_batch or 1)
+    return plan, batch
+
+
+def _plan(
+    args: argparse.Namespace, config: TrainConfig | None, saved: Plan | None
+) -> tuple[ParallelPlan, int]:
+    """What the simulator prices, and on how many devices (an impossible plan is a `PlanError`)."""
+    try:
+        if config is not None:
+            return config.cost_model(config.train.workers)[1], config.train.workers
+        plan, batch = _saved_plan(args, saved) if saved is not None else _flags_plan(args)
+        priced = plan.parallel_plan(
+            global_batch=batch,
+            seq=args.seq or DEFAULT_SEQ,
+            flash_attention=args.flash_attention,
+            overlap_grad_sync=not args.no_overlap_grad_sync,
+        )
     except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
         raise PlanError([str(exc)]) from exc
-    return plan, gpus
+    return priced, args.gpus or priced.devices
 
 
 def _json(
@@ -167,12 +259,32 @@ def _json(
     return data
 
 
+def _count(n: int) -> str:
+    """A parameter count at a readable scale: 175.0B, 431.4M, 12.3K."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+def _duration(seconds: float) -> str:
+    """Seconds at a readable scale (a small model's step takes microseconds): 1.234 s, 2.345 ms, 3.5 µs."""
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def _gib(gib: float) -> str:
+    """Memory in GiB, or in MiB below a tenth of one."""
+    return f"{gib:.1f} GiB" if gib >= 0.1 or gib == 0 else f"{gib * 1024:.1f} MiB"
+
+
 def _print(
     console: Console, model: TransformerConfig, plan: ParallelPlan, cluster, result: SimResult
 ) -> None:
     p = plan
     console.print(
-        f"[bold]{model.name}[/] ({model.parameter_count() / 1e9:.1f}B parameters) on {cluster.gpus} x {cluster.name} "
+        f"[bold]{model.name}[/] ({_count(model.parameter_count())} parameters) on {cluster.gpus} x {cluster.name} "
         f"({cluster.gpus_per_node} per node): dp {p.dp} tp {p.tp} pp {p.pp} interleave {p.interleave} ep {p.ep}, "
         f"micro-batch {p.micro_batch} x {p.micro_batches}, global batch {p.global_batch} x {p.seq} tokens, "
         f"recompute {p.recompute}{', sequence parallel' if p.sequence_parallel else ''}, "
@@ -180,7 +292,7 @@ def _print(
     )
     summary = Table(title="predicted iteration", show_header=False)
     rows = [
-        ("iteration", f"{result.iteration_s:.3f} s"),
+        ("iteration", _duration(result.iteration_s)),
         ("tokens/s", f"{result.tokens_per_s:,.0f}"),
         (
             "TFLOP/s per device",
@@ -188,18 +300,18 @@ def _print(
         ),
         ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%}"),
         ("pipeline bubble", f"{result.bubble_fraction:.1%}"),
-        ("memory per device", f"{result.memory_per_device_gib:.1f} of {result.memory_capacity_gib:g} GiB"),
+        ("memory per device", f"{_gib(result.memory_per_device_gib)} of {result.memory_capacity_gib:g} GiB"),
     ]
     for name, value in rows:
         summary.add_row(name, value)
     console.print(summary)
     parts = Table(title="time on the slowest device", show_header=True)
     parts.add_column("part")
-    parts.add_column("seconds", justify="right")
+    parts.add_column("time", justify="right")
     parts.add_column("share", justify="right")
     for name, seconds in result.breakdown.items():
-        parts.add_row(name, f"{seconds:.3f}", f"{seconds / result.iteration_s:.1%}")
-    memory = ", ".join(f"{name} {gib:.1f} GiB" for name, gib in result.memory_breakdown_gib.items())
+        parts.add_row(name, _duration(seconds), f"{seconds / result.iteration_s:.1%}")
+    memory = ", ".join(f"{name} {_gib(gib)}" for name, gib in result.memory_breakdown_gib.items())
     console.print(parts)
     console.print(f"memory: {memory}")
     console.print(BUBBLE_DEFINITION, highlight=False)
@@ -211,13 +323,16 @@ def execute(args: argparse.Namespace) -> int:
     try:
         if args.timeline:
             require_matplotlib()
-        model = _model(args)
+        _check_sources(args)
+        config = load_config(args.config) if args.config else None
+        saved = _read_plan(args.plan) if args.plan else None
+        model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
         print(f"loom simulate: error: {exc}", file=sys.stderr)
         return 2
     plan = None
     try:
-        plan, gpus = _plan(args)
+        plan, gpus = _plan(args, config, saved)
         cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
         result = simulate(model, plan, cluster, record=bool(args.timeline))
     except PlanError as exc:

@@ -15,6 +15,7 @@ from the tensors a layer keeps, so it also covers GQA, SwiGLU, MoE, no dropout a
 
 from __future__ import annotations
 
+from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, check_choice, check_sizes
 from loom.cost.transformer import TransformerConfig
 
 __all__ = [
@@ -35,8 +36,8 @@ def model_state_bytes(
 
     Level 0: (2 + 2 + K)Ψ; 1: (2 + 2)Ψ + KΨ/Nd; 2: 2Ψ + (2 + K)Ψ/Nd; 3: (2 + 2 + K)Ψ/Nd.
     """
-    if level not in (0, 1, 2, 3) or dp < 1:
-        raise ValueError(f"model_state_bytes: level must be 0-3 and dp >= 1, got level={level}, dp={dp}")
+    check_choice("model_state_bytes", "level", level, OPTIMIZER_LEVELS)
+    check_sizes("model_state_bytes", {"dp": dp})
     p = params * param_bytes / (dp if level >= 3 else 1)
     g = params * grad_bytes / (dp if level >= 2 else 1)
     o = params * optimizer_bytes / (dp if level >= 1 else 1)
@@ -47,12 +48,11 @@ def korthikanti_activation_bytes(
     s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none", sequence_parallel: bool = False
 ) -> float:
     """Bytes of activations one GPT layer stores, by the closed forms of Korthikanti et al. (Table 2)."""
+    check_choice("korthikanti_activation_bytes", "recompute", recompute, RECOMPUTE)
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     attention = 0.0 if recompute == "selective" else 5 * a * s / h
-    if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     if sequence_parallel:
         return sbh / t * (34 + attention)
     return sbh * (10 + 24 / t + attention / t)

@@ -1,23 +1,101 @@
-"""`ParallelPlan`: the plain-data description of how a model is trained (what the cost model prices).
+"""The plan vocabulary (schedules, recompute policies, optimizer levels, precisions), the checks on those
+names, and `ParallelPlan`: the flat description of a training run that the cost model and simulator price.
 
-Rank order is Megatron's: tp innermost, then dp (with ep carved out of dp, innermost there), then pp. A
-later planner (`loom/plan/`) produces these; nothing here executes anything.
+The name lists live here, in the lowest layer that needs them, and nowhere else: `loom.plan` re-exports
+them for the layers above (the Plan, `[parallel]` of a config, the pipeline runner, the CLI). The one
+`loom.plan.Plan` is converted to a `ParallelPlan` in one place (`Plan.parallel_plan`), because `cost/`
+and `sim/` sit below `plan/` and never import it.
+
+Rank order is Megatron's: tp innermost, then dp (with ep carved out of dp, innermost there), then pp.
+Nothing here executes anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "ParallelPlan"]
+__all__ = [
+    "OPTIMIZER_LEVELS",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "SCHEDULE_VIRTUAL",
+    "SIMULATED_SCHEDULES",
+    "FieldError",
+    "ParallelPlan",
+    "check_choice",
+    "check_schedule",
+    "check_sizes",
+    "default_schedule",
+]
 
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
+# Every pipeline schedule loom runs, with the model chunks (virtual stages) each pipeline rank may hold:
+# (fewest, most), None for "any number". `loom.pipeline.schedule` maps each name to torch's class.
+SCHEDULE_VIRTUAL: dict[str, tuple[int, int | None]] = {
+    "gpipe": (1, 1),
+    "1f1b": (1, 1),
+    "interleaved": (2, None),
+    "zero_bubble": (1, None),
+    "zbv": (2, 2),
+}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_VIRTUAL)
+SIMULATED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # those the simulator plays
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+OPTIMIZER_LEVELS: tuple[int, ...] = (0, 1, 2, 3)  # MindSpore's optimizer levels, ZeRO's stages
+LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
+
+
+class FieldError(ValueError):
+    """A user mistake in one field: the message names `owner.key`, the value and the fix. A surface that
+    spells the field differently (a config key) re-raises it under its own name with `renamed`."""
+
+    def __init__(self, owner: str, key: str, value: Any, fix: str) -> None:
+        self.owner, self.key, self.value, self.fix = owner, key, value, fix
+        super().__init__(f"{owner}.{key} = {value!r} is out of range: {fix}")
+
+    def renamed(self, owner: str, key: str | None = None) -> FieldError:
+        """The same mistake reported as `owner.key` (default: the same key)."""
+        return FieldError(owner, key or self.key, self.value, self.fix)
+
+
+def check_sizes(owner: str, values: dict[str, int]) -> None:
+    """Each of `values` (a degree, a count, a size) is a whole number >= 1."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FieldError(owner, key, value, "use a whole number >= 1")
+
+
+def check_choice(owner: str, key: str, value: Any, choices: Sequence[Any]) -> None:
+    """`value` is one of `choices` (a name list of this module)."""
+    if isinstance(value, bool) or value not in choices:
+        fix = f"use {LEVEL_MEANING}" if choices is OPTIMIZER_LEVELS else f"use one of {tuple(choices)}"
+        raise FieldError(owner, key, value, fix)
+
+
+def default_schedule(virtual: int) -> str:
+    """The schedule a plan gets when it names none: interleaved 1F1B with virtual stages, else 1F1B."""
+    return "interleaved" if virtual > 1 else "1f1b"
+
+
+def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_stages") -> None:
+    """`schedule` is known and takes `virtual` model chunks per pipeline rank."""
+    check_choice(owner, "schedule", schedule, SCHEDULES)
+    low, high = SCHEDULE_VIRTUAL[schedule]
+    if virtual < low or (high is not None and virtual > high):
+        allowed = str(low) if high == low else f"{low} or more" if high is None else f"{low} to {high}"
+        raise FieldError(
+            owner, key, virtual, f"schedule {schedule!r} runs {allowed} chunks per pipeline rank"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
-    """Parallel degrees per axis, batch shape, memory policies and pipeline schedule of one training run.
+    """Parallel degrees per axis, batch shape, memory policies and pipeline schedule of one training run,
+    as the simulator prices it (build one from a `loom.plan.Plan` with `Plan.parallel_plan`).
 
     `interleave` is the number of model chunks (virtual stages) per pipeline stage; `schedule` defaults to
     "interleaved" when it is above 1 and "1f1b" otherwise. `optimizer_level` is 0-3 (MindSpore / ZeRO).
@@ -40,21 +118,16 @@ class ParallelPlan:
     dtype: str = "bf16"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ParallelPlan: {name} must be >= 1, got {getattr(self, name)}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"ParallelPlan: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.optimizer_level not in (0, 1, 2, 3):
-            raise ValueError(
-                f"ParallelPlan: optimizer_level must be 0, 1, 2 or 3, got {self.optimizer_level}"
-            )
+        owner = "ParallelPlan"
+        sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq")
+        check_sizes(owner, {name: getattr(self, name) for name in sizes})
+        check_choice(owner, "recompute", self.recompute, RECOMPUTE)
+        check_choice(owner, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
+        check_choice(owner, "dtype", self.dtype, PRECISIONS)
         if self.schedule is None:
-            object.__setattr__(self, "schedule", "interleaved" if self.interleave > 1 else "1f1b")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"ParallelPlan: schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.interleave > 1 and self.schedule != "interleaved":
-            raise ValueError(f"ParallelPlan: interleave={self.interleave} needs schedule='interleaved'")
+            object.__setattr__(self, "schedule", default_schedule(self.interleave))
+        check_schedule(owner, self.schedule, self.interleave, key="interleave")
+        check_choice(owner, "schedule", self.schedule, SIMULATED_SCHEDULES)
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"ParallelPlan: global batch {self.global_batch} is not a multiple of dp*micro_batch "

@@ -10,8 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from loom.cost.plan import RECOMPUTE, check_choice
+from loom.models.config import NORMS, GPTConfig
+
 __all__ = [
     "TransformerConfig",
+    "transformer_config",
     "megatron_model_flops",
     "megatron_parameter_count",
     "megatron_recompute_flops",
@@ -52,8 +56,8 @@ class TransformerConfig:
             )
         if self.top_k > self.experts:
             raise ValueError(f"TransformerConfig {self.name!r}: top_k {self.top_k} > experts {self.experts}")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"TransformerConfig {self.name!r}: norm must be 'layernorm' or 'rmsnorm'")
+        if self.norm not in NORMS:
+            raise ValueError(f"TransformerConfig {self.name!r}: norm must be one of {NORMS}")
 
     @property
     def kv(self) -> int:
@@ -146,17 +150,37 @@ class TransformerConfig:
 
     def recompute_flops(self, batch: int, seq: int, recompute: str) -> float:
         """Extra forward FLOPs that recomputation adds: the whole layers ('full') or attention cores ('selective')."""
+        check_choice("recompute_flops", "recompute", recompute, RECOMPUTE)
         if recompute == "none":
             return 0.0
         layer = self.layer_forward_flops_per_token(seq)
         per_layer = layer["dense"] + layer["attention"] if recompute == "full" else layer["attention"]
-        if recompute not in ("full", "selective"):
-            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
         return per_layer * self.layers * batch * seq
 
     def hardware_flops(self, batch: int, seq: int, recompute: str) -> float:
         """FLOPs the devices execute, recomputation included."""
         return self.model_flops(batch, seq) + self.recompute_flops(batch, seq, recompute)
+
+
+def transformer_config(config: GPTConfig, name: str = "gpt") -> TransformerConfig:
+    """loom's GPT as the cost model sees it: the one conversion that `loom simulate CONFIG.toml` and the
+    trainer's predictions share. Its projections have no biases (only LayerNorm has one) and it keeps the
+    s x s attention scores (no fused attention)."""
+    return TransformerConfig(
+        name=name,
+        layers=config.n_layers,
+        hidden=config.d_model,
+        heads=config.n_heads,
+        vocab=config.vocab_size,
+        kv_heads=config.kv_heads,
+        ffn_hidden=config.ff_dim,
+        gated_mlp=config.mlp == "swiglu",
+        norm=config.norm,
+        biases=False,
+        dropout=config.dropout > 0,
+        learned_positions=config.max_seq_len if config.positions == "learned" else 0,
+        tied_embeddings=config.tie_embeddings,
+    )
 
 
 def megatron_model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

@@ -26,55 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loom import ops
 from loom.layout import Layout
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
-    swiglu, grouped-query attention with `n_kv_heads < n_heads`)."""
-
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int = 64
-    norm: str = "layernorm"
-    positions: str = "learned"
-    mlp: str = "gelu"
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    norm_eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_kv_heads {self.kv_heads} must divide n_heads {self.n_heads}")
-        for name, value, choices in (
-            ("norm", self.norm, ("layernorm", "rmsnorm")),
-            ("positions", self.positions, ("learned", "rotary")),
-            ("mlp", self.mlp, ("gelu", "swiglu")),
-        ):
-            if value not in choices:
-                raise ValueError(f"model.{name} = {value!r}; choose one of {choices}")
-        if self.dropout:
-            raise ValueError(
-                "model.dropout > 0 is not supported yet (the parallel run would draw other masks)"
-            )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+from loom.models.config import GPTConfig
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import Recording, record
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.grad_sync import GradSync
+from loom.parallel.lift import LiftPlainTensors
+from loom.parallel.module_plan import apply_module_plan, module_parameter_layouts, resolve_module_plan
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
 
 MODES = ("data_parallel", "semi_auto")
@@ -100,6 +102,7 @@ def parallelize(
     bucket_mb: float = 25.0,
     example_kwargs: dict[str, Any] | None = None,
     batch_axes: str | Sequence[str] | None = None,
+    module_plan: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Make `model` train on every rank of the current mesh; returns the same module, changed in place.
 
@@ -114,12 +117,17 @@ def parallelize(
     rank brings the same whole batch. A mesh without a `"dp"` axis needs it (or `full_batch=True`).
     The ranks' agreement (strategies, replicated inputs) is checked on the first forward: see
     `loom.dist.consistency` and docs/consistency.md.
+
+    `module_plan` (semi_auto) gives the model's own modules strategies by path pattern, for any model (no
+    `loom.ops` needed): see `loom.parallel.module_plan`. Without `example_inputs` no dry run is made, and
+    the parameters are laid out by `module_plan` and `parameter_plan` alone (the others replicated).
     """
     example_inputs = _check_arguments(model, mode, example_inputs, example_kwargs, bucket_mb)
     mesh = require_mesh("loom.parallelize")
     if mode == "data_parallel":
-        if parameter_plan:
-            raise ValueError("parallelize: parameter_plan needs mode='semi_auto'")
+        if parameter_plan or module_plan:
+            what = "parameter_plan" if parameter_plan else "module_plan"
+            raise ValueError(f"parallelize: {what} needs mode='semi_auto'")
         if batch_axes is not None and tuple([batch_axes] if isinstance(batch_axes, str) else batch_axes) != (
             "dp",
         ):
@@ -140,20 +148,29 @@ def parallelize(
         )
         model.loom = ParallelState(mode=mode, mesh=mesh, full_batch=full_batch, grad_sync=sync)
         return model
-    if example_inputs is None:
+    if example_inputs is None and module_plan is None:
         raise ValueError(
             "parallelize(mode='semi_auto') needs example_inputs (one batch, as forward takes it), e.g. "
-            "example_inputs=(x,) or (x, y)"
+            "example_inputs=(x,) or (x, y), or a module_plan giving the model's modules their strategies"
         )
     batch_dims = _batch_dims(mesh, batch_axes, full_batch)
     batch_factor = math.prod(mesh.canonical_shape[d] for d in batch_dims)
-    recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
+    recording, meta_names = Recording(), {}
+    if example_inputs is not None:
+        recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
+    resolved = resolve_module_plan(model, module_plan or {})
+    planned, patterns = module_parameter_layouts(model, resolved, mesh)
+    layouts.update(planned)
+    consumers.update({name: f"module_plan {pattern!r}" for name, pattern in patterns.items()})
     layouts.update(_planned(model, parameter_plan or {}, mesh))
     consumers.update({name: "parameter_plan" for name in parameter_plan or {}})
     if consistency.setting() != "off":
-        _check_plan(recording, layouts, mesh, full_batch, batch_dims, example_inputs, example_kwargs or {})
+        _check_plan(
+            recording, layouts, mesh, full_batch, batch_dims, example_inputs or (), example_kwargs or {}
+        )
     lay_out_parameters(model, layouts, mesh)
+    apply_module_plan(model, resolved, mesh)
     first_forward = FirstForwardCheck(mesh, batch_dims, full_batch)
     model.register_forward_pre_hook(first_forward.before, with_kwargs=True)
     model.register_forward_hook(first_forward.after, always_call=True)
@@ -355,14 +372,15 @@ FULL_BATCH_FIX = (
 
 
 class FirstForwardCheck:
-    """The forward hooks of a semi_auto model: plain inputs become global DTensors; on the first forward
+    """The forward hooks of a semi_auto model: plain inputs become global DTensors, and tensors the model
+    creates inside forward are lifted to replicated DTensors (`loom.parallel.lift`); on the first forward
     (every forward with LOOM_CHECK=1) the ranks also check, in one all-gather at its end, that the ranks that
     must bring the same inputs did, and that the operators ran with the same strategies everywhere."""
 
     def __init__(self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool) -> None:
         self.mesh, self.batch_dims, self.full_batch = mesh, batch_dims, full_batch
         self.check = consistency.FirstCall()
-        self.tokens: list[tuple[object, consistency.Scope, list]] = []
+        self.tokens: list[tuple[object, consistency.Scope, list | None, LiftPlainTensors]] = []
 
     def before(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         labelled = [(f"input #{i}", x) for i, x in enumerate(args)] + [
@@ -383,13 +401,16 @@ class FirstForwardCheck:
         result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims)
         if not torch.compiler.is_compiling():
             scope, token = consistency.enter_scope(collect=due)
-            self.tokens.append((token, scope, claims if due else None))
+            lift = LiftPlainTensors(scope)
+            lift.__enter__()
+            self.tokens.append((token, scope, claims if due else None, lift))
         return result
 
     def after(self, _: nn.Module, __: tuple, output: Any) -> None:
         if not self.tokens:
             return
-        token, scope, claims = self.tokens.pop()
+        token, scope, claims, lift = self.tokens.pop()
+        lift.__exit__(None, None, None)
         consistency.exit_scope(token)
         if claims is None or sys.exc_info()[1] is not None:
             return  # not a checked forward, or the forward raised

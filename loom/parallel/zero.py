@@ -23,8 +23,7 @@ from loom.dist.collectives import all_gather_flat
 from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.zero3 import ParameterSharding, model_units
-
-LEVELS = (0, 1, 2, 3)
+from loom.plan import OPTIMIZER_LEVELS as LEVELS
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

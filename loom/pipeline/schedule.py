@@ -45,6 +45,8 @@ from loom.pipeline.reduction import stage_grad_sync
 from loom.pipeline.stage import TimedStage
 from loom.pipeline.tied import Tied
 from loom.pipeline.timeline import Recorder
+from loom.plan import SCHEDULE_VIRTUAL
+from loom.plan import SCHEDULES as PLAN_SCHEDULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,22 +61,22 @@ class ScheduleKind:
     split_backward: bool = False  # input- and weight-gradient passes apart (zero-bubble schedules)
 
 
+def _kind(name: str, **how) -> ScheduleKind:
+    """`name`'s ScheduleKind, its range of stages per rank taken from the plan vocabulary."""
+    low, high = SCHEDULE_VIRTUAL[name]
+    return ScheduleKind(min_virtual=low, max_virtual=high, **how)
+
+
 SCHEDULES: dict[str, ScheduleKind] = {
-    "gpipe": ScheduleKind(cls=ScheduleGPipe, multi=False, placement="single", max_virtual=1),
-    "1f1b": ScheduleKind(cls=Schedule1F1B, multi=False, placement="single", max_virtual=1),
-    "interleaved": ScheduleKind(cls=ScheduleInterleaved1F1B, multi=True, placement="loop", min_virtual=2),
-    "zero_bubble": ScheduleKind(
-        cls=ScheduleInterleavedZeroBubble, multi=True, placement="loop", split_backward=True
+    "gpipe": _kind("gpipe", cls=ScheduleGPipe, multi=False, placement="single"),
+    "1f1b": _kind("1f1b", cls=Schedule1F1B, multi=False, placement="single"),
+    "interleaved": _kind("interleaved", cls=ScheduleInterleaved1F1B, multi=True, placement="loop"),
+    "zero_bubble": _kind(
+        "zero_bubble", cls=ScheduleInterleavedZeroBubble, multi=True, placement="loop", split_backward=True
     ),
-    "zbv": ScheduleKind(
-        cls=ScheduleZBVZeroBubble,
-        multi=True,
-        placement="v",
-        min_virtual=2,
-        max_virtual=2,
-        split_backward=True,
-    ),
+    "zbv": _kind("zbv", cls=ScheduleZBVZeroBubble, multi=True, placement="v", split_backward=True),
 }
+assert tuple(SCHEDULES) == PLAN_SCHEDULES, "every schedule of loom.plan.SCHEDULES has a runner here"
 
 
 def schedule_kind(name: str, virtual: int) -> ScheduleKind:

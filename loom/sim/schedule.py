@@ -6,6 +6,8 @@ A task is `(kind, micro_batch, chunk)` with kind "F" or "B". Device r runs chunk
 
 from __future__ import annotations
 
+from loom.cost.plan import SIMULATED_SCHEDULES
+
 __all__ = ["Task", "device_orders", "peak_in_flight"]
 
 Task = tuple[str, int, int]
@@ -31,11 +33,13 @@ def _one_f_one_b(rank: int, pp: int, chunks: int, micro_batches: int) -> list[Ta
 
 
 def device_orders(schedule: str, pp: int, chunks: int, micro_batches: int) -> list[list[Task]]:
-    """The task order of each of the `pp` devices for `schedule` ("gpipe", "1f1b", "interleaved")."""
+    """The task order of each of the `pp` devices for `schedule` (one of `SIMULATED_SCHEDULES`)."""
     if pp < 1 or chunks < 1 or micro_batches < 1:
         raise ValueError(
             f"device_orders: pp, chunks and micro_batches must be >= 1 ({pp}, {chunks}, {micro_batches})"
         )
+    if schedule not in SIMULATED_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {SIMULATED_SCHEDULES}")
     if schedule == "gpipe":
         if chunks != 1:
             raise ValueError(
@@ -43,8 +47,6 @@ def device_orders(schedule: str, pp: int, chunks: int, micro_batches: int) -> li
             )
         one = [("F", m, 0) for m in range(micro_batches)] + [("B", m, 0) for m in range(micro_batches)]
         return [list(one) for _ in range(pp)]
-    if schedule not in ("1f1b", "interleaved"):
-        raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
     if chunks > 1 and micro_batches % pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches ({micro_batches}) to be a multiple of pp ({pp}); "

@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig, transformer_config
+from loom.models.config import MLPS, NORMS, POSITIONS, GPTConfig
+from loom.plan import PRECISIONS, RECOMPUTE, SCHEDULE_VIRTUAL, SCHEDULES, FieldError, Plan
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -39,6 +44,11 @@ __all__ = [
 ]
 
 _TRUE, _FALSE, _NONE = ("true", "1", "yes", "on"), ("false", "0", "no", "off"), ("none", "null")
+
+# `loom train` runs every pipeline schedule but zbv (its V placement is offered in Python only)
+CONFIG_SCHEDULES = tuple(name for name in SCHEDULES if name != "zbv")
+# the simulator also prices fp8; training computes in the others
+TRAIN_PRECISIONS = tuple(name for name in PRECISIONS if name != "fp8")
 
 
 def _describe_type(hint: Any) -> str:
@@ -142,7 +152,8 @@ class _Section:
 
 @dataclass(kw_only=True)
 class ModelConfig(_Section):
-    """`[model]`: a GPT-style decoder. `n_kv_heads=None` means n_heads (no grouped-query attention),
+    """`[model]`: a GPT-style decoder, the TOML surface of `loom.models.config.GPTConfig`, which holds the
+    rules (checked when the config is read). `n_kv_heads=None` means n_heads (no grouped-query attention),
     `d_ff=None` means 4 * d_model."""
 
     SECTION: ClassVar[str] = "model"
@@ -156,105 +167,143 @@ class ModelConfig(_Section):
     n_kv_heads: int | None = _key(None, "key/value heads for grouped-query attention (none: n_heads)")
     d_ff: int | None = _key(None, "MLP hidden size (none: 4 * d_model); parallel.tp must divide it")
     max_seq_len: int = _key(64, "longest sequence the model takes (>= data.seq_len)")
-    norm: Literal["layernorm", "rmsnorm"] = _key("layernorm", "normalisation layer")
-    positions: Literal["learned", "rotary"] = _key("learned", "learned position embeddings or rotary (RoPE)")
-    mlp: Literal["gelu", "swiglu"] = _key("gelu", "MLP kind: GELU or gated SwiGLU")
+    norm: Literal[NORMS] = _key("layernorm", "normalisation layer")
+    positions: Literal[POSITIONS] = _key("learned", "learned position embeddings or rotary (RoPE)")
+    mlp: Literal[MLPS] = _key("gelu", "MLP kind: GELU or gated SwiGLU")
     tie_embeddings: bool = _key(True, "share the input embedding with the output head")
     dropout: float = _key(0.0, "dropout probability in [0, 1)")
 
     def check(self) -> None:
-        self._at_least(1, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
-        if self.d_model % self.n_heads:
-            self._fail("d_model", f"it must be divisible by model.n_heads = {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            self._fail("n_kv_heads", f"it must divide model.n_heads = {self.n_heads}")
-        if self.positions == "rotary" and self.head_dim % 2:
-            self._fail(
-                "d_model", f"rotary positions need an even head dim, d_model / n_heads = {self.head_dim}"
-            )
-        if not 0 <= self.dropout < 1:
-            self._fail("dropout", "use a probability in [0, 1)")
+        self.gpt_config()
+
+    def gpt_config(self) -> GPTConfig:
+        """The model's `GPTConfig` (what the workers build): the one place `[model]` becomes a model."""
+        return GPTConfig.from_dict(vars(self))
+
+    def transformer_config(self) -> TransformerConfig:
+        """The model as the cost model and simulator see it."""
+        return transformer_config(self.gpt_config(), name=self.name)
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads (n_kv_heads, or n_heads when unset)."""
-        return self.n_kv_heads or self.n_heads
+        return self.gpt_config().kv_heads
 
     @property
     def ffn_dim(self) -> int:
         """Hidden size of the MLP (d_ff, or 4 * d_model when unset)."""
-        return self.d_ff or 4 * self.d_model
+        return self.gpt_config().ff_dim
 
     @property
     def head_dim(self) -> int:
         """d_model / n_heads."""
-        return self.d_model // self.n_heads
+        return self.gpt_config().head_dim
 
 
 @dataclass(kw_only=True)
 class DataConfig(_Section):
-    """`[data]`: `kind = "arithmetic"` (built-in synthetic corpus), `"tokens"` (a `.bin` file of token ids
-    of `dtype`) or `"text"` (a UTF-8 file, byte tokens); `path` is the file for the last two."""
+    """`[data]`: `kind = "arithmetic"` (built-in synthetic corpus), `"tokens"` (`.bin` files of token ids of
+    `dtype`), or documents to tokenise: `"text"` (UTF-8 files, one document each), `"jsonl"` or `"parquet"`
+    (the `text_field` of each record or row). `path` is a file, a directory or a glob. Documents are
+    tokenised by `tokenizer` (a local Hugging Face tokenizer; none: UTF-8 bytes), an end-of-sequence id
+    follows each one, and they are packed into windows of `seq_len + 1` tokens (see `loom.train.data`)."""
 
     SECTION: ClassVar[str] = "data"
-    kind: Literal["arithmetic", "tokens", "text"] = _key(
+    kind: Literal["arithmetic", "tokens", "text", "jsonl", "parquet"] = _key(
         "arithmetic",
-        "built-in sums, a .bin file of token ids, or a UTF-8 text file",
+        "built-in sums, .bin files of token ids, or UTF-8 text, JSONL or Parquet files to tokenise",
     )
-    path: str | None = _key(None, "the file for kind = tokens or text")
+    path: str | None = _key(None, "the data for every kind but arithmetic: a file, a directory or a glob")
     dtype: Literal["uint16", "uint32"] = _key("uint16", "the id type of a tokens file")
+    tokenizer: str | None = _key(None, "a tokenizer.json or a directory holding one (none: byte tokens)")
+    text_field: str = _key("text", "the JSONL key or Parquet column that holds each document's text")
+    eos_id: int | None = _key(
+        None, "id after each document (none: the tokenizer's eos_token; byte tokens: no separator)"
+    )
+    cache_dir: str | None = _key(
+        None, "where the tokenised corpus is kept for later starts (none: tokenise at every start)"
+    )
     seq_len: int = _key(32, "tokens per training sequence (<= model.max_seq_len)")
-    seed: int = _key(0, "seed of the data order and of the arithmetic corpus")
+    seed: int = _key(0, "seed of the arithmetic corpus (the order of the windows follows train.seed)")
     # single digits by default: learnable in a few hundred steps (see ArithmeticCorpus)
     max_operand: int = _key(9, "largest operand of the arithmetic task")
 
     def check(self) -> None:
         self._at_least(1, "seq_len", "max_operand")
+        self._at_least(0, "eos_id")
         if self.kind != "arithmetic" and self.path is None:
-            raise ValueError(f"data.kind = {self.kind!r} needs data.path: set it to the file to train on")
+            raise ValueError(f"data.kind = {self.kind!r} needs data.path: set it to the files to train on")
+        if self.kind == "arithmetic" and self.tokenizer is not None:
+            self._fail("tokenizer", "the arithmetic corpus is byte tokens; remove data.tokenizer")
+        if not self.text_field:
+            self._fail("text_field", "name the JSONL key or Parquet column that holds the text")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """A ValueError when the data's token ids (the tokenizer's vocabulary, byte tokens, `eos_id`) do not
+        fit in `model.vocab_size`; reads the tokenizer file when one is set."""
+        from loom.train.data import check_vocab_size  # torch and tokenizers: only when checked
+
+        check_vocab_size(self, vocab_size)
 
 
 @dataclass(kw_only=True)
 class ParallelConfig(_Section):
     """`[parallel]`: mesh sizes (`dp = -1` takes the devices left by tp and pp), the pipeline schedule and
-    micro-batches, sequence parallelism, the optimizer level (ZeRO stage 0-3) and recomputation."""
+    micro-batches, sequence parallelism, the optimizer level (ZeRO stage 0-3) and recomputation.
+
+    The TOML surface of a `loom.plan.Plan`: its rules are the Plan's, reported under `parallel.<key>`."""
 
     SECTION: ClassVar[str] = "parallel"
     dp: int = _key(-1, "data-parallel size (-1: the devices left by tp and pp)")
     tp: int = _key(1, "tensor-parallel size (divides heads, kv heads, d_ff and vocab_size)")
     pp: int = _key(1, "pipeline-parallel size (stages over ranks)")
-    schedule: Literal["1f1b", "gpipe", "interleaved", "zero_bubble"] = _key(
-        "1f1b", "pipeline schedule when pp > 1"
-    )
+    schedule: Literal[CONFIG_SCHEDULES] = _key("1f1b", "pipeline schedule when pp > 1")
     microbatches: int = _key(1, "micro-batches per pipeline step (>= pp when pp > 1)")
     sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
     optimizer_level: int = _key(0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters")
-    recompute: Literal["none", "full", "selective"] = _key("none", "activation recomputation per block")
+    recompute: Literal[RECOMPUTE] = _key("none", "activation recomputation per block")
 
     def check(self) -> None:
-        if self.dp != -1 and self.dp < 1:
-            self._fail("dp", "use a size >= 1, or -1 to fill the devices left by tp and pp")
-        self._at_least(1, "tp", "pp", "microbatches")
-        if not 0 <= self.optimizer_level <= 3:
-            self._fail("optimizer_level", "use 0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)")
+        self.plan()
+
+    def plan(self, world_size: int | None = None, precision: str = "fp32") -> Plan:
+        """This section as a Plan (`dp = -1` resolved when `world_size` is given). Each schedule runs its
+        fewest virtual stages; without pipelines one micro-batch per step (`microbatches` is unused)."""
+        try:
+            plan = Plan(
+                dp=self.dp,
+                tp=self.tp,
+                pp=self.pp,
+                schedule=self.schedule,
+                virtual_stages=SCHEDULE_VIRTUAL[self.schedule][0],
+                micro_batches=self.microbatches if self.pp > 1 else 1,
+                sequence_parallel=self.sequence_parallel,
+                optimizer_level=self.optimizer_level,
+                recompute=self.recompute,
+                precision=precision,
+            )
+            return plan if world_size is None else plan.resolve(world_size)
+        except FieldError as error:
+            section, key = _CONFIG_KEYS.get(error.key, f"parallel.{error.key}").split(".")
+            raise error.renamed(section, key) from None
 
     def dp_size(self, world_size: int) -> int:
         """The data-parallel size on `world_size` devices (`dp = -1` filled in), checked against tp * pp."""
-        if world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {world_size}")
-        dp = world_size // (self.tp * self.pp) if self.dp == -1 else self.dp
-        if dp < 1 or dp * self.tp * self.pp != world_size:
-            raise ValueError(
-                f"parallel.dp * tp * pp = {self.dp} * {self.tp} * {self.pp} does not fill {world_size} devices; "
-                f"make the product {world_size} (dp = -1 fills in)"
-            )
-        return dp
+        return self.plan(world_size).dp
 
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
         """Axis sizes for `loom.init`, outermost first: pp, dp, tp (tp innermost, on the fastest links).
         Axes of size 1 other than dp are left out."""
-        sizes = {"pp": self.pp, "dp": self.dp_size(world_size), "tp": self.tp}
-        return {axis: size for axis, size in sizes.items() if size > 1 or axis == "dp"}
+        return self.plan(world_size).mesh_sizes()
+
+
+# the config key of each Plan field that `[parallel]` does not spell alike
+_CONFIG_KEYS = {
+    "micro_batches": "parallel.microbatches",
+    "virtual_stages": "parallel.schedule",
+    "precision": "train.precision",
+    "world_size": "train.workers",
+}
 
 
 @dataclass(kw_only=True)
@@ -277,9 +326,7 @@ class TrainingConfig(_Section):
     optimizer: Literal["adamw", "sgd"] = _key("adamw", "the optimizer")
     momentum: float = _key(0.9, "SGD's momentum")
     clip_grad_norm: float | None = _key(1.0, "global gradient-norm clip (none: no clipping)")
-    precision: Literal["fp32", "bf16", "fp16"] = _key(
-        "fp32", "compute precision (fp16 uses dynamic loss scaling)"
-    )
+    precision: Literal[TRAIN_PRECISIONS] = _key("fp32", "compute precision (fp16 uses dynamic loss scaling)")
     loss_scale_init: float = _key(2.0**16, "fp16's initial loss scale")
     loss_scale_growth_interval: int = _key(2000, "fp16: steps without overflow before the scale doubles")
     seed: int = _key(0, "seed of the model initialisation and of each step's random numbers")
@@ -445,11 +492,7 @@ class TrainConfig:
                 f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        if data.kind != "tokens" and model.vocab_size < 256:
-            raise ValueError(
-                f"data.kind = {data.kind!r} uses byte tokens (0..255) but model.vocab_size = {model.vocab_size}; "
-                "set model.vocab_size >= 256"
-            )
+        data.check_vocab(model.vocab_size)
         cut_over_tp = (
             ("model.n_heads", model.n_heads),
             ("model.n_kv_heads (kv heads)", model.kv_heads),
@@ -483,20 +526,26 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.pp == 1:
             return
-        from loom.pipeline.schedule import SCHEDULES, validate_microbatches  # torch: only with pipelines
-
-        virtual = SCHEDULES[par.schedule].min_virtual
+        virtual = par.plan().virtual_stages  # micro-batches against pp: a rule of the Plan
         if model.n_layers < par.pp * virtual:
             raise ValueError(
                 f"parallel.pp = {par.pp}: schedule {par.schedule!r} puts {virtual} stages on each of {par.pp} "
                 f"ranks but the model has {model.n_layers} layers; raise model.n_layers or lower pp"
             )
-        try:
-            validate_microbatches(par.microbatches, par.pp)
-        except ValueError as error:
-            raise ValueError(
-                f"parallel.microbatches = {par.microbatches} with parallel.pp = {par.pp}: {error}"
-            ) from None
+
+    def plan(self, world_size: int) -> Plan:
+        """The Plan `loom train` runs on `world_size` devices: `[parallel]` with `train.precision`, the
+        data-parallel size filled in."""
+        return self.parallel.plan(world_size, precision=self.train.precision)
+
+    def cost_model(self, world_size: int) -> tuple[TransformerConfig, ParallelPlan]:
+        """The model and plan as the simulator prices this run on `world_size` devices: one optimizer step
+        of `train.global_batch` sequences of `data.seq_len` tokens, `train.grad_accum` micro-steps."""
+        self.validate(world_size)
+        run = self.plan(world_size).parallel_plan(
+            global_batch=self.train.global_batch, seq=self.data.seq_len, accumulation=self.train.grad_accum
+        )
+        return self.model.transformer_config(), run
 
     def check_files(self) -> TrainConfig:
         """Check the paths the run reads and writes, before any worker starts: `data.path` is a readable file

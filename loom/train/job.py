@@ -16,7 +16,6 @@ first step as well as later, is noticed.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -53,8 +52,7 @@ from loom.train.trainer import Trainer
 
 def gpt_config(config: TrainConfig) -> GPTConfig:
     """The model's `GPTConfig` from `[model]`."""
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{key: value for key, value in vars(config.model).items() if key in known})
+    return config.model.gpt_config()
 
 
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:

@@ -1,0 +1,86 @@
+"""`GPTConfig`: the one description of loom's reference decoder, and the one place its rules are checked.
+
+The TOML `[model]` section (`loom.train.config.ModelConfig`) is its surface: same keys, checked by building
+a `GPTConfig`, so a bad value fails when the config is read, not inside the workers. The cost model prices
+it through `loom.cost.transformer.transformer_config`. Plain data: no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["MLPS", "NORMS", "POSITIONS", "GPTConfig"]
+
+NORMS: tuple[str, ...] = ("layernorm", "rmsnorm")
+POSITIONS: tuple[str, ...] = ("learned", "rotary")
+MLPS: tuple[str, ...] = ("gelu", "swiglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
+    swiglu, grouped-query attention with `n_kv_heads < n_heads`). `n_kv_heads=None` means n_heads,
+    `d_ff=None` means 4 * d_model. Errors name the `[model]` key of a config: `model.d_model = 30 ...`."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 64
+    norm: str = "layernorm"
+    positions: str = "learned"
+    mlp: str = "gelu"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                self._fail(key, "use a value >= 1")
+        for key, choices in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, key) not in choices:
+                self._fail(key, f"use one of {choices}")
+        if self.d_model % self.n_heads:
+            self._fail("d_model", f"it must be divisible by model.n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            self._fail("n_kv_heads", f"it must divide model.n_heads = {self.n_heads}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            self._fail(
+                "d_model", f"rotary positions need an even head dim, d_model / n_heads = {self.head_dim}"
+            )
+        if not 0 <= self.dropout < 1:
+            self._fail("dropout", "use a probability in [0, 1)")
+        if self.dropout:  # a parallel run would draw other masks than one device: no equivalence
+            self._fail("dropout", "dropout > 0 is not supported yet; use 0.0")
+        if self.norm_eps <= 0:
+            self._fail("norm_eps", "use a value > 0")
+
+    def _fail(self, key: str, fix: str) -> None:
+        raise ValueError(f"model.{key} = {getattr(self, key)!r} is out of range: {fix}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
+        """A config from a `[model]` table (as a TrainConfig dict or a checkpoint's plan.json holds it);
+        keys that describe no shape (`name`) are left out."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, or n_heads when unset)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        """Hidden size of the MLP (d_ff, or 4 * d_model when unset)."""
+        return self.d_ff or 4 * self.d_model

@@ -1,0 +1,206 @@
+"""Running an unmodified model on DTensors: tensors it creates inside `forward` are lifted, and attention
+runs on local shards.
+
+A semi_auto model's inputs and parameters are DTensors, but the model's own code also makes plain tensors
+(position ids from `torch.arange`, causal masks, rotary tables, constants). DTensor refuses an operator that
+mixes the two ("got mixed torch.Tensor and DTensor"). `LiftPlainTensors`, a torch function mode active
+during the model's forward, turns such a plain tensor into a replicated DTensor on the mesh of the DTensors
+it meets, which is what it is: every rank creates the same tensor from the same global shapes. The first
+forward's consistency check fingerprints each lifted tensor, so one that differs between ranks (drawn from
+an unseeded generator, say) is named rather than silently averaged.
+
+Some operators have no DTensor sharding rule on every device (CPU flash attention has none) or fail on a
+cut batch (cross entropy's target checks), so they run as local regions: `F.scaled_dot_product_attention`
+is computed on each rank's shards when the batch or the heads are cut, after any other cut (the sequence,
+a pending sum) is gathered, and its output keeps the query's placements; `F.cross_entropy` sums each
+rank's rows and reduces the sum (and the count of targets, for a mean) once. Gradients flow through `to_local`/`from_local`, which are differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from loom.dist import consistency
+
+__all__ = ["LiftPlainTensors", "local_attention", "local_cross_entropy"]
+
+
+def _is_plain(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def replicated(x: torch.Tensor, like: DTensor) -> DTensor:
+    """`x`, the same on every rank, as a replicated DTensor on `like`'s mesh."""
+    mesh = like.device_mesh
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def local_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` on DTensors (batch, heads, seq, dim), run on local shards.
+
+    Per mesh dim the query keeps a cut of the batch (dim 0) or of the heads (dim 1), which attention
+    computes independently; any other placement (a cut sequence or head dim, a pending sum) is gathered
+    first. Key and value take the query's placements (with grouped-query attention, a cut of the heads
+    keeps each query head with its key/value head when the cut divides the key/value heads). A mask is cut
+    alike where it is not broadcast.
+    """
+    like = next(t for t in (query, key, value) if isinstance(t, DTensor))
+    mesh = like.device_mesh
+    placements = [_attention_placement(p) for p in like.placements]
+    query, key, value = (_as_dtensor(t, like).redistribute(mesh, placements) for t in (query, key, value))
+    _check_heads(query, key, placements)
+    if isinstance(attn_mask, torch.Tensor):
+        mask = _as_dtensor(attn_mask, like)
+        attn_mask = mask.redistribute(mesh, _mask_placements(placements, mask, query.ndim)).to_local()
+    out = F.scaled_dot_product_attention(
+        _LocalPiece.apply(query), _LocalPiece.apply(key), _LocalPiece.apply(value), attn_mask, *args, **kwargs
+    )
+    return DTensor.from_local(out.contiguous(), mesh, placements, run_check=False)
+
+
+class _LocalPiece(torch.autograd.Function):
+    """A DTensor's local piece, contiguous, whose gradient comes back as a DTensor with contiguous strides.
+
+    `to_local` would hand back the gradient with the DTensor's own global strides (a transposed view's,
+    for attention's (batch, heads, seq, dim) inputs) around a local gradient in another memory order (CPU
+    attention's kernels produce (batch, seq, heads, dim) order); DTensor then derives views that do not fit
+    the local tensors, and the backward of the model's reshapes fails."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.mesh, ctx.placements, ctx.shape = x.device_mesh, x.placements, x.shape
+        return x.to_local().contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:  # noqa: ANN001
+        whole = torch.empty(ctx.shape, device="meta")
+        return DTensor.from_local(
+            grad.contiguous(),
+            ctx.mesh,
+            ctx.placements,
+            run_check=False,
+            shape=ctx.shape,
+            stride=whole.stride(),
+        )
+
+
+def _attention_placement(placement: Placement) -> Placement:
+    if isinstance(placement, Shard) and placement.dim in (0, 1):
+        return placement
+    return Replicate()
+
+
+def _as_dtensor(x: torch.Tensor, like: DTensor) -> DTensor:
+    return x if isinstance(x, DTensor) else replicated(x, like)
+
+
+def _check_heads(query: DTensor, key: DTensor, placements: list[Placement]) -> None:
+    for mesh_dim, placement in enumerate(placements):
+        size = query.device_mesh.size(mesh_dim)
+        if isinstance(placement, Shard) and placement.dim == 1 and key.shape[1] % size:
+            raise ValueError(
+                f"scaled_dot_product_attention: the heads are cut {size} ways on mesh dim {mesh_dim}, but the "
+                f"key/value tensors have {key.shape[1]} heads, which {size} does not divide; cut the heads by "
+                f"a divisor of the key/value heads (or leave the attention projections replicated)"
+            )
+
+
+def _mask_placements(placements: list[Placement], mask: DTensor, ndim: int) -> list[Placement]:
+    """The query's cuts on the mask dims that are not broadcast (the mask's dims align to the right)."""
+    offset = ndim - mask.ndim
+    result: list[Placement] = []
+    for placement in placements:
+        dim = placement.dim - offset if isinstance(placement, Shard) else -1
+        result.append(Shard(dim) if dim >= 0 and mask.shape[dim] > 1 else Replicate())
+    return result
+
+
+def local_cross_entropy(
+    input: torch.Tensor,  # noqa: A002  (F.cross_entropy's own name)
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """`F.cross_entropy` on DTensors, run on each rank's rows: the class dim is gathered (a vocabulary cut by
+    the head), rows cut along mesh dims stay cut. Each rank sums its rows' losses; `"sum"` is then a
+    pending sum over the row-cutting mesh dims; for `"mean"` each rank first divides its sum by the global
+    count of targets that are not `ignore_index` (weighted by `weight`, as torch does; one all-reduce)."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    like = next(t for t in (input, target) if isinstance(t, DTensor))
+    mesh = like.device_mesh
+    placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
+    logits, labels = (_as_dtensor(t, like).redistribute(mesh, placements).to_local() for t in (input, target))
+    weights = None if weight is None else _as_dtensor(weight, like).full_tensor()
+    options = {"weight": weights, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
+    if reduction == "none":
+        losses = F.cross_entropy(logits, labels, reduction="none", **options)
+        return DTensor.from_local(losses, mesh, placements, run_check=False)
+    pending = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+    total = F.cross_entropy(logits, labels, reduction="sum", **options)
+    if reduction == "mean":
+        kept = (labels != ignore_index).to(logits.dtype)
+        if weights is not None:
+            kept = kept * weights[labels.clamp(min=0)]
+        total = total / DTensor.from_local(kept.sum(), mesh, pending).full_tensor()
+    return DTensor.from_local(total, mesh, pending, run_check=False)
+
+
+LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.scaled_dot_product_attention: local_attention,
+    F.cross_entropy: local_cross_entropy,
+}
+
+
+class LiftPlainTensors(TorchFunctionMode):
+    """Active during a semi_auto model's forward: a plain tensor passed to a torch function together with a
+    DTensor becomes a replicated DTensor; operators in `LOCAL_REGIONS` run on local shards. With `scope`
+    collecting (the first forward), every lifted tensor is fingerprinted for the ranks' agreement."""
+
+    def __init__(self, scope: consistency.Scope | None = None) -> None:
+        super().__init__()
+        self.scope = scope
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        like = next((x for x in flat if isinstance(x, DTensor)), None)
+        if like is None:
+            return func(*args, **kwargs)
+        if func in LOCAL_REGIONS:
+            return LOCAL_REGIONS[func](*args, **kwargs)
+        if any(_is_plain(x) and x.ndim for x in flat):
+            args, kwargs = tree_map(lambda x: self._lift(x, like, func), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _lift(self, x: Any, like: DTensor, func: Callable[..., Any]) -> Any:
+        if not _is_plain(x) or not x.ndim:
+            return x  # DTensor takes plain scalars (0-dim tensors) itself
+        if self.scope is not None and self.scope.collect and consistency.checkable([x]):
+            name = getattr(func, "__name__", str(func))
+            self.scope.claims.append(
+                consistency.tensor_claim(
+                    f"a tensor the model created in forward, shape {tuple(x.shape)}, first used by {name}",
+                    x,
+                    consistency.REPLICATED_FIX,
+                )
+            )
+        return replicated(x, like)

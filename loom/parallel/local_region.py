@@ -1,0 +1,85 @@
+"""Local regions: a module of a semi_auto model run on each rank's own rows, with plain tensors.
+
+Some modules cannot run on DTensors: a mixture of experts routes tokens with data-dependent shapes
+(`nonzero`, `where`), for which DTensor has no sharding rule. Such a module computes each row of its output
+(dim 0: a token, a sequence) from the same rows of its inputs, so each rank can run it on its own rows.
+`run_locally` wraps the module's forward: DTensor inputs are brought to one layout (rows cut along the
+batch axes, everything else gathered), the module runs on the local pieces with its parameters as local
+tensors, and the outputs become DTensors with the inputs' placements again.
+
+A parameter is replicated, so each rank's gradient covers only its own rows: the local parameters are
+taken with `to_local(grad_placements=...)` as pending sums over the mesh dims that cut the rows, which the
+semi_auto model's gradient synchronisation reduces like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["run_locally"]
+
+
+def run_locally(module: nn.Module, path: str) -> None:
+    """Make `module` (at `path` in its model) run on local rows whenever its inputs are DTensors."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        flat, _ = tree_flatten((args, kwargs))
+        like = next((x for x in flat if isinstance(x, DTensor)), None)
+        if like is None:
+            return original(*args, **kwargs)
+        mesh = like.device_mesh
+        placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
+
+        def local(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            if x.ndim == 0:
+                return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+            return x.redistribute(mesh, placements).to_local()
+
+        args, kwargs = tree_map(local, (args, kwargs))
+        grads: list[Placement] = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+        with _local_parameters(module, path, grads):
+            out = original(*args, **kwargs)
+        return tree_map(
+            lambda t: (
+                DTensor.from_local(t, mesh, placements, run_check=False)
+                if isinstance(t, torch.Tensor) and t.ndim
+                else t
+            ),
+            out,
+        )
+
+    module.forward = forward
+
+
+@contextmanager
+def _local_parameters(module: nn.Module, path: str, grad_placements: list[Placement]) -> Iterator[None]:
+    """Inside the block, the module's DTensor parameters are their (replicated) local tensors, whose
+    gradients flow back as pending sums over the row-cutting mesh dims."""
+    saved: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for name, param in list(module.named_parameters()):
+            if not isinstance(param, DTensor):
+                continue
+            if any(not p.is_replicate() for p in param.placements):
+                raise ValueError(
+                    f"{path}: a local region runs with replicated parameters, but {name} is laid out "
+                    f"{param.placements}; leave it replicated (drop it from the plan)"
+                )
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            saved.append((owner, leaf, param))
+            owner._parameters[leaf] = param.to_local(grad_placements=grad_placements)
+        yield
+    finally:
+        for owner, leaf, param in saved:
+            owner._parameters[leaf] = param

@@ -1,0 +1,211 @@
+"""Strategies for a model's own modules, addressed by path: MindSpore's `shard` for any `nn.Module`.
+
+A module plan maps module-path patterns (`fnmatch`: `"model.layers.*.self_attn.q_proj"`, `"*.mlp.c_fc"`) to
+plain data, the same keys as `loom.shard` takes:
+
+    {"*.q_proj": {"parameter_plan": {"weight": ("tp", "None")}},
+     "*.o_proj": {"parameter_plan": {"weight": ("None", "tp")}, "in_strategy": (("dp", "None", "tp"),)}}
+
+Each entry of a strategy is either cuts per dim (`(2, 1)`, MindSpore's strategy) or mesh axis names per
+dim (`("tp", "None")`: dim 0 cut along the mesh's "tp" axis; a tuple of names cuts a dim along several
+axes). Axis names make a plan independent of the mesh's sizes; a name the mesh lacks means "not cut", so a
+tensor-parallel plan runs unchanged on a mesh without "tp". `parameter_plan` lays out the module's own
+parameters; `in_strategy` / `out_strategy`, one entry per positional input / output (None: as it comes),
+redistribute what flows in and out. `"local": True` runs the module on each rank's own rows instead (see
+`loom.parallel.local_region`): for modules whose operators DTensor cannot run, such as a mixture of experts'
+data-dependent routing. Everything else follows from DTensor's sharding rules, so any plan
+computes what the unsharded model computes; a plan only changes where the work and the communication go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from loom.dist.mesh import Mesh
+from loom.layout import compile_inputs
+from loom.layout.named import NONE, Layout
+from loom.layout.tensor_layout import TensorLayout
+from loom.parallel.local_region import run_locally
+from loom.shard import lay_out_inputs, lay_out_outputs
+
+__all__ = ["ModuleStrategy", "apply_module_plan", "module_parameter_layouts", "resolve_module_plan"]
+
+KEYS = ("in_strategy", "out_strategy", "parameter_plan", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleStrategy:
+    """One module's strategy: its inputs, outputs and parameters (see the module docstring)."""
+
+    in_strategy: tuple | None = None
+    out_strategy: tuple | None = None
+    parameter_plan: Mapping[str, Any] = field(default_factory=dict)
+    local: bool = False
+
+    def __post_init__(self) -> None:
+        if self.local and (self.in_strategy or self.out_strategy or self.parameter_plan):
+            raise ValueError(
+                "a module plan entry with local=True runs the module on local rows with its parameters "
+                "replicated; drop in_strategy, out_strategy and parameter_plan from it"
+            )
+
+    @classmethod
+    def from_data(cls, pattern: str, data: Mapping[str, Any] | ModuleStrategy) -> ModuleStrategy:
+        """A strategy from plain data (JSON lists become tuples), with errors naming the pattern."""
+        if isinstance(data, ModuleStrategy):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"module plan {pattern!r}: expected a dict with some of {KEYS}, e.g. "
+                f"{{'parameter_plan': {{'weight': ('tp', 'None')}}}}; got {data!r}"
+            )
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise ValueError(f"module plan {pattern!r}: unknown key(s) {unknown}; use some of {KEYS}")
+        plan = data.get("parameter_plan") or {}
+        if not isinstance(plan, Mapping):
+            raise ValueError(
+                f"module plan {pattern!r}: parameter_plan must map parameter names to entries, e.g. "
+                f"{{'weight': ('tp', 'None')}}; got {plan!r}"
+            )
+        return cls(
+            in_strategy=_tuples(data.get("in_strategy")),
+            out_strategy=_tuples(data.get("out_strategy")),
+            parameter_plan={name: _tuples(entry) for name, entry in plan.items()},
+            local=bool(data.get("local", False)),
+        )
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data (the inverse of `from_data`), for JSON."""
+        data: dict[str, Any] = {}
+        if self.in_strategy is not None:
+            data["in_strategy"] = self.in_strategy
+        if self.out_strategy is not None:
+            data["out_strategy"] = self.out_strategy
+        if self.parameter_plan:
+            data["parameter_plan"] = dict(self.parameter_plan)
+        if self.local:
+            data["local"] = True
+        return data
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples strategies are written with (None stays None)."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def resolve_module_plan(
+    model: nn.Module, module_plan: Mapping[str, Any]
+) -> dict[str, tuple[str, ModuleStrategy]]:
+    """Module path -> (the pattern that matched, its strategy). A module matched by several patterns takes
+    the last one (a general pattern first, exceptions after); a pattern that matches nothing is an error."""
+    if not isinstance(module_plan, Mapping):
+        raise TypeError(
+            f"module_plan must be a dict of module-path patterns to strategies, e.g. "
+            f"{{'*.q_proj': {{'parameter_plan': {{'weight': ('tp', 'None')}}}}}}; got {type(module_plan).__name__}"
+        )
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, tuple[str, ModuleStrategy]] = {}
+    for pattern, data in module_plan.items():
+        strategy = ModuleStrategy.from_data(pattern, data)
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            examples = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(
+                f"module plan pattern {pattern!r} matches no module of {type(model).__name__}; module paths "
+                f"look like: {examples} (patterns use fnmatch: '*' matches any run of characters, dots too)"
+            )
+        for name in matched:
+            resolved[name] = (pattern, strategy)
+    return resolved
+
+
+def to_entry(entry: Any, mesh: Mesh) -> Any:
+    """A strategy entry as `compile_inputs` takes it: cuts stay; axis names become a `Layout` map on the
+    mesh (names the mesh lacks are 'not cut')."""
+    if not isinstance(entry, tuple) or not any(isinstance(e, str | tuple) for e in entry):
+        return entry
+    names = mesh.shape.names
+    layout = Layout(tuple(mesh.shape.size(n) for n in names), names)
+
+    def keep(dim: Any) -> Any:
+        if isinstance(dim, tuple):
+            kept = tuple(a for a in dim if a in names)
+            return kept if kept else NONE
+        return dim if dim in names else NONE
+
+    return layout(*(keep(dim) for dim in entry))
+
+
+def module_parameter_layouts(
+    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh
+) -> tuple[dict[str, TensorLayout], dict[str, str]]:
+    """The layouts the plan gives parameters, keyed by each parameter's first name (as `named_parameters`
+    lists it: a tied parameter is laid out once), and the pattern each came from."""
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(param), name)
+    layouts: dict[str, TensorLayout] = {}
+    sources: dict[str, str] = {}
+    for path, (pattern, strategy) in resolved.items():
+        module = model.get_submodule(path)
+        own = dict(module.named_parameters(recurse=False))
+        for name, entry in strategy.parameter_plan.items():
+            if name not in own:
+                raise ValueError(
+                    f"module plan {pattern!r}: {path} ({type(module).__name__}) has no parameter {name!r}; "
+                    f"its parameters are {sorted(own)}"
+                )
+            param = own[name]
+            (layout,) = compile_inputs(
+                f"{path} parameter {name}",
+                [name],
+                (to_entry(entry, mesh),),
+                [param.shape],
+                mesh.canonical_shape,
+            )
+            if layout is None:
+                continue
+            key = first_name[id(param)]
+            if key in layouts and layouts[key] != layout:
+                raise ValueError(
+                    f"module plan: {path}.{name} is the same parameter as {key} (tied), laid out differently by "
+                    f"{pattern!r} and {sources[key]!r}; give both the same layout"
+                )
+            layouts[key], sources[key] = layout, pattern
+    return layouts, sources
+
+
+def apply_module_plan(
+    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh
+) -> None:
+    """Hook the inputs and outputs of the modules whose strategies redistribute them (parameters are laid
+    out by the caller, with the model's other parameters)."""
+    for path, (_, strategy) in resolved.items():
+        module = model.get_submodule(path)
+        if strategy.local:
+            run_locally(module, path)
+        if strategy.in_strategy is None and strategy.out_strategy is None:
+            continue
+        op = f"{path} ({type(module).__name__})"
+        ins = _entries(strategy.in_strategy, mesh)
+        outs = _entries(strategy.out_strategy, mesh)
+        if ins is not None:
+            module.register_forward_pre_hook(
+                lambda _, args, op=op, ins=ins: lay_out_inputs(op, args, ins, mesh)
+            )
+        if outs is not None:
+            module.register_forward_hook(
+                lambda _, __, out, op=op, outs=outs: lay_out_outputs(op, out, outs, mesh)
+            )
+
+
+def _entries(strategy: Sequence[Any] | None, mesh: Mesh) -> tuple | None:
+    return None if strategy is None else tuple(to_entry(entry, mesh) for entry in strategy)

@@ -1,0 +1,64 @@
+"""Hugging Face models, unedited, under `loom.parallelize(mode="semi_auto", module_plan=...)`: the same
+losses, gradients and parameters as one device (tolerances: tests/equivalence.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from equivalence import RTOL, adamw, assert_params_close
+from hf_models import batches, build
+
+import loom
+from loom.models.tensor_plans import tensor_plan
+
+LR = 3e-3
+
+
+def _train(model, data, local=lambda t: t):
+    optimizer = adamw(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step, ids in enumerate(data):
+        ids = local(ids)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def tensor_parallel_case(family, dp, tp):
+    reference = build(family)
+    model = copy.deepcopy(reference)
+    data = batches()
+    expected = _train(reference, data)
+    mesh = loom.init({"dp": dp, "tp": tp})
+    loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
+    local = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731  (tensor-parallel peers read the same rows)
+    actual = _train(model, data, local)
+    shards = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    return expected, actual, shards
+
+
+def _assert_equivalent(expected, actual):
+    (ref_losses, ref_grads, ref_params), (losses, grads, params) = expected, actual
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=RTOL, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_close(params, ref_params, lr=LR, steps=len(losses))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_megatron_layouts_on_hugging_face_models_match_one_device(dist_run, family):
+    for expected, actual, shards in dist_run(4, tensor_parallel_case, family, 2, 2):
+        _assert_equivalent(expected, actual)
+        if family == "gpt2":
+            assert shards["transformer.h.0.mlp.c_fc.weight"] == (64, 128)  # (in, out / tp)
+        else:
+            assert shards["model.layers.0.self_attn.q_proj.weight"] == (32, 64)  # (out / tp, in)
+            assert shards["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
