@@ -10,6 +10,7 @@ loom's GPT through its recipe); bad recipes and splits are clear errors."""
 
 import functools
 
+import hf_models
 import pytest
 import torch
 from equivalence import ADAMW, GRAD_ATOL, RTOL, adamw, assert_params_close
@@ -31,38 +32,21 @@ from loom.pipeline import (
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import global_mean
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 128
+STEPS, BATCH, SEQ = 3, 8, 16
 
 
 def build(family: str, attention: str = "sdpa") -> torch.nn.Module:
-    """The tiny model of `family`, initialised from seed 0 (the same values in every process)."""
-    torch.manual_seed(0)
-    if family == "mixtral":  # experts replicated (no expert parallelism here)
-        config = transformers.MixtralConfig(
-            num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=4,
-            num_experts_per_tok=2, attn_implementation=attention,
-        )  # fmt: skip
-        return transformers.MixtralForCausalLM(config)
-    if family == "gpt2":
-        config = transformers.GPT2Config(
-            n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=attention,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation=attention,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    """The suite's tiny model of `family` with 4 blocks (seed 0: the same values in every process)."""
+    model = hf_models.build(family, layers=4)
+    model.set_attn_implementation(attention)
+    return model
 
 
 def batches() -> list[torch.Tensor]:
     """The runs' token ids, one (BATCH, SEQ) tensor per step; the labels are the ids (the model shifts)."""
-    generator = torch.Generator().manual_seed(0)
-    return list(torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=generator))
+    return hf_models.batches(STEPS, BATCH, SEQ, seed=0)
 
 
 @functools.cache
