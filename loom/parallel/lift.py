@@ -19,6 +19,7 @@ rank's rows and reduces the sum (and the count of targets, for a mean) once. Gra
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from loom.dist import consistency
 
-__all__ = ["LiftPlainTensors", "local_attention", "local_cross_entropy"]
+__all__ = ["LiftPlainTensors", "lifting", "local_attention", "local_cross_entropy"]
 
 
 def _is_plain(x: object) -> bool:
@@ -170,6 +171,15 @@ LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
 }
 
 
+_active: ContextVar[LiftPlainTensors | None] = ContextVar("loom_lift_plain_tensors", default=None)
+
+
+def lifting() -> bool:
+    """Whether plain tensors are being lifted here (inside a semi_auto model's forward). Recomputation
+    checks this during forward, to lift again when backward runs the forward a second time."""
+    return _active.get() is not None
+
+
 class LiftPlainTensors(TorchFunctionMode):
     """Active during a semi_auto model's forward: a plain tensor passed to a torch function together with a
     DTensor becomes a replicated DTensor; operators in `LOCAL_REGIONS` run on local shards. With `scope`
@@ -178,6 +188,15 @@ class LiftPlainTensors(TorchFunctionMode):
     def __init__(self, scope: consistency.Scope | None = None) -> None:
         super().__init__()
         self.scope = scope
+        self._tokens: list[Token] = []
+
+    def __enter__(self) -> LiftPlainTensors:
+        self._tokens.append(_active.set(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        _active.reset(self._tokens.pop())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
