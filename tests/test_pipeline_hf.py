@@ -142,6 +142,10 @@ def assert_matches(family: str, results: list[dict], level: int) -> None:
         assert compared == set(expected["params"]), "every gradient is compared"
 
 
+LLAMA_PATHS = [
+    ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"],
+    ["model.layers.3", "model.norm", "lm_head"],
+]
 SLOW = pytest.mark.slow  # more combinations of the same features
 
 
@@ -149,9 +153,16 @@ def _values(case) -> tuple:
     return case.values if hasattr(case, "values") else case
 
 
+def _split_id(split) -> str:
+    if split is None:
+        return "even"
+    return "paths" if isinstance(split[0], list) else str(split)
+
+
 CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
     ("gpt2", 1, 0, "1f1b", None, 1),  # tied head: copies on both pipeline ranks
     ("llama", 1, 0, "gpipe", [1, 3], 1),
+    ("llama", 1, 0, "1f1b", LLAMA_PATHS, 1),  # a Plan's stages as module paths
     pytest.param("mixtral", 1, 0, "1f1b", None, 1, marks=SLOW),
     pytest.param("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2, marks=SLOW),
     pytest.param("llama", 1, 0, "zbv", None, 2, marks=SLOW),  # V: the first and the last stage on rank 0
@@ -165,7 +176,9 @@ CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
 @pytest.mark.parametrize(
     ("family", "dp", "level", "schedule", "split", "virtual"),
     CASES,
-    ids=[f"{f}-dp{dp}-pp2-level{lv}-{s}-{split or 'even'}" for f, dp, lv, s, split, _ in map(_values, CASES)],
+    ids=[
+        f"{f}-dp{dp}-pp2-level{lv}-{s}-{_split_id(split)}" for f, dp, lv, s, split, _ in map(_values, CASES)
+    ],
 )
 def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split, virtual):
     results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split, virtual)
@@ -284,6 +297,15 @@ def test_models_without_a_recipe_and_bad_splits_are_clear_errors():
         split_model(torch.nn.Linear(2, 2), 2, recipe=Recipe(family="mine", blocks="model.layers"))
     with pytest.raises(ValueError, match=r"split \[1, 2\]: give 2 block counts .* summing to the model's 4"):
         split_model(build("llama"), 2, split=[1, 2])
+    bad_paths = [["model.layers.0", "model.norm"], ["model.layers.1", "model.layers.2", "model.layers.3"]]
+    with pytest.raises(ValueError, match=r"stage 0 names 'model.norm', which is neither a block"):
+        split_model(build("llama"), 2, split=bad_paths)
+    with pytest.raises(ValueError, match=r"stages name blocks \[0, 2, 1, 3\]: a pipeline runs consecutive"):
+        split_model(
+            build("llama"),
+            2,
+            split=[["model.layers.0", "model.layers.2"], ["model.layers.1", "model.layers.3"]],
+        )
     with pytest.raises(ValueError, match="5 pipeline stages for 4 blocks"):
         split_model(build("llama"), 5)
     assert len(model_units(build("llama"))) == 4 + 3 + 1  # blocks, embedding, norm, head, root

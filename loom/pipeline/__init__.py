@@ -6,6 +6,7 @@ per stage."""
 from loom.pipeline.blocks import (
     BlockStage,
     block_split,
+    blocks_per_stage,
     model_pipeline,
     source_names,
     split_model,
@@ -55,6 +56,7 @@ from loom.pipeline.timeline import (
 __all__ = [
     "BlockStage",
     "block_split",
+    "blocks_per_stage",
     "model_pipeline",
     "split_model",
     "tied_parameters",

@@ -130,20 +130,56 @@ def block_split(blocks: int, stages: int, split: Sequence[int] | None = None) ->
     return [list(range(start, start + n)) for start, n in zip(starts, split, strict=True)]
 
 
+def blocks_per_stage(paths: Sequence[Sequence[str]], recipe: Recipe) -> list[int]:
+    """Blocks per stage from each stage's module paths (`[["model.embed_tokens", "model.layers.0", ...],
+    ...]`): each stage names consecutive blocks of the recipe's block list (`"<blocks>.<index>"`), the
+    stages in block order; the recipe's "before" pieces may be named on the first stage and its "after"
+    pieces on the last (where the recipe puts them anyway)."""
+    counts, seen, last = [], [], len(paths) - 1
+    for k, stage in enumerate(paths):
+        if isinstance(stage, str) or not isinstance(stage, Sequence):
+            raise ValueError(
+                f"stage {k} is {stage!r}: give each stage a list of module paths (or every stage a count)"
+            )
+        allowed = set(recipe.before if k == 0 else ()) | set(recipe.after if k == last else ())
+        indices = []
+        for path in stage:
+            head, _, index = path.rpartition(".")
+            if head == recipe.blocks and index.isdigit():
+                indices.append(int(index))
+            elif path not in allowed:
+                raise ValueError(
+                    f"stage {k} names {path!r}, which is neither a block of {recipe.blocks!r} (as "
+                    f"'{recipe.blocks}.<index>') nor a piece recipe {recipe.family!r} puts on that stage "
+                    f"(before the blocks: {list(recipe.before)} on the first; after: {list(recipe.after)} on "
+                    f"the last)"
+                )
+        counts.append(len(indices))
+        seen.extend(indices)
+    if seen != list(range(len(seen))):
+        raise ValueError(
+            f"stages name blocks {seen}: a pipeline runs consecutive blocks in order, each once (0, 1, 2, ...)"
+        )
+    return counts
+
+
 def split_model(
     model: nn.Module,
     stages: int,
     *,
     recipe: Recipe | None = None,
     blocks: str | None = None,
-    split: Sequence[int] | None = None,
+    split: Sequence[int] | Sequence[Sequence[str]] | None = None,
 ) -> list[BlockStage]:
-    """All `stages` stages of `model`, blocks cut by `split` (see `block_split`). `recipe`: where the
+    """All `stages` stages of `model`, blocks cut by `split`: blocks per stage (see `block_split`), or each
+    stage's module paths (see `blocks_per_stage`), as a Plan's `stages` gives them. `recipe`: where the
     model's pieces are (default: `recipe_for(model, blocks)`, its class's, `blocks` naming the path of its
     block list). Every parameter of the model must sit in a stage."""
     recipe = recipe or recipe_for(model, blocks)
     if recipe.check is not None:
         recipe.check(model)
+    if split is not None and any(not isinstance(n, int) for n in split):
+        split = blocks_per_stage(split, recipe)
     groups = block_split(len(submodule(model, recipe.blocks, recipe.family)), stages, split)
     last = len(groups) - 1
     every = [BlockStage(model, recipe, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
@@ -167,7 +203,7 @@ def model_pipeline(
     virtual: int = 1,
     recipe: Recipe | None = None,
     blocks: str | None = None,
-    split: Sequence[int] | None = None,
+    split: Sequence[int] | Sequence[Sequence[str]] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     bucket_mb: float = 25.0,
 ) -> Pipeline:
@@ -316,7 +352,7 @@ def whole_model(
     *,
     recipe: Recipe | None = None,
     blocks: str | None = None,
-    split: Sequence[int] | None = None,
+    split: Sequence[int] | Sequence[Sequence[str]] | None = None,
 ) -> nn.Module:
     """A copy of `model` whole on every rank with the values `pipeline` trained (to sample from it or save
     it): `pipeline` built by `model_pipeline` with the same `recipe`, `blocks` and `split`; each parameter
