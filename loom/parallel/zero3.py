@@ -1,10 +1,10 @@
 """Optimizer level 3 (ZeRO stage 3): parameters sharded at rest, gathered per unit when needed.
 
-The model is cut into units (`model_units`): each block of its block list, each module its recipe puts before
-or after the blocks (embeddings, final norm, head; see `loom.models.recipes`), and the root for the parameters
-left over; a model without a recipe: each block of every `nn.ModuleList` and the root. A unit may be any
-module that its parent calls (hooks on its own forward gather and free it). Gradient buckets never span two units. Between uses a unit's parameters hold no memory
-(their storage is resized to zero; each rank keeps only its fp32 chunk in the optimizer). A unit is gathered
+The model is cut into units (`model_units`): each block of its block list, each module its recipe puts
+before or after the blocks (embeddings, final norm, head; see `loom.models.recipes`), and the root for the
+parameters left over; a model without a recipe: each block of every `nn.ModuleList`, and the root. A unit
+may be any module its parent calls (hooks on its own forward gather and free it). Gradient buckets never span
+two units. Between uses a unit's parameters hold no memory (their storage is resized to zero; each rank keeps only its fp32 chunk in the optimizer). A unit is gathered
 (one all-gather per bucket) just before its forward, freed after it, gathered again when backward reaches
 it (a hook on its outputs' gradients) and freed once all its gradients are ready. Autograd's saved tensors
 point at the same storage, which is refilled before it is read, as in FSDP.
@@ -39,9 +39,9 @@ def model_units(model: nn.Module, recipe: Recipe | None = None) -> list[nn.Modul
     `default_units`.
 
     Only modules are units (a parameter a recipe names directly stays in the root). A module whose
-    parameters another unit also uses (a head tied to the embedding table) is no unit of its
-    own: a unit's parameters are freed after its forward, while the other user still needs them. Such
-    modules stay in the root unit, gathered through the model's whole forward."""
+    parameters another unit also uses (a head tied to the embedding table) is no unit of its own: a unit's
+    parameters are freed after its forward, while the other user still needs them. Such modules stay in the
+    root unit, gathered through the model's whole forward."""
     recipe = recipe or known_recipe(model)
     if recipe is None:
         return default_units(model)
