@@ -4,9 +4,10 @@ The model is cut into units (`model_units`): each block of its block list, each 
 before or after the blocks (embeddings, final norm, head; see `loom.models.recipes`), and the root for the
 parameters left over; a model without a recipe: each block of every `nn.ModuleList`, and the root. A unit
 may be any module its parent calls (hooks on its own forward gather and free it). Gradient buckets never span
-two units. Between uses a unit's parameters hold no memory (their storage is resized to zero; each rank keeps only its fp32 chunk in the optimizer). A unit is gathered
-(one all-gather per bucket) just before its forward, freed after it, gathered again when backward reaches
-it (a hook on its outputs' gradients) and freed once all its gradients are ready. Autograd's saved tensors
+two units. Between uses a unit's parameters hold no memory (their storage is resized to zero; each rank
+keeps only its fp32 chunk in the optimizer). A unit is gathered (one all-gather per bucket) just before its
+forward, freed after it, gathered again when backward reaches it (a hook on its outputs' gradients) and
+freed once all its gradients are ready. Autograd's saved tensors
 point at the same storage, which is refilled before it is read, as in FSDP.
 
 Resizing needs storage that nobody else pins: a NumPy view (`.numpy()`) of a parameter makes its storage
