@@ -7,8 +7,8 @@ may be any module its parent calls (hooks on its own forward gather and free it)
 two units. Between uses a unit's parameters hold no memory (their storage is resized to zero; each rank
 keeps only its fp32 chunk in the optimizer). A unit is gathered (one all-gather per bucket) just before its
 forward, freed after it, gathered again when backward reaches it (a hook on its outputs' gradients) and
-freed once all its gradients are ready. Autograd's saved tensors
-point at the same storage, which is refilled before it is read, as in FSDP.
+freed once all its gradients are ready. Autograd's saved tensors point at the same storage, which is
+refilled before it is read, as in FSDP.
 
 Resizing needs storage that nobody else pins: a NumPy view (`.numpy()`) of a parameter makes its storage
 non-resizable for good, so gathering or freeing its unit raises a `ValueError` that names the parameter and
