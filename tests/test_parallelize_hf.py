@@ -104,3 +104,25 @@ def wrong_mesh_case():
 def test_a_plan_for_another_mesh_is_refused(dist_run):
     for message in dist_run(2, wrong_mesh_case):
         assert "the plan's mesh {'dp': 1, 'tp': 2} is not the current mesh {'dp': 2}" in message
+
+
+def shard_then_parallelize_case():
+    """`loom.shard` on one ordinary module of an unedited model, in mesh axis names, then the rest of the
+    model by `parallelize`: the shard's layout stays, and training matches one device."""
+    reference = build("gpt2")
+    model = copy.deepcopy(reference)
+    data = batches()
+    expected = _train(reference, data)
+    mesh = loom.init({"dp": 2, "tp": 2})
+    loom.shard(model.transformer.h[1].mlp.c_fc, in_strategy=(("dp", "None", "None"),),
+               parameter_plan={"weight": ("None", "tp"), "bias": ("tp",)})  # fmt: skip
+    loom.parallelize(model, module_plan={"*.h.1.mlp.c_proj": {"parameter_plan": {"weight": ("tp", "None")}}})
+    local = lambda t: t.chunk(2)[mesh.dp_rank()]  # noqa: E731
+    actual = _train(model, data, local)
+    return expected, actual, tuple(model.transformer.h[1].mlp.c_fc.weight.to_local().shape)
+
+
+def test_shard_on_an_ordinary_module_keeps_its_layout_inside_parallelize(dist_run):
+    for expected, actual, shard in dist_run(4, shard_then_parallelize_case):
+        _assert_equivalent(expected, actual)
+        assert shard == (64, 128)

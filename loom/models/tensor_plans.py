@@ -16,11 +16,15 @@ from torch import nn
 
 __all__ = ["TENSOR_PLANS", "tensor_plan"]
 
+# Rows of the batch along "dp"; a row-parallel output summed right away (Megatron's one all-reduce per
+# row-parallel matrix), so that the residual stream stays whole along "tp" rather than a pending sum that
+# every later operator would have to reduce.
+WHOLE = (("dp", "None", "None"),)
 COLUMN = {"parameter_plan": {"weight": ("tp", "None")}}
-ROW = {"parameter_plan": {"weight": ("None", "tp")}}
+ROW = {"parameter_plan": {"weight": ("None", "tp")}, "out_strategy": WHOLE}
 # The embedding's partial rows are summed once, right away (Megatron's all-reduce after a vocab-parallel
 # embedding): its output is the batch cut along "dp", whole along "tp".
-VOCAB_ROWS = {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": (("dp", "None", "None"),)}
+VOCAB_ROWS = {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE}
 
 _LLAMA = {
     "*.embed_tokens": VOCAB_ROWS,
@@ -39,9 +43,9 @@ _LLAMA = {
 _GPT2 = {
     "*.wte": VOCAB_ROWS,
     "*.attn.c_attn": {"parameter_plan": {"weight": ("None", "tp"), "bias": ("tp",)}},
-    "*.attn.c_proj": {"parameter_plan": {"weight": ("tp", "None")}},
+    "*.attn.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
     "*.mlp.c_fc": {"parameter_plan": {"weight": ("None", "tp"), "bias": ("tp",)}},
-    "*.mlp.c_proj": {"parameter_plan": {"weight": ("tp", "None")}},
+    "*.mlp.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
 }
 
 # Mixtral: attention as Llama's; the router and the experts stay replicated (no expert parallelism yet)

@@ -29,7 +29,7 @@ from torch import nn
 
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
-from loom.layout.named import NONE, Layout
+from loom.layout.named import on_mesh_axes
 from loom.layout.tensor_layout import TensorLayout
 from loom.parallel.local_region import run_locally
 from loom.plan import Plan
@@ -121,20 +121,8 @@ def resolve_module_plan(
 
 
 def to_entry(entry: Any, mesh: Mesh) -> Any:
-    """A strategy entry as `compile_inputs` takes it: cuts stay; axis names become a `Layout` map on the
-    mesh (names the mesh lacks are 'not cut')."""
-    if not isinstance(entry, tuple) or not any(isinstance(e, str | tuple) for e in entry):
-        return entry
-    names = mesh.shape.names
-    layout = Layout(tuple(mesh.shape.size(n) for n in names), names)
-
-    def keep(dim: Any) -> Any:
-        if isinstance(dim, tuple):
-            kept = tuple(a for a in dim if a in names)
-            return kept if kept else NONE
-        return dim if dim in names else NONE
-
-    return layout(*(keep(dim) for dim in entry))
+    """A strategy entry on `mesh`: axis names become a `Layout` map (see `loom.layout.on_mesh_axes`)."""
+    return on_mesh_axes(entry, mesh.axis_sizes())
 
 
 def module_parameter_layouts(

@@ -30,6 +30,7 @@ from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
 from loom.layout.parameters import lay_out_parameters, materialize
+from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import Recording, record
 from loom.parallel.batch_check import BatchRows, check_even_batches
@@ -228,9 +229,7 @@ def _parallelize(
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
-    all_layouts = {
-        name: layouts.get(name, TensorLayout.replicated(p.ndim)) for name, p in model.named_parameters()
-    }
+    all_layouts = {name: layout_of(p) for name, p in model.named_parameters()}
     model.loom = ParallelState(
         mode=mode,
         mesh=mesh,
