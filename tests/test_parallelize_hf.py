@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from equivalence import RTOL, adamw, assert_params_close
 from hf_models import batches, build
+from torch.distributed.tensor.debug import CommDebugMode
 
 import loom
+from loom.dist.comm import collective_counts
 from loom.models.tensor_plans import tensor_plan
 from loom.plan import Plan
 
@@ -126,3 +128,22 @@ def test_shard_on_an_ordinary_module_keeps_its_layout_inside_parallelize(dist_ru
     for expected, actual, shard in dist_run(4, shard_then_parallelize_case):
         _assert_equivalent(expected, actual)
         assert shard == (64, 128)
+
+
+def forward_collectives_case(layers):
+    loom.init({"tp": 2})
+    model = build("llama", layers=layers)
+    loom.parallelize(model, module_plan=tensor_plan(model), batch_axes=())
+    ids = batches()[0]
+    model(input_ids=ids, labels=ids)  # the first forward also checks the ranks' agreement
+    with CommDebugMode() as comm:
+        model(input_ids=ids, labels=ids)
+    return collective_counts(comm)
+
+
+def test_megatron_plan_issues_megatrons_collectives(dist_run):
+    """One all-reduce after the embedding, one after each row-parallel matrix (two per block), and the
+    vocabulary-parallel cross entropy's three per-row all-reduces; nothing gathers the logits."""
+    for layers in (1, 3):
+        counts = dist_run(2, forward_collectives_case, layers)[0]
+        assert counts == {"all_reduce": 1 + 2 * layers + 3}, (layers, counts)
