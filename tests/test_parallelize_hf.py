@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import loom
 from loom.dist.comm import collective_counts
-from loom.models.tensor_plans import tensor_plan
+from loom.models.recipes import tensor_plan
 from loom.plan import Plan
 
 LR = 3e-3

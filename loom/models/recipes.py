@@ -16,10 +16,11 @@ stream (batch, seq, hidden). Training with a padding mask is not supported by th
 are ignored by the loss, but a pipeline averages its micro-batches' means, which equals one device's mean
 over the batch's tokens only when every micro-batch holds as many labelled tokens.
 
+Each Hugging Face recipe also carries Megatron's tensor-parallel layouts as a module plan (`tensor_plan`).
+
 `RECIPES` maps a model's class name to its recipe, or to a function of the model that makes it where the
 layout depends on the model's config (loom's GPT: learned or rotary positions, a tied head);
-`recipe_for(model)` finds it. Other models pass their own `Recipe`. More fields (tensor-parallel layouts)
-may be added to the same entries.
+`recipe_for(model)` finds it. Other models pass their own `Recipe`.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Recipe:
     `call_block(block, x, inputs)` runs one block; `finish(stage, x)` makes the last stage's output
     (default: the `after` modules in order). `loss(output, targets)` is the family's training loss, on the
     last stage; `check(model)` raises a `ValueError` for a model the recipe cannot run as configured.
-    `classes`: the model class names `RECIPES` files the recipe under.
+    `classes`: the model class names `RECIPES` files the recipe under. `tensor_plan`: the module plan of
+    Megatron's tensor-parallel layouts (`loom.parallelize(model, module_plan=recipe.tensor_plan)`).
     """
 
     family: str
@@ -115,6 +117,7 @@ class Recipe:
     loss: LossFn = token_cross_entropy
     check: Callable[[nn.Module], None] | None = None
     classes: tuple[str, ...] = ()
+    tensor_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for group in (self.before, self.after, self.shared):
@@ -181,6 +184,57 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     )
 
 
+# Megatron's tensor-parallel layouts, as module plans for `loom.parallelize(..., module_plan=...)` (see
+# docs/any_model.md): attention's query/key/value and the MLP's first matrices cut by output features along
+# the mesh's "tp" axis (column parallel), the attention output and the MLP's last matrix by input features
+# (row parallel), the embedding by vocabulary rows and the head by vocabulary. On a mesh without "tp" every
+# entry means "not cut". `nn.Linear` stores weights as (out, in); GPT-2's `Conv1D` as (in, out).
+
+# Rows of the batch along "dp"; a row-parallel output summed right away (Megatron's one all-reduce per
+# row-parallel matrix), so that the residual stream stays whole along "tp" rather than a pending sum that
+# every later operator would have to reduce.
+WHOLE = (("dp", "None", "None"),)
+COLUMN = {"parameter_plan": {"weight": ("tp", "None")}}
+ROW = {"parameter_plan": {"weight": ("None", "tp")}, "out_strategy": WHOLE}
+# The embedding's partial rows are summed once, right away (Megatron's all-reduce after a vocab-parallel
+# embedding): its output is the batch cut along "dp", whole along "tp".
+VOCAB_ROWS = {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE}
+
+LLAMA_TENSOR_PLAN = {
+    "*.embed_tokens": VOCAB_ROWS,
+    "*.self_attn.q_proj": COLUMN,
+    "*.self_attn.k_proj": COLUMN,
+    "*.self_attn.v_proj": COLUMN,
+    "*.self_attn.o_proj": ROW,
+    "*.mlp.gate_proj": COLUMN,
+    "*.mlp.up_proj": COLUMN,
+    "*.mlp.down_proj": ROW,
+    "lm_head": COLUMN,
+}
+
+# GPT-2's attention projects query, key and value with one fused matrix and splits its output in three,
+# so a column cut of it is gathered at the split (DTensor's rule); its MLP and projections are Megatron's.
+GPT2_TENSOR_PLAN = {
+    "*.wte": VOCAB_ROWS,
+    "*.attn.c_attn": {"parameter_plan": {"weight": ("None", "tp"), "bias": ("tp",)}},
+    "*.attn.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
+    "*.mlp.c_fc": {"parameter_plan": {"weight": ("None", "tp"), "bias": ("tp",)}},
+    "*.mlp.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
+}
+
+# Mixtral: attention as Llama's; the router and the experts stay replicated (no expert parallelism yet)
+# and run on each rank's own tokens (a local region: their routing has data-dependent shapes).
+MIXTRAL_TENSOR_PLAN = {
+    "*.embed_tokens": VOCAB_ROWS,
+    "*.self_attn.q_proj": COLUMN,
+    "*.self_attn.k_proj": COLUMN,
+    "*.self_attn.v_proj": COLUMN,
+    "*.self_attn.o_proj": ROW,
+    "*.mlp.experts": {"local": True},
+    "lm_head": COLUMN,
+}
+
+
 # Hugging Face decoders: positions, masks and rotary tables recomputed on every stage from the stream's shape.
 
 
@@ -229,6 +283,7 @@ GPT2 = Recipe(
     embed=_gpt2_embed,
     block_inputs=_gpt2_block_inputs,
     loss=causal_lm_loss,
+    tensor_plan=GPT2_TENSOR_PLAN,
 )
 
 LLAMA = Recipe(
@@ -240,6 +295,7 @@ LLAMA = Recipe(
     shared=("model.rotary_emb",),
     block_inputs=_rotary_block_inputs,
     loss=causal_lm_loss,
+    tensor_plan=LLAMA_TENSOR_PLAN,
 )
 
 
@@ -251,7 +307,13 @@ def _no_router_loss(model: nn.Module) -> None:
         )
 
 
-MIXTRAL = dataclasses.replace(LLAMA, family="mixtral", classes=("MixtralForCausalLM",), check=_no_router_loss)
+MIXTRAL = dataclasses.replace(
+    LLAMA,
+    family="mixtral",
+    classes=("MixtralForCausalLM",),
+    check=_no_router_loss,
+    tensor_plan=MIXTRAL_TENSOR_PLAN,
+)
 
 
 def _gpt_embed(stage: Stage, ids: torch.Tensor) -> torch.Tensor:
@@ -331,3 +393,16 @@ def recipe_for(model: nn.Module, blocks: str | None = None) -> Recipe:
             f"norm, head paths...)) from loom.models.recipes"
         ) from None
     return Recipe(family=type(model).__name__, blocks=path)
+
+
+def tensor_plan(model: nn.Module) -> Mapping[str, Any]:
+    """The Megatron module plan of `model`'s family, or a clear error."""
+    recipe = known_recipe(model)
+    if recipe is None or not recipe.tensor_plan:
+        raise ValueError(
+            f"no tensor-parallel plan is known for {type(model).__name__}; known: "
+            f"{sorted(name for name, r in RECIPES.items() if isinstance(r, Recipe) and r.tensor_plan)}. "
+            f"Give its modules strategies yourself: parallelize(model, module_plan={{'*.q_proj': "
+            f"{{'parameter_plan': {{'weight': ('tp', 'None')}}}}, ...}})"
+        )
+    return recipe.tensor_plan
