@@ -72,12 +72,12 @@ def reference(family: str) -> dict:
 
 
 def pipeline_case(
-    family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1
+    family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1, tp: int = 1
 ) -> dict:
     """A worker's run through `PipelineTrainer`: losses, gradient norms, the gradients by the model's names
     (level 0; above, they are sharded), this rank's parameters, the evaluation loss of the first batch, and
     whether the parameters rest sharded."""
-    mesh = loom.init({"pp": 2, "dp": dp})
+    mesh = loom.init({"pp": 2, "dp": dp, "tp": tp})
     with unsharded():
         model = build(family)
     pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split, virtual=virtual)
@@ -91,7 +91,9 @@ def pipeline_case(
     step = optimizer.step
 
     def recording_step(*args, **kwargs):  # the step's reduced gradients, before the update
-        grads.append({names[id(p)]: p.grad.clone() for p in pipe.parameters() if p.grad is not None})
+        grads.append(
+            {names[id(p)]: loom.full(p.grad).clone() for p in pipe.parameters() if p.grad is not None}
+        )
         return step(*args, **kwargs)
 
     optimizer.step = recording_step
@@ -104,7 +106,7 @@ def pipeline_case(
         p.untyped_storage().nbytes() == 0 for bucket in pipe.grad_sync.buckets for p in bucket.params
     )
     with pipe.full_parameters():
-        params = {names[id(p)]: p.detach().clone() for p in pipe.parameters()}
+        params = {names[id(p)]: loom.full(p.detach()).clone() for p in pipe.parameters()}
     mine = {id(p) for p in pipe.parameters()}
     others_on_meta = all(p.is_meta for p in model.parameters() if id(p) not in mine)
     whole = dict(whole_model(model, pipe, mesh, split=split).named_parameters())
@@ -159,29 +161,33 @@ def _split_id(split) -> str:
     return "paths" if isinstance(split[0], list) else str(split)
 
 
-CASES = [  # (family, dp, level, schedule, split, virtual stages per rank)
-    ("gpt2", 1, 0, "1f1b", None, 1),  # tied head: copies on both pipeline ranks
-    ("llama", 1, 0, "gpipe", [1, 3], 1),
-    ("llama", 1, 0, "1f1b", LLAMA_PATHS, 1),  # a Plan's stages as module paths
-    pytest.param("mixtral", 1, 0, "1f1b", None, 1, marks=SLOW),
-    pytest.param("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2, marks=SLOW),
-    pytest.param("llama", 1, 0, "zbv", None, 2, marks=SLOW),  # V: the first and the last stage on rank 0
-    ("gpt2", 2, 0, "1f1b", None, 1),
-    ("llama", 2, 0, "1f1b", [3, 1], 1),
-    ("llama", 2, 3, "1f1b", None, 1),
-    ("gpt2", 2, 3, "1f1b", None, 1),  # level 3 with tied copies on two pipeline ranks
+CASES = [  # (family, dp, level, schedule, split, virtual stages per rank, tp)
+    ("gpt2", 1, 0, "1f1b", None, 1, 1),  # tied head: copies on both pipeline ranks
+    ("llama", 1, 0, "gpipe", [1, 3], 1, 1),
+    ("llama", 1, 0, "1f1b", LLAMA_PATHS, 1, 1),  # a Plan's stages as module paths
+    pytest.param("mixtral", 1, 0, "1f1b", None, 1, 1, marks=SLOW),
+    pytest.param("gpt2", 1, 0, "interleaved", [1, 1, 1, 1], 2, 1, marks=SLOW),
+    pytest.param("llama", 1, 0, "zbv", None, 2, 1, marks=SLOW),  # V: the first and the last stage on rank 0
+    ("gpt2", 2, 0, "1f1b", None, 1, 1),
+    ("llama", 2, 0, "1f1b", [3, 1], 1, 1),
+    ("llama", 2, 3, "1f1b", None, 1, 1),
+    ("gpt2", 2, 3, "1f1b", None, 1, 1),  # level 3 with tied copies on two pipeline ranks
+    # tensor parallelism inside the stages (Megatron's layouts from the recipes), rotary positions
+    ("llama", 1, 0, "1f1b", None, 1, 2),
+    pytest.param("llama", 2, 0, "1f1b", [3, 1], 1, 2, marks=SLOW),
 ]
 
 
 @pytest.mark.parametrize(
-    ("family", "dp", "level", "schedule", "split", "virtual"),
+    ("family", "dp", "level", "schedule", "split", "virtual", "tp"),
     CASES,
     ids=[
-        f"{f}-dp{dp}-pp2-level{lv}-{s}-{_split_id(split)}" for f, dp, lv, s, split, _ in map(_values, CASES)
+        f"{f}-dp{dp}-tp{tp}-pp2-level{lv}-{s}-{_split_id(split)}"
+        for f, dp, lv, s, split, _, tp in map(_values, CASES)
     ],
 )
-def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split, virtual):
-    results = dist_run(2 * dp, pipeline_case, family, dp, level, schedule, split, virtual)
+def test_hugging_face_pipeline_matches_one_device(dist_run, family, dp, level, schedule, split, virtual, tp):
+    results = dist_run(2 * dp * tp, pipeline_case, family, dp, level, schedule, split, virtual, tp)
     assert_matches(family, results, level)
     if level == 3:  # every bucketed parameter holds no memory between steps
         assert all(result["sharded"] for result in results)
@@ -313,3 +319,22 @@ def test_models_without_a_recipe_and_bad_splits_are_clear_errors():
     router.config.output_router_logits = True
     with pytest.raises(ValueError, match="router's auxiliary loss.*output_router_logits = False"):
         split_model(router, 2)
+
+
+def tied_tensor_parallel_case() -> str:
+    mesh = loom.init({"pp": 2, "tp": 2})
+    with unsharded():
+        model = build("gpt2")
+    try:
+        model_pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_head_tied_across_pipeline_ranks_is_refused_with_tensor_parallel_stages(dist_run):
+    for message in dist_run(4, tied_tensor_parallel_case):
+        assert "lm_head.weight is tied between stages on different pipeline ranks" in message or (
+            "transformer.wte.weight is tied" in message
+        ), message
+        assert "tie_word_embeddings = False" in message

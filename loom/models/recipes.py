@@ -220,6 +220,7 @@ GPT2_TENSOR_PLAN = {
     "*.attn.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
     "*.mlp.c_fc": {"parameter_plan": {"weight": ("None", "tp"), "bias": ("tp",)}},
     "*.mlp.c_proj": {"parameter_plan": {"weight": ("tp", "None")}, "out_strategy": WHOLE},
+    "lm_head": COLUMN,  # tied to wte: the same layout, also where a pipeline puts them on different stages
 }
 
 # Mixtral: attention as Llama's; the router and the experts stay replicated (no expert parallelism yet)

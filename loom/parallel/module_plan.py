@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
@@ -95,10 +97,18 @@ def _tuples(value: Any) -> Any:
 
 
 def resolve_module_plan(
-    model: nn.Module, module_plan: Mapping[str, Any]
+    model: nn.Module, module_plan: Mapping[str, Any], root: nn.Module | None = None
 ) -> dict[str, tuple[str, ModuleStrategy]]:
     """Module path -> (the pattern that matched, its strategy). A module matched by several patterns takes
-    the last one (a general pattern first, exceptions after); a pattern that matches nothing is an error."""
+    the last one (a general pattern first, exceptions after); a pattern that matches nothing is an error.
+    With `root`, the model `model` is a part of (a pipeline stage), patterns match `root`'s paths and the
+    result holds `model`'s modules among them, by their paths in `model`."""
+    if root is not None:
+        whole = resolve_module_plan(root, module_plan)
+        by_module = {id(root.get_submodule(path)): entry for path, entry in whole.items()}
+        return {
+            path: by_module[id(module)] for path, module in model.named_modules() if id(module) in by_module
+        }
     if not isinstance(module_plan, Mapping):
         raise TypeError(
             f"module_plan must be a dict of module-path patterns to strategies, e.g. "
@@ -178,14 +188,24 @@ def apply_module_plan(
         op = f"{path} ({type(module).__name__})"
         ins = _entries(strategy.in_strategy, mesh)
         outs = _entries(strategy.out_strategy, mesh)
+        # Only inside a parallelized forward, whose tensors are DTensors: a copy of the model gathered
+        # whole (to sample from it) runs unchanged.
         if ins is not None:
             module.register_forward_pre_hook(
-                lambda _, args, op=op, ins=ins: lay_out_inputs(op, args, ins, mesh)
+                lambda _, args, op=op, ins=ins: (
+                    lay_out_inputs(op, args, ins, mesh) if _has_dtensor(args) else None
+                )
             )
         if outs is not None:
             module.register_forward_hook(
-                lambda _, __, out, op=op, outs=outs: lay_out_outputs(op, out, outs, mesh)
+                lambda _, __, out, op=op, outs=outs: (
+                    lay_out_outputs(op, out, outs, mesh) if _has_dtensor(out) else out
+                )
             )
+
+
+def _has_dtensor(value: Any) -> bool:
+    return any(isinstance(x, DTensor) for x in tree_flatten(value)[0])
 
 
 def _entries(strategy: Sequence[Any] | None, mesh: Mesh) -> tuple | None:

@@ -165,6 +165,17 @@ def parallelize(
     return model
 
 
+def parallelize_part(
+    part: nn.Module, mesh: Mesh, *, module_plan: dict[str, Any], root: nn.Module, bucket_mb: float = 25.0
+) -> nn.Module:
+    """Lay out `part`, a piece of `root` (a pipeline stage), on `mesh` in semi_auto mode by `module_plan`,
+    whose patterns are matched against `root`'s module paths (modules outside `part` are skipped). The mesh
+    is an argument: below the API surface nothing reads the current mesh."""
+    return _parallelize(
+        part, mesh, "semi_auto", None, False, None, bucket_mb, None, None, module_plan, plan_root=root
+    )
+
+
 def _parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -176,6 +187,7 @@ def _parallelize(
     example_kwargs: dict[str, Any] | None,
     batch_axes: str | Sequence[str] | None,
     module_plan: dict[str, Any] | None,
+    plan_root: nn.Module | None = None,
 ) -> nn.Module:
     if mode == "data_parallel":
         if parameter_plan or module_plan:
@@ -212,7 +224,7 @@ def _parallelize(
     if example_inputs is not None:
         recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
-    resolved = resolve_module_plan(model, module_plan or {})
+    resolved = resolve_module_plan(model, module_plan or {}, root=plan_root)
     planned, patterns = module_parameter_layouts(model, resolved, mesh)
     layouts.update(planned)
     consumers.update({name: f"module_plan {pattern!r}" for name, pattern in patterns.items()})

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -30,9 +30,11 @@ from torch import nn
 from torch.distributed.tensor import Placement
 
 from loom.dist.mesh import Mesh
+from loom.layout.redistribute import full
 from loom.models.recipes import Recipe, piece, recipe_for, submodule
 from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition
+from loom.pipeline.tensor_stages import lay_out_stages, sharded_loss
 from loom.pipeline.tied import Tied
 
 
@@ -206,6 +208,7 @@ def model_pipeline(
     split: Sequence[int] | Sequence[Sequence[str]] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     bucket_mb: float = 25.0,
+    module_plan: Mapping[str, Any] | None = None,
 ) -> Pipeline:
     """This rank's part of `model` as a pipeline over `mesh`'s "pp" axis: `pp x virtual` stages of its
     `recipe` (or the one `recipe_for(model, blocks)` gives) cut by `split` (see `split_model`), this rank's
@@ -215,26 +218,63 @@ def model_pipeline(
 
     Every rank builds the whole model; the parameters of the stages other ranks run are then moved to the
     meta device (no memory here): `model` is not runnable whole afterwards (`whole_model` gives it back).
-    The stages compute on this process alone: run them with no current mesh
-    (`loom.dist.context.unsharded`, as `PipelineTrainer` does)."""
+    Without a "tp" axis the stages compute on this process alone: run them with no current mesh
+    (`loom.dist.context.unsharded`, as `PipelineTrainer` does). With one, each stage is laid out on its
+    stage mesh (the dp x tp ranks of its pipeline index) by `module_plan` (default: the recipe's
+    `tensor_plan`; patterns over the whole model's paths): see `loom.pipeline.tensor_stages`."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
-    if mesh.axis_size("tp") > 1:
-        raise ValueError(
-            f"model_pipeline lays out no tensor parallelism inside stages (mesh {mesh}); use a mesh of pp "
-            f"and dp axes"
-        )
     recipe = recipe or recipe_for(model, blocks)
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
+    loss_fn = loss_fn or recipe.loss
+    stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
+    if stage_mesh is not None:
+        _refuse_tied_copies(model, every, schedule, pp, virtual)
+        lay_out_stages(model, stages, stage_mesh, _tensor_plan(model, recipe, module_plan))
+        loss_fn = sharded_loss(loss_fn, stage_mesh)
     pipeline = rank_pipeline(
         stages, every, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
-        loss_fn=loss_fn or recipe.loss, bucket_mb=bucket_mb,
+        loss_fn=loss_fn, stage_mesh=stage_mesh, bucket_mb=bucket_mb,
     )  # fmt: skip
     mine = {p for stage in stages for p in stage.parameters()}
     _replace_parameters(model, lambda p: p if p in mine else torch.empty_like(p, device="meta"))
     return pipeline
+
+
+def _refuse_tied_copies(
+    model: nn.Module, every: Sequence[BlockStage], schedule: str, pp: int, virtual: int
+) -> None:
+    """Tensor-parallel stages of any model do not yet keep a parameter whose copies sit on several pipeline
+    ranks (a head tied to the token table) in step: refuse it rather than train it wrong."""
+    rank_of = {k: r for r in range(pp) for k in stage_indices(schedule, r, pp, virtual)}
+    holders: dict[int, set[int]] = {}
+    for k, stage in enumerate(every):
+        for param in stage.parameters():
+            holders.setdefault(id(param), set()).add(rank_of[k])
+    names = {id(p): n for n, p in model.named_parameters()}
+    shared = [names[i] for i, ranks in holders.items() if len(ranks) > 1]
+    if shared:
+        raise ValueError(
+            f"{type(model).__name__}: {shared[0]} is tied between stages on different pipeline ranks (a head "
+            f"tied to the token table), which tensor-parallel stages of this model do not support yet: untie "
+            f"it (config.tie_word_embeddings = False), or use tp = 1 with pipelines"
+        )
+
+
+def _tensor_plan(
+    model: nn.Module, recipe: Recipe, module_plan: Mapping[str, Any] | None
+) -> Mapping[str, Any]:
+    if module_plan is not None:
+        return module_plan
+    if not recipe.tensor_plan:
+        raise ValueError(
+            f"a 'tp' axis lays out each pipeline stage by a module plan, and recipe {recipe.family!r} of "
+            f"{type(model).__name__} has no tensor_plan: pass module_plan={{pattern: strategy}} (see "
+            f"docs/any_model.md)"
+        )
+    return recipe.tensor_plan
 
 
 def _replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Tensor]) -> None:
@@ -356,8 +396,8 @@ def whole_model(
 ) -> nn.Module:
     """A copy of `model` whole on every rank with the values `pipeline` trained (to sample from it or save
     it): `pipeline` built by `model_pipeline` with the same `recipe`, `blocks` and `split`; each parameter
-    taken on the first pipeline rank that holds it (at optimizer level 3 gathered from its shards) and
-    broadcast over the pipeline. A collective call on every rank of `mesh`; memory for one more whole
+    taken on the first pipeline rank that holds it (at optimizer level 3 gathered from its shards; with
+    tensor parallelism gathered over its stage mesh) and broadcast over the pipeline. A collective call on every rank of `mesh`; memory for one more whole
     model per rank."""
     pp, virtual = mesh.axis_size("pp"), len(pipeline.modules)
     every = split_model(model, pp * virtual, recipe=recipe, blocks=blocks, split=split)
@@ -369,7 +409,9 @@ def whole_model(
     with torch.no_grad(), pipeline.full_parameters():
         whole = copy.deepcopy(model)  # this rank's stages whole inside the block, the others' on meta
     device = next(iter(pipeline.parameters())).device
-    _replace_parameters(whole, lambda p: torch.empty_like(p, device=device) if p.is_meta else p)
+    _replace_parameters(
+        whole, lambda p: torch.empty_like(p, device=device) if p.is_meta else full(p.detach())
+    )
     with torch.no_grad():
         for name, param in whole.named_parameters():
             dist.broadcast(param, group=mesh.axis_group("pp"), group_src=owner[name])

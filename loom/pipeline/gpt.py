@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
@@ -35,6 +35,7 @@ from loom.parallel.parallelize import parallelize
 from loom.pipeline.blocks import BlockStage, rank_pipeline, source_names
 from loom.pipeline.schedule import Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
+from loom.pipeline.tensor_stages import enter_stream, stream_placements
 
 
 def gpt_stage(model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> BlockStage:
@@ -78,13 +79,6 @@ def sharded_gpt_loss(mesh: Mesh):
         return vocab_parallel_cross_entropy(logits, targets).full_tensor()
 
     return loss
-
-
-def stream_placements(mesh: Mesh, sequence_parallel: bool) -> tuple[Placement, ...]:
-    """Placements of a (batch, seq, ...) activation on a stage mesh: rows cut over "dp", the sequence cut
-    over "tp" with sequence parallelism (else whole on every tp rank), as `Strategies.stream` lays it."""
-    rows, cut = set(mesh.batch_dims), set(mesh.shape.canonical_dims_of("tp")) if sequence_parallel else set()
-    return tuple(Shard(0) if d in rows else Shard(1) if d in cut else Replicate() for d in range(mesh.ndim))
 
 
 def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1) -> list[BlockStage]:
@@ -137,7 +131,7 @@ def shard_stages(
             materialize(stage, device)
             stage.boundary = stream_placements(mesh, s.sequence_parallel)
             if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
-                stage.register_forward_pre_hook(_enter(mesh, stage.boundary), prepend=True)
+                stage.register_forward_pre_hook(enter_stream(mesh, stage.boundary), prepend=True)
     for stage, stage_names in zip(stages, names, strict=True):  # the model (init_weights) sees the shards
         for (path, param), name in zip(list(stage.named_parameters()), stage_names, strict=True):
             if not isinstance(model.get_parameter(name), DTensor):
@@ -153,16 +147,6 @@ def _example_input(model: GPT, stage: BlockStage) -> torch.Tensor:
     if stage.first:
         return torch.zeros(1, seq, dtype=torch.long, device="meta")
     return torch.zeros(1, seq, model.config.d_model, device="meta")
-
-
-def _enter(mesh: Mesh, placements: tuple[Placement, ...]):
-    """A forward pre-hook: the received local piece of the residual stream becomes the global DTensor."""
-
-    def hook(_: nn.Module, args: tuple) -> tuple:
-        (x, *rest) = args
-        return (DTensor.from_local(x, mesh.device_mesh, placements, run_check=False), *rest)
-
-    return hook
 
 
 def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
