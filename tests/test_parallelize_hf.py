@@ -78,7 +78,7 @@ def _assert_equivalent(expected, actual):
     assert_params_close(params, ref_params, lr=LR, steps=len(losses))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow), "mixtral"])
 def test_megatron_layouts_on_hugging_face_models_match_one_device(dist_run, family):
     for expected, actual, shards in dist_run(4, tensor_parallel_case, family, 2, 2):
         _assert_equivalent(expected, actual)
@@ -89,7 +89,7 @@ def test_megatron_layouts_on_hugging_face_models_match_one_device(dist_run, fami
             assert shards["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gpt2"])
 def test_a_plan_loaded_from_json_applies_the_same_layouts(dist_run, tmp_path, family):
     for expected, actual, _ in dist_run(4, tensor_parallel_case, family, 2, 2, str(tmp_path)):
         _assert_equivalent(expected, actual)
