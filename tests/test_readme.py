@@ -89,7 +89,7 @@ def test_every_readme_command_is_run_or_excluded_for_a_reason():
         assert command.startswith("loom ") or command in NOT_RUN, f"add {command!r} to the test or NOT_RUN"
     for command in NOT_RUN:
         assert command in commands, f"NOT_RUN lists {command!r}, which the README no longer has"
-    assert len(python_blocks()) == 1  # the tour; a new snippet needs its check in test_readme_tour_...
+    assert len(python_blocks()) == 2  # the tour and the any-model snippet; a new one needs its own test
 
 
 def test_every_readme_command_parses(workdir):
@@ -117,16 +117,26 @@ if __name__ == "__main__":  # appended by tests/test_readme.py
 """
 
 
-def test_readme_tour_runs_as_written_and_gives_the_one_process_answer(tmp_path):
-    (tour,) = python_blocks()
-    script = tmp_path / "tour.py"
-    script.write_text(tour + TOUR_CHECK)
+def _run_script(path: Path, text: str) -> subprocess.CompletedProcess:
+    path.write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, cwd=path.parent, env=env, timeout=300
     )
+
+
+def test_readme_tour_runs_as_written_and_gives_the_one_process_answer(tmp_path):
+    tour = python_blocks()[0]
+    done = _run_script(tmp_path / "tour.py", tour + TOUR_CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tour: every rank's result is x @ w @ v" in done.stdout
+
+
+def test_readme_any_model_snippet_trains_like_one_device(tmp_path):
+    """The Hugging Face snippet asserts itself that 4 ranks (dp=2 x tp=2) give one device's losses."""
+    done = _run_script(tmp_path / "any_model.py", python_blocks()[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "q_proj.weight: (2, 1) [tp, -]" in done.stdout, done.stdout
 
 
 def test_readme_simulate_and_checkpoint_commands_run(workdir, capfd):
