@@ -147,3 +147,24 @@ def test_megatron_plan_issues_megatrons_collectives(dist_run):
     for layers in (1, 3):
         counts = dist_run(2, forward_collectives_case, layers)[0]
         assert counts == {"all_reduce": 1 + 2 * layers + 3}, (layers, counts)
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [
+        ({"*.q_prj": {"parameter_plan": {"weight": ("tp", "None")}}}, "did you mean ...'q_proj'?"),
+        ({"*.q_proj": {"parameter_pln": {}}}, "did you mean 'parameter_plan'?"),
+        (
+            {"*.q_proj": {"parameter_plan": {"weight": ("tq", "None")}}},
+            "an axis of ('pp', 'dp', 'cp', 'ep', 'tp')",
+        ),
+        ({"*.q_proj": {"local": True, "in_strategy": ((2, 1),)}}, "give local alone"),
+        ({"*.q_proj": "column"}, "use a table with some of the keys"),
+    ],
+)
+def test_module_plan_mistakes_name_the_pattern_and_the_fix(plan, expected):
+    from loom.parallel.module_plan import resolve_module_plan
+
+    with pytest.raises(ValueError) as error:
+        resolve_module_plan(build("llama"), plan)
+    assert expected in str(error.value), str(error.value)

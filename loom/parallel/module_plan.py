@@ -19,6 +19,7 @@ computes what the unsharded model computes; a plan only changes where the work a
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -35,6 +36,7 @@ from loom.layout.named import on_mesh_axes
 from loom.layout.tensor_layout import TensorLayout
 from loom.parallel.local_region import run_locally
 from loom.plan import Plan
+from loom.plan.plan import plain_data
 from loom.plan.specs import check_strategy
 from loom.recompute import recompute
 from loom.shard import lay_out_inputs, lay_out_outputs
@@ -57,7 +59,7 @@ class ModuleStrategy:
         (`loom.plan.specs.check_strategy`), with errors naming the pattern."""
         if isinstance(data, ModuleStrategy):
             return data
-        check_strategy(f"strategies[{pattern!r}]", _lists(data))  # a module plan is a Plan's `strategies`
+        check_strategy(f"strategies[{pattern!r}]", plain_data(data))  # a module plan is a Plan's `strategies`
         plan = data.get("parameter_plan") or {}
         return cls(
             in_strategy=_tuples(data.get("in_strategy")),
@@ -80,20 +82,27 @@ class ModuleStrategy:
         return data
 
 
-def _lists(value: Any) -> Any:
-    """Python tuples as the JSON lists a Plan holds (the form its checks read)."""
-    if isinstance(value, Mapping):
-        return {key: _lists(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_lists(item) for item in value]
-    return value
-
-
 def _tuples(value: Any) -> Any:
     """JSON lists back to the tuples strategies are written with (None stays None)."""
     if isinstance(value, list | tuple):
         return tuple(_tuples(v) for v in value)
     return value
+
+
+def matching(pattern: str, names: list[str], what: str, model: nn.Module) -> list[str]:
+    """The `names` (module or parameter paths of `model`) that `pattern` matches (`fnmatch`: '*' matches any
+    run of characters, dots too), or an error naming `what` asked for them and what the paths look like."""
+    matched = [name for name in names if fnmatchcase(name, pattern)]
+    if not matched:
+        leaves = sorted({name.rpartition(".")[2] for name in names})
+        close = difflib.get_close_matches(pattern.rpartition(".")[2], leaves, n=1)
+        hint = f"did you mean ...{close[0]!r}? " if close else ""
+        examples = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(
+            f"{what}: pattern {pattern!r} matches nothing in {type(model).__name__}; {hint}its paths look "
+            f"like: {examples} (patterns use fnmatch: '*' matches any run of characters, dots too)"
+        )
+    return matched
 
 
 def resolve_module_plan(
@@ -118,14 +127,7 @@ def resolve_module_plan(
     resolved: dict[str, tuple[str, ModuleStrategy]] = {}
     for pattern, data in module_plan.items():
         strategy = ModuleStrategy.from_data(pattern, data)
-        matched = [name for name in names if fnmatchcase(name, pattern)]
-        if not matched:
-            examples = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-            raise ValueError(
-                f"module plan pattern {pattern!r} matches no module of {type(model).__name__}; module paths "
-                f"look like: {examples} (patterns use fnmatch: '*' matches any run of characters, dots too)"
-            )
-        for name in matched:
+        for name in matching(pattern, names, "module plan", model):
             resolved[name] = (pattern, strategy)
     return resolved
 
@@ -238,12 +240,7 @@ def pattern_layouts(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) ->
     names = [name for name, _ in model.named_parameters()]
     result: dict[str, Any] = {}
     for pattern, spec in layouts.items():
-        matched = [name for name in names if fnmatchcase(name, pattern)]
-        if not matched:
-            raise ValueError(
-                f"plan.parameter_layouts: pattern {pattern!r} matches no parameter of {type(model).__name__}; "
-                f"parameters look like {', '.join(names[:6])}, ..."
-            )
+        matched = matching(pattern, names, "plan.parameter_layouts", model)
         result.update({name: to_entry(_tuples(spec), mesh) for name in matched})
     return result
 
@@ -252,11 +249,5 @@ def recompute_modules(model: nn.Module, policies: Mapping[str, str]) -> None:
     """A Plan's `recompute_modules`: each matching module recomputes its activations with that policy."""
     names = [name for name, _ in model.named_modules() if name]
     for pattern, policy in policies.items():
-        matched = [name for name in names if fnmatchcase(name, pattern)]
-        if not matched:
-            raise ValueError(
-                f"plan.recompute_modules: pattern {pattern!r} matches no module of {type(model).__name__}; "
-                f"module paths look like {', '.join(names[:6])}, ..."
-            )
-        for name in matched:
+        for name in matching(pattern, names, "plan.recompute_modules", model):
             recompute(model.get_submodule(name), policy)

@@ -42,12 +42,12 @@ from loom.plan.specs import (
 __all__ = ["Plan"]
 
 
-def _plain(value: Any) -> Any:
+def plain_data(value: Any) -> Any:
     """JSON's own shapes (tuples as lists), so that a Plan equals itself read back from JSON."""
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain_data(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
+        return [plain_data(item) for item in value]
     return value
 
 
@@ -95,7 +95,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
-            object.__setattr__(self, item.name, _plain(getattr(self, item.name)))
+            object.__setattr__(self, item.name, plain_data(getattr(self, item.name)))
         self._check_mesh()
         self._check_pipeline()
         check_choice(OWNER, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
