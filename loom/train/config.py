@@ -154,10 +154,23 @@ class _Section:
 class ModelConfig(_Section):
     """`[model]`: a GPT-style decoder, the TOML surface of `loom.models.config.GPTConfig`, which holds the
     rules (checked when the config is read). `n_kv_heads=None` means n_heads (no grouped-query attention),
-    `d_ff=None` means 4 * d_model."""
+    `d_ff=None` means 4 * d_model.
+
+    Or a Hugging Face causal LM: `hf_config` (a config.json, the model built with random weights) or
+    `hf_pretrained` (a directory of config.json + safetensors weights). Its config is then the model's
+    description: the shape keys are filled in from it (`HF_SHAPE_KEYS`; one given with another value is an
+    error), and the keys of loom's GPT alone (`GPT_ONLY_KEYS`) must keep their defaults."""
 
     SECTION: ClassVar[str] = "model"
-    name: Literal["gpt"] = _key("gpt", "the model family (only the reference GPT today)")
+    HF_SHAPE_KEYS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "tie_embeddings",
+    )  # fmt: skip
+    GPT_ONLY_KEYS: ClassVar[tuple[str, ...]] = ("norm", "positions", "mlp", "dropout")
+    name: Literal["gpt"] = _key("gpt", "loom's reference GPT, unless hf_config or hf_pretrained is set")
+    hf_config: str | None = _key(None, "a Hugging Face config.json: that causal LM, random weights")
+    hf_pretrained: str | None = _key(
+        None, "a directory with a Hugging Face config.json and safetensors weights: that model, trained"
+    )
     vocab_size: int = _key(
         256, "token ids 0..vocab_size-1 (>= 256 for byte tokens: arithmetic and text data)"
     )
@@ -174,7 +187,49 @@ class ModelConfig(_Section):
     dropout: float = _key(0.0, "dropout probability in [0, 1)")
 
     def check(self) -> None:
+        if self.is_hf:
+            self._take_hf_shape()
         self.gpt_config()
+
+    @property
+    def is_hf(self) -> bool:
+        """True when the model is a Hugging Face causal LM (`hf_config` or `hf_pretrained`)."""
+        return self.hf_config is not None or self.hf_pretrained is not None
+
+    def hf_model_config(self) -> Any:
+        """The Hugging Face config of the model (read offline from `hf_config`, or `hf_pretrained`'s
+        config.json); a ValueError naming the key when it is missing or not a causal LM."""
+        from loom.models import hf  # transformers: only for Hugging Face models
+
+        if self.hf_pretrained is not None:
+            return hf.read_config(Path(self.hf_pretrained) / "config.json", "model.hf_pretrained")
+        return hf.read_config(self.hf_config, "model.hf_config")
+
+    def _take_hf_shape(self) -> None:
+        """Fill the shape keys from the Hugging Face config; refuse keys it makes meaningless."""
+        if self.hf_config is not None and self.hf_pretrained is not None:
+            raise ValueError(
+                "model.hf_config and model.hf_pretrained are both set; keep one (hf_pretrained's directory "
+                "holds its own config.json)"
+            )
+        defaults = ModelConfig.__dataclass_fields__
+        for key in self.GPT_ONLY_KEYS:
+            if getattr(self, key) != defaults[key].default:
+                raise ValueError(
+                    f"model.{key} = {getattr(self, key)!r} describes loom's GPT, not a Hugging Face model (whose "
+                    f"config.json describes it); remove model.{key}"
+                )
+        from loom.models.hf import model_shape
+
+        source = "hf_pretrained" if self.hf_pretrained is not None else "hf_config"
+        for key, value in model_shape(self.hf_model_config()).items():
+            given = getattr(self, key)
+            if given not in (value, defaults[key].default):
+                raise ValueError(
+                    f"model.{key} = {given!r}, but model.{source}'s config says {value!r}; remove model.{key} "
+                    "(the Hugging Face config describes the model)"
+                )
+            setattr(self, key, value)
 
     def gpt_config(self) -> GPTConfig:
         """The model's `GPTConfig` (what the workers build): the one place `[model]` becomes a model."""
@@ -493,6 +548,8 @@ class TrainConfig:
                 "raise model.max_seq_len or lower data.seq_len"
             )
         data.check_vocab(model.vocab_size)
+        if model.is_hf:
+            self._check_hf_parallel()
         cut_over_tp = (
             ("model.n_heads", model.n_heads),
             ("model.n_kv_heads (kv heads)", model.kv_heads),
@@ -518,6 +575,33 @@ class TrainConfig:
         if dp is not None:
             self._check_batch_split(dp)
         return self
+
+    def _check_hf_parallel(self) -> None:
+        """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet."""
+        par = self.parallel
+        if par.pp > 1:
+            raise ValueError(
+                f"parallel.pp = {par.pp}: pipelines for Hugging Face models through loom train are not built "
+                "yet; use parallel.pp = 1 (data and tensor parallel) or loom's GPT"
+            )
+        if par.tp == 1:
+            return  # data parallel: every optimizer level and recompute policy
+        if par.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
+                "sequence yet; set sequence_parallel = false"
+            )
+        if par.optimizer_level:
+            raise ValueError(
+                f"parallel.optimizer_level = {par.optimizer_level} with parallel.tp = {par.tp}: sharded "
+                "optimizers do not take the tensor-parallel layouts of Hugging Face models yet; use "
+                "optimizer_level = 0 with tp > 1, or tp = 1 (data parallel, every level)"
+            )
+        if par.recompute != "none":
+            raise ValueError(
+                f"parallel.recompute = {par.recompute!r} with parallel.tp = {par.tp}: recomputing a tensor-"
+                "parallel Hugging Face block is not supported yet; use recompute = 'none' with tp > 1, or tp = 1"
+            )
 
     def check_pipeline(self) -> None:
         """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.

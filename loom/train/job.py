@@ -21,13 +21,19 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 import loom
 from loom.dist import env
 from loom.dist.context import unsharded
 from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
+from loom.layout.parameters import materialize
+from loom.layout.tensor_layout import TensorLayout
+from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.models.tensor_plans import tensor_plan
 from loom.parallel import make_optimizer
 from loom.pipeline import (
     SCHEDULES,
@@ -66,6 +72,35 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     for block in model.blocks:
         recompute(block, par.recompute)
     return model
+
+
+def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
+    """The Hugging Face causal LM of `[model]`, made parallel on `mesh`: tensor parallel with its family's
+    Megatron module plan when `parallel.tp > 1`, else data parallel. `hf_config`: random weights seeded by
+    `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads its own slices. The
+    model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
+    model_config, par = config.model.hf_model_config(), config.parallel
+    if config.model.hf_pretrained is None:
+        model = _parallelize_hf(hf.build_model(model_config, config.train.seed), par.tp)
+    elif par.tp > 1:  # laid out on the meta device: each rank allocates and reads its shards alone
+        model = _parallelize_hf(hf.empty_model(model_config), par.tp)
+        model.loom.materialize(model, "cpu")
+        hf.load_weights(model, config.model.hf_pretrained)
+    else:  # every rank holds the whole model: read it, one tensor at a time, then replicate
+        model = hf.empty_model(model_config)
+        materialize(model, "cpu")
+        hf.load_weights(model, config.model.hf_pretrained)
+        model = _parallelize_hf(model, par.tp)
+    if par.recompute != "none":
+        for block in hf.blocks(model):
+            recompute(block, par.recompute)
+    return hf.train_on_token_pairs(model)
+
+
+def _parallelize_hf(model: nn.Module, tp: int) -> nn.Module:
+    if tp == 1:
+        return loom.parallelize(model, mode="data_parallel")
+    return loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
 
 
 def check_pipeline(config: TrainConfig) -> None:
@@ -226,6 +261,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     _phase("building the model")
     if config.parallel.pp > 1:
         model, pipeline = build_pipeline(config, mesh)
+    elif config.model.is_hf:
+        model = build_hf_model(config, mesh)
     else:
         # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
         example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
@@ -313,21 +350,27 @@ def plan_text(config: TrainConfig, model: GPT, verbose: bool = False) -> str:
     lines = [
         f"plan: {state.mesh}, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
         f"sequence parallel {'on' if par.sequence_parallel else 'off'}, precision {config.train.precision}",
-        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-        f"d_model {config.model.d_model}, {config.model.n_heads} heads",
+        f"model: {_model_name(config, model)}{model.num_parameters() / 1e6:.2f}M parameters, "
+        f"{config.model.n_layers} layers, d_model {config.model.d_model}, {config.model.n_heads} heads",
         "parameters" + ("" if verbose else " by layout (loom train --verbose lists each one)") + ":",
     ]
     names, shape = state.mesh.device_mesh.mesh_dim_names, state.mesh.canonical_shape
-    rows = [
+    rows = [  # a data-parallel model (a Hugging Face one at tp = 1) has every parameter replicated
         (
             name,
             tuple(p.shape),
-            state.parameter_layouts[name].describe(names, shape),
-            tuple(p.to_local().shape),
+            state.parameter_layouts.get(name, TensorLayout.replicated(p.ndim)).describe(names, shape),
+            tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape),
         )
         for name, p in model.named_parameters()
     ]
     return "\n".join(lines + group_layouts(rows, verbose=verbose))
+
+
+def _model_name(config: TrainConfig, model: nn.Module) -> str:
+    """ "LlamaForCausalLM from PATH, " for a Hugging Face model; nothing for loom's GPT."""
+    m = config.model
+    return f"{type(model).__name__} from {m.hf_pretrained or m.hf_config}, " if m.is_hf else ""
 
 
 def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
