@@ -120,7 +120,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # one already on meta may be tied: keep it as it is
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]

@@ -46,7 +46,14 @@ from loom.pipeline import (
 )
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
-from loom.train.data import ArithmeticCorpus, ByteTokenizer, DistributedBatches, build_dataset, micro_batches
+from loom.train.data import (
+    ArithmeticCorpus,
+    ByteTokenizer,
+    DistributedBatches,
+    build_dataset,
+    load_tokenizer,
+    micro_batches,
+)
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.pipeline_trainer import PipelineTrainer
@@ -222,18 +229,45 @@ def build_trainer(
 
 
 @torch.no_grad()
-def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of `prompt` (every data-parallel rank decodes the same prompt)."""
+def generate(model: nn.Module, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation of `prompt` in byte tokens (every data-parallel rank decodes the same prompt)."""
     tokenizer = ByteTokenizer()
-    ids = tokenizer.encode(prompt)
-    multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
-    for _ in range(max_new_tokens):
-        # pad on the right to a length the sequence cut divides; causality keeps padding out of the answer
-        padded = ids + [0] * (-len(ids) % multiple)
-        window = torch.tensor([padded[-model.config.max_seq_len :]])
-        logits = loom.full(model(window))
-        ids.append(int(logits[0, min(len(ids), model.config.max_seq_len) - 1].argmax()))
-    return tokenizer.decode(ids[len(tokenizer.encode(prompt)) :])
+    return tokenizer.decode(generate_ids(model, tokenizer.encode(prompt), max_new_tokens))
+
+
+@torch.no_grad()
+def generate_ids(model: nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after `ids`, decoded by every
+    rank of its mesh at once (each data-parallel rank brings the same prompt; logits are gathered whole)."""
+    if isinstance(model, GPT):
+        multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
+        return hf.greedy(
+            lambda x: loom.full(model(x)), ids, max_new_tokens, model.config.max_seq_len, multiple
+        )
+    window = model.config.max_position_embeddings
+    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), ids, max_new_tokens, window)
+
+
+def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count: int = 3) -> dict:
+    """Greedy continuations of the first tokens of the first `count` training windows, as text (decoded by
+    `data.tokenizer`, else as bytes); token files without a tokenizer show ids."""
+    prompt_len = max(1, min(8, config.data.seq_len // 2))
+    decode = _decoder(config)
+    samples = []
+    for index in range(min(count, len(dataset))):
+        prompt = dataset[index][0][:prompt_len].tolist()
+        continuation = generate_ids(model, prompt, prompt_len)
+        samples.append((decode(prompt), decode(continuation)))
+    return {"text_samples": samples}
+
+
+def _decoder(config: TrainConfig):  # noqa: ANN202  (ids -> str)
+    if config.data.tokenizer is not None:
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+    if config.data.kind == "tokens":
+        return lambda ids: " ".join(map(str, ids))
+    return ByteTokenizer().decode
 
 
 def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = False) -> dict:
@@ -309,6 +343,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         summary.update(_arithmetic_report(dataset, model, mesh))
     elif isinstance(dataset, ArithmeticCorpus):
         summary.update(_pipeline_arithmetic_report(dataset, model, mesh, pipeline))
+    elif pipeline is None:
+        summary.update(_text_samples(config, dataset, model))
     return summary
 
 
