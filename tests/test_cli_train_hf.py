@@ -4,6 +4,7 @@ loss falls on dp=2 and on tp=2; a checkpoint resumes bitwise; the export is a di
 loads with the same logits; `hf_pretrained` starts from saved weights (each rank reading its slices)."""
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from hf_job_cases import first_batch, hf_config, hf_job
 from loom.checkpoint import read_model_tensors
 from loom.cli.main import main
 from loom.models import hf
-from loom.train.config import TrainConfig
+from loom.train.config import ModelConfig, TrainConfig
 from loom.train.job import run
 
 PARALLEL = {"llama": {"dp": 2}, "gpt2": {"dp": 1, "tp": 2}}  # llama at dp=1 x tp=2: see the report
@@ -121,3 +122,58 @@ def test_hf_pretrained_starts_from_the_saved_weights(dist_run, tmp_path, family)
         logits = saved(input_ids=inputs).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     assert losses[0] == pytest.approx(expected, rel=RTOL)
+
+
+# ---- config errors (no workers) ------------------------------------------------------------------------
+
+
+def _error(root, **sections) -> str:
+    with pytest.raises(ValueError) as error:
+        hf_job(root, "llama", **sections)
+    return str(error.value)
+
+
+def test_the_hf_config_describes_the_model(tmp_path):
+    model = hf_job(tmp_path, "llama").model
+    assert (model.vocab_size, model.n_layers, model.n_kv_heads, model.d_ff) == (32, 2, 2, 128)
+    assert "model.vocab_size = 64, but model.hf_config's config says 32" in _error(
+        tmp_path, model={"vocab_size": 64}
+    )
+    assert (model.norm, model.positions, model.mlp) == ("rmsnorm", "rotary", "swiglu")
+    assert "remove model.dropout" in _error(tmp_path, model={"dropout": 0.1})
+    gpt2 = hf_job(tmp_path, "gpt2").model
+    assert (gpt2.norm, gpt2.positions, gpt2.mlp, gpt2.tie_embeddings) == (
+        "layernorm",
+        "learned",
+        "gelu",
+        True,
+    )
+    assert TrainConfig.from_dict(hf_job(tmp_path, "llama").to_dict()).model == model  # as checkpoints save it
+
+
+def test_hf_config_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="model.hf_config and model.hf_pretrained are both set"):
+        ModelConfig(hf_config=str(tmp_path / "llama.json"), hf_pretrained=str(tmp_path))
+    assert "does not exist; point model.hf_config at a config.json" in _error(
+        tmp_path, model={"hf_config": str(tmp_path / "nowhere.json")}
+    )
+    assert "point model.hf_pretrained at a directory saved by save_pretrained" in _error(
+        tmp_path, model={"hf_pretrained": str(tmp_path / "nowhere")}
+    )
+    (tmp_path / "vit.json").write_text('{"model_type": "vit"}')
+    assert "not a causal language model" in _error(tmp_path, model={"hf_config": str(tmp_path / "vit.json")})
+    assert "pipelines for Hugging Face models through loom train are not built yet" in _error(
+        tmp_path, parallel={"pp": 2, "microbatches": 2}
+    )
+    assert "use optimizer_level = 0 with tp > 1" in _error(tmp_path, parallel={"tp": 2, "optimizer_level": 1})
+    assert "change it there" in _error(tmp_path, data={"eos_id": 40})  # an id past the model's vocabulary
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert "pip install 'loom[hf]'" in _error(tmp_path)
+
+
+def test_export_errors(trained, tmp_path):
+    from loom.checkpoint import CheckpointError, export_hf
+
+    _, root, _ = trained
+    with pytest.raises(CheckpointError, match="--hf-config PATH"):
+        export_hf(root / "ckpt" / "step_000006", tmp_path / "hf", hf_config=tmp_path / "moved.json")

@@ -59,7 +59,10 @@ def read_config(path: str | Path, key: str) -> Any:
     model; every error names the config `key` that gave the path and says how to fix it."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{key}: {str(path)!r} does not exist; point {key} at a Hugging Face config.json")
+        what = "a directory saved by save_pretrained" if key.endswith("pretrained") else "a config.json"
+        raise ValueError(
+            f"{key}: {str(path)!r} does not exist; point {key} at {what} of a Hugging Face model"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -79,8 +82,10 @@ def read_config(path: str | Path, key: str) -> Any:
 
 
 def model_shape(config: Any) -> dict[str, Any]:
-    """The `[model]` keys that describe the model's shape, as the Hugging Face `config` gives them (what the
-    config checks, the cost model and the plan printout read)."""
+    """The `[model]` keys that describe the model, as the Hugging Face `config` gives them (what the config
+    checks, the cost model and the plan printout read): shapes, and the norm, positions and MLP kinds as
+    loom's GPT names them (RMSNorm when the config has `rms_norm_eps`, rotary when it has rope settings,
+    SwiGLU when its activation is SiLU)."""
     heads = config.num_attention_heads
     hidden = config.hidden_size
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
@@ -93,6 +98,11 @@ def model_shape(config: Any) -> dict[str, Any]:
         "d_ff": ffn,
         "max_seq_len": config.max_position_embeddings,
         "tie_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "norm": "rmsnorm" if hasattr(config, "rms_norm_eps") else "layernorm",
+        "positions": "rotary"
+        if any(hasattr(config, k) for k in ("rope_theta", "rope_parameters"))
+        else "learned",
+        "mlp": "swiglu" if getattr(config, "hidden_act", None) == "silu" else "gelu",
     }
 
 

@@ -158,14 +158,10 @@ class ModelConfig(_Section):
 
     Or a Hugging Face causal LM: `hf_config` (a config.json, the model built with random weights) or
     `hf_pretrained` (a directory of config.json + safetensors weights). Its config is then the model's
-    description: the shape keys are filled in from it (`HF_SHAPE_KEYS`; one given with another value is an
-    error), and the keys of loom's GPT alone (`GPT_ONLY_KEYS`) must keep their defaults."""
+    description: the other keys are filled in from it (`loom.models.hf.model_shape`; one given with another
+    value is an error), but `dropout`, which belongs to loom's GPT alone."""
 
     SECTION: ClassVar[str] = "model"
-    HF_SHAPE_KEYS: ClassVar[tuple[str, ...]] = (
-        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "tie_embeddings",
-    )  # fmt: skip
-    GPT_ONLY_KEYS: ClassVar[tuple[str, ...]] = ("norm", "positions", "mlp", "dropout")
     name: Literal["gpt"] = _key("gpt", "loom's reference GPT, unless hf_config or hf_pretrained is set")
     hf_config: str | None = _key(None, "a Hugging Face config.json: that causal LM, random weights")
     hf_pretrained: str | None = _key(
@@ -213,12 +209,11 @@ class ModelConfig(_Section):
                 "holds its own config.json)"
             )
         defaults = ModelConfig.__dataclass_fields__
-        for key in self.GPT_ONLY_KEYS:
-            if getattr(self, key) != defaults[key].default:
-                raise ValueError(
-                    f"model.{key} = {getattr(self, key)!r} describes loom's GPT, not a Hugging Face model (whose "
-                    f"config.json describes it); remove model.{key}"
-                )
+        if self.dropout != defaults["dropout"].default:
+            raise ValueError(
+                f"model.dropout = {self.dropout!r} is loom's GPT's; a Hugging Face model's dropout is in its "
+                "config.json: remove model.dropout"
+            )
         from loom.models.hf import model_shape
 
         source = "hf_pretrained" if self.hf_pretrained is not None else "hf_config"
@@ -547,7 +542,15 @@ class TrainConfig:
                 f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        data.check_vocab(model.vocab_size)
+        try:
+            data.check_vocab(model.vocab_size)
+        except ValueError as error:
+            if not model.is_hf:
+                raise
+            raise ValueError(
+                f"{error}; with a Hugging Face model, model.vocab_size is the vocab_size of its config.json "
+                f"({model.hf_config or model.hf_pretrained}): change it there"
+            ) from None
         if model.is_hf:
             self._check_hf_parallel()
         cut_over_tp = (
