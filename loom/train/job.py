@@ -9,7 +9,10 @@ task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into p
 blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
 samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
-still reject). `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
+still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
+(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1, no pipelines yet);
+on any data but the arithmetic task the job ends by continuing a few training prompts greedily, decoded by
+`data.tokenizer`. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
 start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
 first step as well as later, is noticed.
 """
