@@ -7,12 +7,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from loom.parallel.lift import LiftPlainTensors, lifting
 from loom.plan import RECOMPUTE as POLICIES
 
 _SAVED = {
@@ -43,13 +47,31 @@ def recompute(module: nn.Module, policy: str = "full") -> nn.Module:
     return module
 
 
+def _contexts(selective: bool) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The contexts of the forward and of its recomputation in backward (checkpoint's `context_fn`, called
+    as the forward starts): the selective policy's, and the lifting of plain tensors inside a semi_auto
+    model's forward (`loom.parallel.lift`), which backward must run under again."""
+    forward, again = (
+        create_selective_checkpoint_contexts(_keep_matmuls) if selective else (nullcontext(), nullcontext())
+    )
+    if not lifting():
+        return forward, again
+    return forward, _both(LiftPlainTensors(), again)
+
+
+@contextlib.contextmanager
+def _both(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
 @functools.cache
 def _recomputing(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self, *args, **kwargs):
-        extra = {}
-        if self.loom_recompute == "selective":
-            extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-        return checkpoint(super(subclass, self).forward, *args, use_reentrant=False, **kwargs, **extra)
+        context_fn = functools.partial(_contexts, self.loom_recompute == "selective")
+        return checkpoint(
+            super(subclass, self).forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+        )
 
     subclass = type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward, "_loom_recomputes": True})
     return subclass

@@ -20,6 +20,7 @@ from loom.dist import consistency
 from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs, to_layout
+from loom.layout.named import on_mesh_axes
 from loom.layout.parameters import lay_out_parameters
 
 
@@ -30,12 +31,14 @@ def shard(
     parameter_plan: dict[str, tuple | Any] | None = None,
 ) -> Any:
     """Shard a function or module: `in_strategy` has one entry per positional input (cuts per dim, a
-    `Layout` map, or None to leave that input as it comes); `out_strategy` one per output.
+    `Layout` map, mesh axis names per dim such as `("dp", "None")`, or None to leave that input as it
+    comes); `out_strategy` one per output.
 
     A module's parameters are laid out now, as `parameter_plan` (name -> entry) says, the others replicated;
     the module itself is returned with hooks that lay out its inputs and outputs.
     """
     mesh = require_mesh("loom.shard")
+    in_strategy, out_strategy = _on_mesh(in_strategy, mesh), _on_mesh(out_strategy, mesh)
     if isinstance(fn_or_module, nn.Module):
         return _shard_module(fn_or_module, in_strategy, out_strategy, parameter_plan or {}, mesh)
     if parameter_plan:
@@ -49,6 +52,13 @@ def shard(
         return lay_out_outputs(name, fn_or_module(*args, **kwargs), out_strategy, mesh)
 
     return sharded
+
+
+def _on_mesh(strategy: tuple | None, mesh: Mesh) -> tuple | None:
+    """Entries that name mesh axes (`("dp", "None")`) as `Layout` maps over the mesh; others as given."""
+    if not isinstance(strategy, tuple | list):
+        return strategy
+    return tuple(on_mesh_axes(entry, mesh.axis_sizes()) for entry in strategy)
 
 
 def lay_out_inputs(
@@ -124,7 +134,11 @@ def _shard_module(
                 f"the parameters are {sorted(shapes)}"
             )
         (layouts[name],) = compile_inputs(
-            f"{op} parameter {name}", [name], (entry,), [shapes[name]], mesh.canonical_shape
+            f"{op} parameter {name}",
+            [name],
+            (on_mesh_axes(entry, mesh.axis_sizes()),),
+            [shapes[name]],
+            mesh.canonical_shape,
         )
     lay_out_parameters(module, {k: v for k, v in layouts.items() if v is not None}, mesh)
     check = consistency.FirstCall()

@@ -156,7 +156,9 @@ def one_path_case(dp: int, tp: int):
     finally:
         for name, function in saved.items():
             setattr(dist, name, function)
-    shared_tables = all(stage.causal_mask is pipe.modules[0].causal_mask for stage in pipe.modules)
+    shared_tables = all(
+        stage.part("causal_mask") is pipe.modules[0].part("causal_mask") for stage in pipe.modules
+    )
     return calls, len(pipe.grad_sync.buckets), shared_tables, any(s.copy_output for s in pipe.modules)
 
 
@@ -180,8 +182,8 @@ def test_stages_read_the_models_constant_tables():
     """Every stage of a split GPT reads the model's causal mask and rotary tables (no copies)."""
     model = GPT(dataclasses.replace(CONFIG, positions="rotary"))
     for stage in split_gpt(model, balanced_partition([1] * CONFIG.n_layers, 4)):
-        assert stage.causal_mask is model.causal_mask
-        assert stage.rope_cos is model.rope_cos and stage.rope_sin is model.rope_sin
+        assert stage.part("causal_mask") is model.causal_mask
+        assert stage.part("rope_cos") is model.rope_cos and stage.part("rope_sin") is model.rope_sin
 
 
 def test_only_zero_bubble_schedules_copy_stage_outputs():

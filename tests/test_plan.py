@@ -57,7 +57,10 @@ FULL = Plan(
         ({"recompute_modules": {"*.mlp": "half"}}, ["plan.recompute_modules['*.mlp'] = 'half'"]),
         ({"strategies": {"a b": {"in_strategy": [[1]]}}}, ["plan.strategies = ", "dotted path pattern"]),
         ({"strategies": {"*.q": {"in_stratgy": [[1]]}}}, ["in_stratgy", "did you mean 'in_strategy'"]),
-        ({"strategies": {"*.q": {"out_strategy": [[1]]}}}, ["plan.strategies['*.q']", "give in_strategy"]),
+        (
+            {"strategies": {"*.q": {"local": True, "in_strategy": [[1]]}}},
+            ["plan.strategies['*.q']", "give local alone"],
+        ),
         ({"strategies": {"*.q": {"in_strategy": [[2, 0]]}}}, ["in_strategy[0] = [2, 0]", "1 or more parts"]),
         ({"parameter_layouts": {"w": ["dp", "dp"]}}, ["axis 'dp' cuts the tensor twice"]),
         ({"parameter_layouts": {"w": ["mp", "None"]}}, ["parameter_layouts['w']", "an axis of"]),

@@ -183,6 +183,10 @@ class Mesh:
             return 0
         return self.sub_mesh(self.batch_dims).get_local_rank()
 
+    def axis_sizes(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of every named axis, outermost first."""
+        return tuple((name, self.shape.size(name)) for name in self.shape.names)
+
     def axis_size(self, name: str) -> int:
         """The size of named axis `name` (1 for an axis the mesh does not have)."""
         return self.shape.size(name) if name in self.shape.names else 1

@@ -147,3 +147,22 @@ class TensorMap:
                 )
             dim_axes.append(tuple(axis for n in names for axis in groups[n]))
         return TensorLayout(tuple(dim_axes))
+
+
+def on_mesh_axes(entry: object, axis_sizes: Sequence[tuple[str, int]]) -> object:
+    """A strategy entry as `compile_inputs` takes it: cuts per dim (`(2, 1)`) and None stay as they are;
+    mesh axis names per dim (`("tp", "None")`, a tuple of names to cut a dim along several axes) become a
+    `Layout` map over the mesh's axes (`axis_sizes`: (name, size), outermost first). A name the mesh lacks
+    means "not cut", so one plan serves meshes with and without that axis."""
+    if not isinstance(entry, tuple | list) or not any(isinstance(e, str | tuple | list) for e in entry):
+        return entry
+    names = tuple(name for name, _ in axis_sizes)
+    layout = Layout(tuple(size for _, size in axis_sizes), names)
+
+    def kept(dim: object) -> object:
+        if isinstance(dim, tuple | list):
+            present = tuple(a for a in dim if a in names)
+            return present if present else NONE
+        return dim if dim in names else NONE
+
+    return layout(*(kept(dim) for dim in entry))

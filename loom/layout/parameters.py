@@ -7,11 +7,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loom.dist.mesh import Mesh
+from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
 
 
 def lay_out_parameters(module: nn.Module, layouts: dict[str, TensorLayout], mesh: Mesh) -> None:
-    """Replace every parameter of `module` by a DTensor parameter: `layouts[name]`, or replicated.
+    """Replace every parameter of `module` by a DTensor parameter: `layouts[name]`, its layout when it is a
+    DTensor already, or replicated.
 
     Values come from rank 0 (as DDP broadcasts them), so every rank starts from the same model. A parameter
     shared by several modules (tied weights) stays shared. Parameters on the meta device are laid out empty
@@ -21,10 +23,17 @@ def lay_out_parameters(module: nn.Module, layouts: dict[str, TensorLayout], mesh
     if unknown:
         valid = [name for name, _ in module.named_parameters()]
         raise ValueError(f"parameter_plan names unknown parameter(s) {unknown}; the parameters are {valid}")
-    _replace_parameters(
-        module,
-        lambda name, param: _distribute(param, layouts.get(name, TensorLayout.replicated(param.ndim)), mesh),
-    )
+    _replace_parameters(module, lambda name, param: _distribute(param, _layout(name, param, layouts), mesh))
+
+
+def _layout(name: str, param: torch.Tensor, layouts: dict[str, TensorLayout]) -> TensorLayout:
+    """`layouts[name]`; otherwise a parameter laid out already (by `loom.shard`) keeps its layout, and any
+    other is replicated."""
+    if name in layouts:
+        return layouts[name]
+    if isinstance(param, DTensor):
+        return layout_of(param)
+    return TensorLayout.replicated(param.ndim)
 
 
 def materialize(module: nn.Module, device: str | torch.device = "cpu") -> None:

@@ -36,7 +36,28 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
     placements = layout.placements(mesh.ndim)
     if tuple(x.placements) == placements:
         return x
-    return x.redistribute(mesh.device_mesh, placements)
+    return _GradInPlacements.apply(x.redistribute(mesh.device_mesh, placements))
+
+
+class _GradInPlacements(torch.autograd.Function):
+    """Identity whose backward hands the gradient on in the forward output's placements.
+
+    A redistribution's backward moves the gradient from whatever placements it arrives in back to the
+    input's. DTensor cannot go from every placement to every other (a pending sum to the masked pending
+    sum of a vocabulary-cut embedding, say); the reverse of the forward move always exists, so the
+    gradient is first brought to the output's placements (summing a pending sum when needed, which the
+    reverse move would have done anyway)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> DTensor:  # noqa: ANN001
+        ctx.mesh, ctx.placements = x.device_mesh, tuple(x.placements)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ rank's rows and reduces the sum (and the count of targets, for a mean) once. Gra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from loom.dist import consistency
 
-__all__ = ["LiftPlainTensors", "local_attention", "local_cross_entropy"]
+__all__ = ["LiftPlainTensors", "lifting", "local_attention", "local_cross_entropy"]
 
 
 def _is_plain(x: object) -> bool:
@@ -139,12 +141,15 @@ def local_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """`F.cross_entropy` on DTensors, run on each rank's rows: the class dim is gathered (a vocabulary cut by
-    the head), rows cut along mesh dims stay cut. Each rank sums its rows' losses; `"sum"` is then a
+    """`F.cross_entropy` on DTensors. Logits (rows, classes) whose classes are cut (a vocabulary-parallel
+    head) take `vocab_parallel_cross_entropy`. Otherwise it runs on each rank's rows: rows cut along mesh
+    dims stay cut, any other cut is gathered. Each rank sums its rows' losses; `"sum"` is then a
     pending sum over the row-cutting mesh dims; for `"mean"` each rank first divides its sum by the global
     count of targets that are not `ignore_index` (weighted by `weight`, as torch does; one all-reduce)."""
     if size_average is not None or reduce is not None:
         reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if _cuts_classes(input) and weight is None and not label_smoothing:
+        return vocab_parallel_cross_entropy(input, _as_dtensor(target, input), ignore_index, reduction)
     like = next(t for t in (input, target) if isinstance(t, DTensor))
     mesh = like.device_mesh
     placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
@@ -164,10 +169,63 @@ def local_cross_entropy(
     return DTensor.from_local(total, mesh, pending, run_check=False)
 
 
+def _cuts_classes(logits: torch.Tensor) -> bool:
+    """Logits (rows, classes) with the classes cut evenly (an uneven cut is gathered instead)."""
+    if not isinstance(logits, DTensor) or logits.ndim != 2:
+        return False
+    mesh = logits.device_mesh
+    parts = math.prod(
+        mesh.size(i) for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim == 1
+    )
+    return parts > 1 and logits.shape[1] % parts == 0
+
+
+def vocab_parallel_cross_entropy(
+    logits: DTensor, labels: DTensor, ignore_index: int = -100, reduction: str = "mean"
+) -> DTensor:
+    """Cross entropy of logits (rows, vocab) whose vocabulary is cut across ranks, without gathering them
+    (Megatron's vocabulary-parallel cross entropy, in DTensor operations): each rank works on its slice of
+    the vocabulary, and only per-row numbers are reduced (the max, the sum of exponentials, the target's
+    logit). The target's logit is found by comparing the labels with the vocabulary ids, cut as the logits
+    are, so no rank builds a (rows, vocab) tensor larger than its slice."""
+    mesh = logits.device_mesh
+    cuts = [Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in logits.placements]
+    vocab = DTensor.from_local(_vocab_ids(logits.shape[1], mesh, cuts), mesh, cuts, run_check=False)
+    valid = labels != ignore_index
+    shift = logits.detach().amax(dim=1, keepdim=True)
+    log_sum_exp = torch.log(torch.exp(logits - shift).sum(dim=1)) + shift.squeeze(1)
+    picked = (logits * (labels.unsqueeze(1) == vocab).to(logits.dtype)).sum(dim=1)
+    losses = (log_sum_exp - picked) * valid.to(logits.dtype)
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / valid.to(logits.dtype).sum()
+
+
+def _vocab_ids(size: int, mesh: Any, cuts: list[Placement]) -> torch.Tensor:
+    """This rank's slice of `arange(size)` under `cuts` (one Shard(0) or Replicate per mesh dim)."""
+    start, length = 0, size
+    for mesh_dim, placement in enumerate(cuts):
+        if isinstance(placement, Shard):
+            parts = mesh.size(mesh_dim)
+            length //= parts
+            start += mesh.get_local_rank(mesh_dim) * length
+    return torch.arange(start, start + length, device=mesh.device_type)
+
+
 LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: local_attention,
     F.cross_entropy: local_cross_entropy,
 }
+
+
+_active: ContextVar[LiftPlainTensors | None] = ContextVar("loom_lift_plain_tensors", default=None)
+
+
+def lifting() -> bool:
+    """Whether plain tensors are being lifted here (inside a semi_auto model's forward). Recomputation
+    checks this during forward, to lift again when backward runs the forward a second time."""
+    return _active.get() is not None
 
 
 class LiftPlainTensors(TorchFunctionMode):
@@ -178,6 +236,15 @@ class LiftPlainTensors(TorchFunctionMode):
     def __init__(self, scope: consistency.Scope | None = None) -> None:
         super().__init__()
         self.scope = scope
+        self._tokens: list[Token] = []
+
+    def __enter__(self) -> LiftPlainTensors:
+        self._tokens.append(_active.set(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        _active.reset(self._tokens.pop())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}

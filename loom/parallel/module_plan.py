@@ -22,20 +22,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
-from loom.layout.named import NONE, Layout
+from loom.layout.named import on_mesh_axes
 from loom.layout.tensor_layout import TensorLayout
 from loom.parallel.local_region import run_locally
+from loom.plan import Plan
+from loom.plan.specs import check_strategy
+from loom.recompute import recompute
 from loom.shard import lay_out_inputs, lay_out_outputs
 
 __all__ = ["ModuleStrategy", "apply_module_plan", "module_parameter_layouts", "resolve_module_plan"]
-
-KEYS = ("in_strategy", "out_strategy", "parameter_plan", "local")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,32 +51,14 @@ class ModuleStrategy:
     parameter_plan: Mapping[str, Any] = field(default_factory=dict)
     local: bool = False
 
-    def __post_init__(self) -> None:
-        if self.local and (self.in_strategy or self.out_strategy or self.parameter_plan):
-            raise ValueError(
-                "a module plan entry with local=True runs the module on local rows with its parameters "
-                "replicated; drop in_strategy, out_strategy and parameter_plan from it"
-            )
-
     @classmethod
     def from_data(cls, pattern: str, data: Mapping[str, Any] | ModuleStrategy) -> ModuleStrategy:
-        """A strategy from plain data (JSON lists become tuples), with errors naming the pattern."""
+        """A strategy from plain data (JSON lists become tuples), checked by the Plan's own rule
+        (`loom.plan.specs.check_strategy`), with errors naming the pattern."""
         if isinstance(data, ModuleStrategy):
             return data
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"module plan {pattern!r}: expected a dict with some of {KEYS}, e.g. "
-                f"{{'parameter_plan': {{'weight': ('tp', 'None')}}}}; got {data!r}"
-            )
-        unknown = sorted(set(data) - set(KEYS))
-        if unknown:
-            raise ValueError(f"module plan {pattern!r}: unknown key(s) {unknown}; use some of {KEYS}")
+        check_strategy(f"strategies[{pattern!r}]", _lists(data))  # a module plan is a Plan's `strategies`
         plan = data.get("parameter_plan") or {}
-        if not isinstance(plan, Mapping):
-            raise ValueError(
-                f"module plan {pattern!r}: parameter_plan must map parameter names to entries, e.g. "
-                f"{{'weight': ('tp', 'None')}}; got {plan!r}"
-            )
         return cls(
             in_strategy=_tuples(data.get("in_strategy")),
             out_strategy=_tuples(data.get("out_strategy")),
@@ -94,6 +80,15 @@ class ModuleStrategy:
         return data
 
 
+def _lists(value: Any) -> Any:
+    """Python tuples as the JSON lists a Plan holds (the form its checks read)."""
+    if isinstance(value, Mapping):
+        return {key: _lists(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_lists(item) for item in value]
+    return value
+
+
 def _tuples(value: Any) -> Any:
     """JSON lists back to the tuples strategies are written with (None stays None)."""
     if isinstance(value, list | tuple):
@@ -102,10 +97,18 @@ def _tuples(value: Any) -> Any:
 
 
 def resolve_module_plan(
-    model: nn.Module, module_plan: Mapping[str, Any]
+    model: nn.Module, module_plan: Mapping[str, Any], root: nn.Module | None = None
 ) -> dict[str, tuple[str, ModuleStrategy]]:
     """Module path -> (the pattern that matched, its strategy). A module matched by several patterns takes
-    the last one (a general pattern first, exceptions after); a pattern that matches nothing is an error."""
+    the last one (a general pattern first, exceptions after); a pattern that matches nothing is an error.
+    With `root`, the model `model` is a part of (a pipeline stage), patterns match `root`'s paths and the
+    result holds `model`'s modules among them, by their paths in `model`."""
+    if root is not None:
+        whole = resolve_module_plan(root, module_plan)
+        by_module = {id(root.get_submodule(path)): entry for path, entry in whole.items()}
+        return {
+            path: by_module[id(module)] for path, module in model.named_modules() if id(module) in by_module
+        }
     if not isinstance(module_plan, Mapping):
         raise TypeError(
             f"module_plan must be a dict of module-path patterns to strategies, e.g. "
@@ -128,20 +131,8 @@ def resolve_module_plan(
 
 
 def to_entry(entry: Any, mesh: Mesh) -> Any:
-    """A strategy entry as `compile_inputs` takes it: cuts stay; axis names become a `Layout` map on the
-    mesh (names the mesh lacks are 'not cut')."""
-    if not isinstance(entry, tuple) or not any(isinstance(e, str | tuple) for e in entry):
-        return entry
-    names = mesh.shape.names
-    layout = Layout(tuple(mesh.shape.size(n) for n in names), names)
-
-    def keep(dim: Any) -> Any:
-        if isinstance(dim, tuple):
-            kept = tuple(a for a in dim if a in names)
-            return kept if kept else NONE
-        return dim if dim in names else NONE
-
-    return layout(*(keep(dim) for dim in entry))
+    """A strategy entry on `mesh`: axis names become a `Layout` map (see `loom.layout.on_mesh_axes`)."""
+    return on_mesh_axes(entry, mesh.axis_sizes())
 
 
 def module_parameter_layouts(
@@ -197,15 +188,75 @@ def apply_module_plan(
         op = f"{path} ({type(module).__name__})"
         ins = _entries(strategy.in_strategy, mesh)
         outs = _entries(strategy.out_strategy, mesh)
+        # Only inside a parallelized forward, whose tensors are DTensors: a copy of the model gathered
+        # whole (to sample from it) runs unchanged.
         if ins is not None:
             module.register_forward_pre_hook(
-                lambda _, args, op=op, ins=ins: lay_out_inputs(op, args, ins, mesh)
+                lambda _, args, op=op, ins=ins: (
+                    lay_out_inputs(op, args, ins, mesh) if _has_dtensor(args) else None
+                )
             )
         if outs is not None:
             module.register_forward_hook(
-                lambda _, __, out, op=op, outs=outs: lay_out_outputs(op, out, outs, mesh)
+                lambda _, __, out, op=op, outs=outs: (
+                    lay_out_outputs(op, out, outs, mesh) if _has_dtensor(out) else out
+                )
             )
+
+
+def _has_dtensor(value: Any) -> bool:
+    return any(isinstance(x, DTensor) for x in tree_flatten(value)[0])
 
 
 def _entries(strategy: Sequence[Any] | None, mesh: Mesh) -> tuple | None:
     return None if strategy is None else tuple(to_entry(entry, mesh) for entry in strategy)
+
+
+def plan_for_mesh(plan: Plan | str | Path, mesh: Mesh) -> Plan:
+    """`plan` (or the Plan saved at that path) resolved on `mesh`, whose axis sizes it must name."""
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    plan = plan.resolve(mesh.world_size)
+    wanted = plan.mesh_sizes()
+    current = {name: mesh.shape.size(name) for name in mesh.shape.names}
+    if {k: v for k, v in wanted.items() if v > 1} != {k: v for k, v in current.items() if v > 1}:
+        raise ValueError(
+            f"parallelize: the plan's mesh {wanted} is not the current mesh {current}; call "
+            f"loom.init(mesh={wanted}) before parallelize (or loom.init(mesh=plan.resolve(world).mesh_sizes()))"
+        )
+    if plan.pp > 1:
+        raise ValueError(
+            f"parallelize: the plan has pp = {plan.pp}; pipeline stages are built by loom.pipeline, not by "
+            f"parallelize (a Plan with pipelines runs through `loom train`)"
+        )
+    return plan
+
+
+def pattern_layouts(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """A Plan's `parameter_layouts` (parameter-path pattern -> tensor spec) as a parameter plan by name;
+    a pattern that matches no parameter is an error."""
+    names = [name for name, _ in model.named_parameters()]
+    result: dict[str, Any] = {}
+    for pattern, spec in layouts.items():
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(
+                f"plan.parameter_layouts: pattern {pattern!r} matches no parameter of {type(model).__name__}; "
+                f"parameters look like {', '.join(names[:6])}, ..."
+            )
+        result.update({name: to_entry(_tuples(spec), mesh) for name in matched})
+    return result
+
+
+def recompute_modules(model: nn.Module, policies: Mapping[str, str]) -> None:
+    """A Plan's `recompute_modules`: each matching module recomputes its activations with that policy."""
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern, policy in policies.items():
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(
+                f"plan.recompute_modules: pattern {pattern!r} matches no module of {type(model).__name__}; "
+                f"module paths look like {', '.join(names[:6])}, ..."
+            )
+        for name in matched:
+            recompute(model.get_submodule(name), policy)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,13 +30,22 @@ from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
 from loom.layout.parameters import lay_out_parameters, materialize
+from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.trace import Recording, record
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.grad_sync import GradSync
 from loom.parallel.lift import LiftPlainTensors
-from loom.parallel.module_plan import apply_module_plan, module_parameter_layouts, resolve_module_plan
+from loom.parallel.module_plan import (
+    apply_module_plan,
+    module_parameter_layouts,
+    pattern_layouts,
+    plan_for_mesh,
+    recompute_modules,
+    resolve_module_plan,
+)
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
+from loom.plan import Plan
 
 MODES = ("data_parallel", "semi_auto")
 
@@ -51,6 +61,7 @@ class ParallelState:
     parameter_layouts: dict[str, TensorLayout] = field(default_factory=dict)
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
     parameter_sharding: object | None = None  # set by an optimizer at level 3
+    plan: Plan | None = None  # the Plan applied, when parallelize was given one
     batch_dims: tuple[int, ...] = ()  # semi_auto: the canonical mesh dims that cut the batch
 
     def distribute(self, *tensors: torch.Tensor) -> Any:
@@ -95,7 +106,7 @@ class ParallelState:
 
 def parallelize(
     model: nn.Module,
-    mode: str = "data_parallel",
+    mode: str | None = None,
     example_inputs: Sequence[Any] | None = None,
     full_batch: bool = False,
     parameter_plan: dict[str, Any] | None = None,
@@ -103,6 +114,7 @@ def parallelize(
     example_kwargs: dict[str, Any] | None = None,
     batch_axes: str | Sequence[str] | None = None,
     module_plan: dict[str, Any] | None = None,
+    plan: Plan | str | Path | None = None,
 ) -> nn.Module:
     """Make `model` train on every rank of the current mesh; returns the same module, changed in place.
 
@@ -121,9 +133,62 @@ def parallelize(
     `module_plan` (semi_auto) gives the model's own modules strategies by path pattern, for any model (no
     `loom.ops` needed): see `loom.parallel.module_plan`. Without `example_inputs` no dry run is made, and
     the parameters are laid out by `module_plan` and `parameter_plan` alone (the others replicated).
+
+    `plan` (a `loom.plan.Plan`, or the path of its JSON) is applied as is, in a fixed order: its mesh must
+    be the current one; its `strategies` are the module plan and its `parameter_layouts` the parameter plan
+    (by pattern); then its `recompute_modules`; its optimizer level is read by `make_optimizer`. The mode
+    defaults to `semi_auto` when a plan or a module plan is given, `data_parallel` otherwise.
+    `model.loom.plan` holds the plan applied.
     """
-    example_inputs = _check_arguments(model, mode, example_inputs, example_kwargs, bucket_mb)
+    example_inputs = _check_arguments(
+        model, mode or "data_parallel", example_inputs, example_kwargs, bucket_mb
+    )
     mesh = require_mesh("loom.parallelize")
+    if plan is not None:
+        plan = plan_for_mesh(plan, mesh)
+        if module_plan or parameter_plan:
+            raise ValueError(
+                "parallelize: give strategies either in the plan (plan.strategies, plan.parameter_layouts) or "
+                "as module_plan/parameter_plan, not both"
+            )
+        module_plan = plan.strategies
+        parameter_plan = pattern_layouts(model, plan.parameter_layouts, mesh) or None
+    if mode is None:
+        mode = "semi_auto" if plan is not None or module_plan is not None else "data_parallel"
+    model = _parallelize(
+        model, mesh, mode, example_inputs, full_batch, parameter_plan, bucket_mb, example_kwargs, batch_axes,
+        module_plan,
+    )  # fmt: skip
+    if plan is not None:
+        recompute_modules(model, plan.recompute_modules)
+        model.loom.plan = plan
+    return model
+
+
+def parallelize_part(
+    part: nn.Module, mesh: Mesh, *, module_plan: dict[str, Any], root: nn.Module, bucket_mb: float = 25.0
+) -> nn.Module:
+    """Lay out `part`, a piece of `root` (a pipeline stage), on `mesh` in semi_auto mode by `module_plan`,
+    whose patterns are matched against `root`'s module paths (modules outside `part` are skipped). The mesh
+    is an argument: below the API surface nothing reads the current mesh."""
+    return _parallelize(
+        part, mesh, "semi_auto", None, False, None, bucket_mb, None, None, module_plan, plan_root=root
+    )
+
+
+def _parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    mode: str,
+    example_inputs: Sequence[Any] | None,
+    full_batch: bool,
+    parameter_plan: dict[str, Any] | None,
+    bucket_mb: float,
+    example_kwargs: dict[str, Any] | None,
+    batch_axes: str | Sequence[str] | None,
+    module_plan: dict[str, Any] | None,
+    plan_root: nn.Module | None = None,
+) -> nn.Module:
     if mode == "data_parallel":
         if parameter_plan or module_plan:
             what = "parameter_plan" if parameter_plan else "module_plan"
@@ -159,7 +224,7 @@ def parallelize(
     if example_inputs is not None:
         recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
-    resolved = resolve_module_plan(model, module_plan or {})
+    resolved = resolve_module_plan(model, module_plan or {}, root=plan_root)
     planned, patterns = module_parameter_layouts(model, resolved, mesh)
     layouts.update(planned)
     consumers.update({name: f"module_plan {pattern!r}" for name, pattern in patterns.items()})
@@ -176,9 +241,7 @@ def parallelize(
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
-    all_layouts = {
-        name: layouts.get(name, TensorLayout.replicated(p.ndim)) for name, p in model.named_parameters()
-    }
+    all_layouts = {name: layout_of(p) for name, p in model.named_parameters()}
     model.loom = ParallelState(
         mode=mode,
         mesh=mesh,

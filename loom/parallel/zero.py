@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from loom.dist.collectives import all_gather_flat
 from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
-from loom.parallel.zero3 import ParameterSharding
+from loom.parallel.zero3 import ParameterSharding, model_units
 from loom.plan import OPTIMIZER_LEVELS as LEVELS
 
 
@@ -97,7 +97,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Holds the model's parameters in `param_groups` (so learning-rate schedulers work as usual) and builds the
     sharded optimizer at the first step, when the gradient buckets are known. The buckets are those of the
     model's `GradSync` (`model.loom.grad_sync`), or of `grad_sync` when given (a pipeline's stages: see
-    `loom.pipeline.optimizer`, which at level 3 also gives the stages' `sharding`).
+    `loom.pipeline.optimizer`, which at level 3 also gives the stages' `sharding`). At level 3 `units` are
+    the modules gathered one at a time (default: `loom.parallel.zero3.model_units`, from the model's recipe).
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         grad_sync: GradSync | None = None,
         sharding: ParameterSharding | None = None,
+        units: list[nn.Module] | None = None,
         **hyper,
     ) -> None:
         if level not in (1, 2, 3):
@@ -126,7 +128,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.sync.shard_gradients = level >= 2
         self.level, self.optimizer_class, self.hyper = level, optimizer_class, hyper
         if sharding is None and level == 3:
-            sharding = ParameterSharding(model, self.sync)
+            sharding = ParameterSharding(model, self.sync, units or model_units(model))
         self.sharding = sharding
         if state is not None:
             state.parameter_sharding = self.sharding
@@ -224,14 +226,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 def make_optimizer(
-    model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], level: int = 0, **hyper
+    model: nn.Module,
+    optimizer_class: Callable[..., torch.optim.Optimizer],
+    level: int = 0,
+    *,
+    units: list[nn.Module] | None = None,
+    **hyper,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `model` at optimizer level `level` (0: `optimizer_class` itself; 1, 2: sharded)."""
+    """The optimizer for `model` at optimizer level `level` (0: `optimizer_class` itself; 1, 2: sharded
+    states and gradients; 3: also parameters, gathered around each of `units`, by default
+    `loom.parallel.zero3.model_units(model)`)."""
+    if units is not None and level != 3:
+        raise ValueError(f"make_optimizer: units are the modules level 3 gathers; level {level} has none")
     if level not in LEVELS:
         raise ValueError(f"optimizer level {level}; loom supports {LEVELS}")
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     return (
         optimizer_class(params, **hyper)
         if level == 0
-        else ZeroOptimizer(model, optimizer_class, level, **hyper)
+        else ZeroOptimizer(model, optimizer_class, level, units=units, **hyper)
     )

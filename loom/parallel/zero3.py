@@ -1,11 +1,14 @@
 """Optimizer level 3 (ZeRO stage 3): parameters sharded at rest, gathered per unit when needed.
 
-The model is cut into units: each block of a `nn.ModuleList` (a transformer layer), and the root for the
-parameters left over. Gradient buckets never span two units. Between uses a unit's parameters hold no memory
-(their storage is resized to zero; each rank keeps only its fp32 chunk in the optimizer). A unit is gathered
-(one all-gather per bucket) just before its forward, freed after it, gathered again when backward reaches
-it (a hook on its outputs' gradients) and freed once all its gradients are ready. Autograd's saved tensors
-point at the same storage, which is refilled before it is read, as in FSDP.
+The model is cut into units (`model_units`): each block of its block list, each module its recipe puts
+before or after the blocks (embeddings, final norm, head; see `loom.models.recipes`), and the root for the
+parameters left over; a model without a recipe: each block of every `nn.ModuleList`, and the root. A unit
+may be any module its parent calls (hooks on its own forward gather and free it). Gradient buckets never span
+two units. Between uses a unit's parameters hold no memory (their storage is resized to zero; each rank
+keeps only its fp32 chunk in the optimizer). A unit is gathered (one all-gather per bucket) just before its
+forward, freed after it, gathered again when backward reaches it (a hook on its outputs' gradients) and
+freed once all its gradients are ready. Autograd's saved tensors point at the same storage, which is
+refilled before it is read, as in FSDP.
 
 Resizing needs storage that nobody else pins: a NumPy view (`.numpy()`) of a parameter makes its storage
 non-resizable for good, so gathering or freeing its unit raises a `ValueError` that names the parameter and
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from loom.models.recipes import Recipe, known_recipe, piece, submodule
 from loom.parallel.grad_sync import GradSync
 
 
@@ -28,6 +32,31 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """Every element of every `nn.ModuleList` in `model` (its layers), then the model itself."""
     blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     return blocks + [model]
+
+
+def model_units(model: nn.Module, recipe: Recipe | None = None) -> list[nn.Module]:
+    """The units of `model` at level 3: with its `recipe` (by default the one of its class, if loom has one),
+    each block, then each module the recipe puts before or after the blocks, then the model itself; else
+    `default_units`.
+
+    Only modules are units (a parameter a recipe names directly stays in the root). A module whose
+    parameters another unit also uses (a head tied to the embedding table) is no unit of its own: a unit's
+    parameters are freed after its forward, while the other user still needs them. Such modules stay in the
+    root unit, gathered through the model's whole forward."""
+    recipe = recipe or known_recipe(model)
+    if recipe is None:
+        return default_units(model)
+    blocks = list(submodule(model, recipe.blocks, recipe.family))
+    paths = dict.fromkeys((*recipe.before, *recipe.after))
+    ends = [m for m in (piece(model, path, recipe.family) for path in paths) if isinstance(m, nn.Module)]
+    uses: dict[nn.Parameter, int] = {}
+    for unit in blocks + ends:
+        for param in dict.fromkeys(unit.parameters()):
+            uses[param] = uses.get(param, 0) + 1
+    alone = [
+        m for m in ends if any(True for _ in m.parameters()) and all(uses[p] == 1 for p in m.parameters())
+    ]
+    return blocks + alone + [model]
 
 
 class ParameterSharding:

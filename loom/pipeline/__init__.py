@@ -1,16 +1,26 @@
-"""Pipeline parallelism: stages (marked or balanced), named schedules over torch.distributed.pipelining,
-per-rank timelines with the bubble fraction, and saved-activation memory per stage."""
+"""Pipeline parallelism: stages of any model with a sequence of blocks, as its recipe places them
+(`loom.models.recipes`; loom's GPT among them), cut evenly, unevenly, by marks or balanced; named schedules
+over torch.distributed.pipelining, per-rank timelines with the bubble fraction, and saved-activation memory
+per stage."""
 
+from loom.pipeline.blocks import (
+    BlockStage,
+    block_split,
+    blocks_per_stage,
+    model_pipeline,
+    source_names,
+    split_model,
+    stage_parameters,
+    tied_parameters,
+    whole_model,
+)
 from loom.pipeline.gpt import (
-    GPTStage,
     gpt_loss,
     gpt_pipeline,
+    gpt_stage,
     materialize_stages,
     rank_stages,
-    source_names,
     split_gpt,
-    stage_parameters,
-    tied_embedding,
     whole_gpt,
 )
 from loom.pipeline.memory import SavedActivations
@@ -44,11 +54,17 @@ from loom.pipeline.timeline import (
 )
 
 __all__ = [
+    "BlockStage",
+    "block_split",
+    "blocks_per_stage",
+    "model_pipeline",
+    "split_model",
+    "tied_parameters",
+    "whole_model",
     "pipeline_optimizer",
     "stage_grad_sync",
     "SCHEDULES",
     "Event",
-    "GPTStage",
     "Pipeline",
     "Recorder",
     "SavedActivations",
@@ -59,6 +75,7 @@ __all__ = [
     "bubble_fraction",
     "gpt_loss",
     "gpt_pipeline",
+    "gpt_stage",
     "group_blocks",
     "materialize_stages",
     "measured_costs",
@@ -73,7 +90,6 @@ __all__ = [
     "stage_of_blocks",
     "step_bubbles",
     "stage_parameters",
-    "tied_embedding",
     "theoretical_bubble",
     "whole_gpt",
     "validate_microbatches",

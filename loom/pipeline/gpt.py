@@ -1,8 +1,9 @@
 """The reference GPT cut into pipeline stages: embedding on the first stage, final norm and logits on the
 last.
 
-`GPTStage` borrows the GPT's own submodules and parameters (nothing is copied), so a stage trains the very
-tensors of the model it came from and its parameters keep the model's names through `source_names`.
+A stage is a `BlockStage` of the GPT's recipe (`loom.models.recipes.gpt_recipe`): it borrows the GPT's own
+submodules and parameters (nothing is copied), so a stage trains the very tensors of the model it came from
+and its parameters keep the model's names through `source_names`.
 `gpt_pipeline` builds one rank's part of a pipeline on a mesh's pp axis; from a GPT on the meta device it
 allocates and initialises only that rank's stages.
 
@@ -17,84 +18,39 @@ parallelism also its cut of the sequence), made a DTensor on entry and its local
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.layout.parameters import materialize
 from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
+from loom.models.recipes import gpt_recipe
 from loom.parallel.parallelize import parallelize
-from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
+from loom.pipeline.blocks import BlockStage, rank_pipeline, source_names
+from loom.pipeline.schedule import Pipeline, stage_indices
 from loom.pipeline.stages import balanced_partition, group_blocks
-from loom.pipeline.tied import Tied
+from loom.pipeline.tensor_stages import enter_stream, stream_placements
 
 
-class GPTStage(nn.Module):
-    """Blocks `block_indices` of `model`, plus the embedding when `first` and the head when `last`.
+def gpt_stage(model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> BlockStage:
+    """Blocks `block_indices` of `model`, plus the embedding when `first` and the head when `last`, as the
+    GPT's recipe (`loom.models.recipes.gpt_recipe`) places them.
 
     The first stage takes token ids (batch, seq); the others the residual stream (batch, seq, d_model); the
     last returns logits (batch, seq, vocab). With tied embeddings the last stage's head is the model's
     `embedding` (on another rank, that rank's copy: see `Tied`). Positions are learned (a table on the first
     stage) or rotary (every block rotates its queries and keys by the model's tables). The model's constant
-    tables (causal mask, rotary tables) are shared, not copied. A stage laid out on a stage mesh
-    (`shard_stages`) has `boundary`, the placements of the residual stream it exchanges as local tensors, and
-    copies what it sends when `copy_output` (a zero-bubble schedule detaches its stages' outputs in place,
-    which a view of the stream does not allow).
-    """
-
-    boundary: tuple[Placement, ...] | None = None
-    copy_output: bool = False
-
-    def __init__(self, model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last, self.block_indices = first, last, list(block_indices)
-        self.rotary = model.config.positions == "rotary"
-        self.blocks = nn.ModuleList(model.blocks[i] for i in block_indices)
-        if first:
-            self.embedding, self.lookup = model.embedding, model.lookup
-            if self.rotary:
-                self.enter = model.enter
-            else:
-                self.positions, self.add_positions = model.positions, model.add_positions
-        if last:
-            self.norm, self.logits = model.norm, model.logits
-            self.head = model.embedding if model.config.tie_embeddings else model.head
-        for name in constant_tables(model):
-            self.register_buffer(name, getattr(model, name), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
-        if self.first:
-            x = self.lookup(self.embedding, x)
-            x = self.enter(x) if self.rotary else self.add_positions(x, self.positions[:seq])
-        mask = self.causal_mask[:seq, :seq]
-        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.rotary else None
-        for block in self.blocks:
-            x = block(x, mask, rope)
-        if self.last:
-            return self.logits(self.norm(x), self.head)  # on a stage mesh a DTensor, as the loss takes it
-        if self.boundary is not None:  # torch's schedules send plain tensors: this rank's piece of the stream
-            x = x.redistribute(x.device_mesh, self.boundary).to_local()
-            if self.copy_output:
-                x = x.clone()
-        return x
+    tables (causal mask, rotary tables) are shared, not copied."""
+    return BlockStage(model, gpt_recipe(model), block_indices, first=first, last=last)
 
 
-def constant_tables(model: GPT) -> list[str]:
-    """The names of the model's constant tables (buffers every stage reads: the causal mask, rotary
-    tables)."""
-    return [name for name, _ in model.named_buffers(recurse=False)]
-
-
-def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[GPTStage]:
+def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[BlockStage]:
     """All stages of `model`: blocks grouped by `stage_of_block` (default: the blocks' `pipeline_stage`
     marks, validated)."""
     if stage_of_block is not None:
@@ -102,48 +58,7 @@ def split_gpt(model: GPT, stage_of_block: Sequence[int] | None = None) -> list[G
             block.pipeline_stage = k
     groups = group_blocks(list(model.blocks))
     last = len(groups) - 1
-    return [GPTStage(model, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
-
-
-def source_names(model: GPT, stage: nn.Module) -> list[str]:
-    """The model's name of each of `stage`'s parameters (in `stage.parameters()` order)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for p in stage.parameters()]
-
-
-class StageParameters(nn.Module):
-    """This rank's part of the whole model's parameters under the model's names (see `stage_parameters`).
-    `full_parameters()` has them whole in memory inside the block (at optimizer level 3 they are sharded at
-    rest), as a parallelised model's `model.loom.full_parameters()` does: checkpoints read them there."""
-
-    def __init__(self, full_parameters: Callable[[], AbstractContextManager] | None = None) -> None:
-        super().__init__()
-        self._full_parameters = full_parameters
-
-    def full_parameters(self) -> AbstractContextManager:
-        return self._full_parameters() if self._full_parameters is not None else contextlib.nullcontext()
-
-
-def stage_parameters(
-    model: GPT,
-    stages: Sequence[nn.Module],
-    full_parameters: Callable[[], AbstractContextManager] | None = None,
-) -> StageParameters:
-    """A module that holds the parameters of `stages` (the very tensors) under the model's names, empty
-    modules in between: its `state_dict` is this rank's part of the whole model's, which is what a
-    checkpoint saves, so that it loads on any other split of the model. `full_parameters`: the pipeline's
-    (`Pipeline.full_parameters`), where its parameters are sharded at rest."""
-    root = StageParameters(full_parameters)
-    for stage in stages:
-        for name, param in zip(source_names(model, stage), stage.parameters(), strict=True):
-            *path, leaf = name.split(".")
-            module = root
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]
-            module.register_parameter(leaf, param)
-    return root
+    return [gpt_stage(model, g, first=k == 0, last=k == last) for k, g in enumerate(groups)]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -166,14 +81,7 @@ def sharded_gpt_loss(mesh: Mesh):
     return loss
 
 
-def stream_placements(mesh: Mesh, sequence_parallel: bool) -> tuple[Placement, ...]:
-    """Placements of a (batch, seq, ...) activation on a stage mesh: rows cut over "dp", the sequence cut
-    over "tp" with sequence parallelism (else whole on every tp rank), as `Strategies.stream` lays it."""
-    rows, cut = set(mesh.batch_dims), set(mesh.shape.canonical_dims_of("tp")) if sequence_parallel else set()
-    return tuple(Shard(0) if d in rows else Shard(1) if d in cut else Replicate() for d in range(mesh.ndim))
-
-
-def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1) -> list[GPTStage]:
+def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1) -> list[BlockStage]:
     """The stages that pipeline rank `pp_rank` holds, in `Pipeline`'s order: the blocks cut into
     `pp * virtual` stages balanced by block count (the blocks are alike)."""
     if pp * virtual > len(model.blocks):
@@ -186,8 +94,8 @@ def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int =
 
 
 def materialize_stages(
-    model: GPT, stages: Sequence[GPTStage], *, seed: int = 0, device: torch.device | str = "cpu"
-) -> list[GPTStage]:
+    model: GPT, stages: Sequence[BlockStage], *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[BlockStage]:
     """`stages` of a GPT built on the meta device, rebuilt with only their parameters (and the model's
     constant tables) allocated on `device` and initialised by `GPT.init_weights(seed)`, which seeds each
     parameter by its name: the values are those of the whole model built on one device."""
@@ -196,12 +104,12 @@ def materialize_stages(
         _set(model, name, nn.Parameter(torch.empty_like(meta, device=device), meta.requires_grad))
     _materialize_buffers(model, device)
     model.init_weights(seed)  # parameters still on the meta device (other ranks' stages) are skipped
-    return [GPTStage(model, s.block_indices, first=s.first, last=s.last) for s in stages]
+    return [gpt_stage(model, s.block_indices, first=s.first, last=s.last) for s in stages]
 
 
 def shard_stages(
-    model: GPT, stages: Sequence[GPTStage], mesh: Mesh, *, seed: int = 0, device: torch.device | str = "cpu"
-) -> list[GPTStage]:
+    model: GPT, stages: Sequence[BlockStage], mesh: Mesh, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[BlockStage]:
     """`stages` of a GPT built on the meta device with its tensor-parallel `Strategies`, each laid out on
     the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
     with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
@@ -214,7 +122,7 @@ def shard_stages(
             f"with Strategies(dp={mesh.dp_size}, tp={mesh.axis_size('tp')}, ...)"
         )
     _materialize_buffers(model, device)
-    stages = [GPTStage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
+    stages = [gpt_stage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
     names = [source_names(model, stage) for stage in stages]
     with use_mesh(mesh):
         for stage in stages:
@@ -223,7 +131,7 @@ def shard_stages(
             materialize(stage, device)
             stage.boundary = stream_placements(mesh, s.sequence_parallel)
             if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
-                stage.register_forward_pre_hook(_enter(mesh, stage.boundary), prepend=True)
+                stage.register_forward_pre_hook(enter_stream(mesh, stage.boundary), prepend=True)
     for stage, stage_names in zip(stages, names, strict=True):  # the model (init_weights) sees the shards
         for (path, param), name in zip(list(stage.named_parameters()), stage_names, strict=True):
             if not isinstance(model.get_parameter(name), DTensor):
@@ -233,22 +141,12 @@ def shard_stages(
     return stages
 
 
-def _example_input(model: GPT, stage: GPTStage) -> torch.Tensor:
+def _example_input(model: GPT, stage: BlockStage) -> torch.Tensor:
     """One row of what `stage` takes (token ids or the residual stream), for parallelize's dry run."""
     seq = model.config.max_seq_len
     if stage.first:
         return torch.zeros(1, seq, dtype=torch.long, device="meta")
     return torch.zeros(1, seq, model.config.d_model, device="meta")
-
-
-def _enter(mesh: Mesh, placements: tuple[Placement, ...]):
-    """A forward pre-hook: the received local piece of the residual stream becomes the global DTensor."""
-
-    def hook(_: nn.Module, args: tuple) -> tuple:
-        (x, *rest) = args
-        return (DTensor.from_local(x, mesh.device_mesh, placements, run_check=False), *rest)
-
-    return hook
 
 
 def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -287,35 +185,11 @@ def gpt_pipeline(
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
-    for stage in stages:
-        stage.copy_output = SCHEDULES[schedule].split_backward
-    return Pipeline(
-        stages,
-        schedule=schedule,
-        microbatches=microbatches,
-        loss_fn=gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh),
-        group=mesh.axis_group("pp"),
-        dp_group=mesh.axis_group("dp"),
-        stage_group=mesh.group({axis: None for axis in mesh.shape.names if axis != "pp"}),
-        tied=tied_embedding(model, stages, schedule, mesh),
-        mesh=stage_mesh,
-        bucket_mb=bucket_mb,
-    )
-
-
-def tied_embedding(model: GPT, stages: Sequence[GPTStage], schedule: str, mesh: Mesh) -> list[Tied]:
-    """The embedding as a `Tied` parameter when the model ties it to the head and the first and the last
-    stage sit on different ranks (a V placement puts both on rank 0, where they share one tensor). Its
-    copies are reduced on the group of the first and the last pipeline rank's data-parallel replicas (with
-    tensor-parallel stages, those with this rank's tp index: each holds and sums its shard, the
-    vocab-parallel table's rows cut over tp). A collective call on every rank of `mesh`."""
-    if not model.config.tie_embeddings or SCHEDULES[schedule].placement == "v":
-        return []
-    ends = (0, mesh.axis_size("pp") - 1)
-    group = mesh.group({"pp": ends} | ({"dp": None} if "dp" in mesh.shape.names else {}))
-    holds = any(stage.first or stage.last for stage in stages)
-    assert holds == (group is not None), "the first and the last stage sit on the first and the last rank"
-    return [Tied(param=model.embedding if holds else None, holders=2, group=group)]
+    loss_fn = gpt_loss if stage_mesh is None else sharded_gpt_loss(stage_mesh)
+    return rank_pipeline(
+        stages, split_gpt(model), mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
+        loss_fn=loss_fn, stage_mesh=stage_mesh, bucket_mb=bucket_mb,
+    )  # fmt: skip
 
 
 def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:

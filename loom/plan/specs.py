@@ -24,11 +24,12 @@ __all__ = [
     "check_recompute_modules",
     "check_stages",
     "check_strategies",
+    "check_strategy",
     "check_tensor_spec",
 ]
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "ep", "tp")  # outermost first; tp on the fastest links
-STRATEGY_KEYS: tuple[str, ...] = ("in_strategy", "out_strategy", "parameter_plan")
+STRATEGY_KEYS: tuple[str, ...] = ("in_strategy", "out_strategy", "parameter_plan", "local")
 OWNER = "plan"
 
 
@@ -82,24 +83,37 @@ def _specs(key: str, value: Any, allow_none: bool) -> None:
 
 
 def check_strategies(strategies: Any) -> None:
-    """Module pattern -> {"in_strategy": [...], "out_strategy": [...] (optional), "parameter_plan":
-    {parameter name: tensor spec} (optional)}, as `loom.shard` takes them."""
+    """Module pattern -> {"in_strategy": [...], "out_strategy": [...], "parameter_plan": {parameter name:
+    tensor spec}} (each optional, as `loom.shard` takes them), or {"local": true}: the module runs on each
+    rank's own rows with replicated parameters (see `loom.parallel.module_plan`)."""
     for pattern, entry in _mapping("strategies", strategies).items():
-        key = f"strategies[{pattern!r}]"
-        if not isinstance(entry, dict):
-            raise FieldError(OWNER, key, entry, f"use a table with keys {STRATEGY_KEYS}")
-        for name in entry:
-            if name not in STRATEGY_KEYS:
-                close = difflib.get_close_matches(str(name), STRATEGY_KEYS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise FieldError(OWNER, f"{key}.{name}", entry[name], f"{hint}use keys {STRATEGY_KEYS}")
-        if "in_strategy" not in entry:
-            raise FieldError(OWNER, key, entry, "give in_strategy, one tensor spec per input")
+        check_strategy(f"strategies[{pattern!r}]", entry)
+
+
+def check_strategy(key: str, entry: Any) -> None:
+    """One module's strategy (see `check_strategies`), named `key` in errors."""
+    if not isinstance(entry, dict):
+        raise FieldError(OWNER, key, entry, f"use a table with some of the keys {STRATEGY_KEYS}")
+    for name in entry:
+        if name not in STRATEGY_KEYS:
+            close = difflib.get_close_matches(str(name), STRATEGY_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise FieldError(OWNER, f"{key}.{name}", entry[name], f"{hint}use keys {STRATEGY_KEYS}")
+    if entry.get("local", False) is not False:
+        if entry["local"] is not True:
+            raise FieldError(OWNER, f"{key}.local", entry["local"], "use true or false")
+        if len(entry) > 1:
+            raise FieldError(
+                OWNER, key, entry, "a local module runs with replicated parameters on its own rows: give "
+                "local alone, without in_strategy, out_strategy or parameter_plan",
+            )  # fmt: skip
+        return
+    if entry.get("in_strategy") is not None:
         _specs(f"{key}.in_strategy", entry["in_strategy"], allow_none=True)
-        if entry.get("out_strategy") is not None:
-            _specs(f"{key}.out_strategy", entry["out_strategy"], allow_none=False)
-        for name, spec in _mapping(f"{key}.parameter_plan", entry.get("parameter_plan", {})).items():
-            check_tensor_spec(f"{key}.parameter_plan[{name!r}]", spec)
+    if entry.get("out_strategy") is not None:
+        _specs(f"{key}.out_strategy", entry["out_strategy"], allow_none=True)
+    for name, spec in _mapping(f"{key}.parameter_plan", entry.get("parameter_plan", {})).items():
+        check_tensor_spec(f"{key}.parameter_plan[{name!r}]", spec)
 
 
 def check_layouts(layouts: Any) -> None:
