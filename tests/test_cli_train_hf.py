@@ -17,7 +17,7 @@ from loom.models import hf
 from loom.train.config import ModelConfig, TrainConfig
 from loom.train.job import run
 
-PARALLEL = {"llama": {"dp": 2}, "gpt2": {"dp": 1, "tp": 2}}  # llama at dp=1 x tp=2: see the report
+PARALLEL = {"llama": {"dp": 2}, "gpt2": {"dp": 1, "tp": 2}}
 
 
 def _plain_losses(config: TrainConfig, steps: int) -> list[float]:
@@ -166,7 +166,9 @@ def test_hf_config_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
     assert "pipelines for Hugging Face models through loom train are not built yet" in _error(
         tmp_path, parallel={"pp": 2, "microbatches": 2}
     )
-    assert "use optimizer_level = 0 with tp > 1" in _error(tmp_path, parallel={"tp": 2, "optimizer_level": 1})
+    assert "use optimizer_level = 0 there" in _error(
+        tmp_path, parallel={"dp": 2, "tp": 2, "optimizer_level": 1}, train={"workers": 4}
+    )
     assert "change it there" in _error(tmp_path, data={"eos_id": 40})  # an id past the model's vocabulary
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert "pip install 'loom[hf]'" in _error(tmp_path)

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "WEIGHTS_INDEX",
-    "blocks",
     "build_model",
     "empty_model",
     "greedy",
@@ -270,15 +269,3 @@ def greedy(
         new.append(int(logits[0, len(context) - 1].argmax()))
         ids.append(new[-1])
     return new
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's transformer blocks: the first `nn.ModuleList` with one module per hidden layer
-    (`model.layers`, `transformer.h`, ...); what recomputation wraps."""
-    layers = model.config.num_hidden_layers
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == layers:
-            return list(module)
-    raise ValueError(
-        f"{type(model).__name__}: no list of {layers} blocks found; set parallel.recompute = 'none'"
-    )

@@ -552,7 +552,7 @@ class TrainConfig:
                 f"({model.hf_config or model.hf_pretrained}): change it there"
             ) from None
         if model.is_hf:
-            self._check_hf_parallel()
+            self._check_hf_parallel(world_size)
         cut_over_tp = (
             ("model.n_heads", model.n_heads),
             ("model.n_kv_heads (kv heads)", model.kv_heads),
@@ -579,8 +579,9 @@ class TrainConfig:
             self._check_batch_split(dp)
         return self
 
-    def _check_hf_parallel(self) -> None:
-        """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet."""
+    def _check_hf_parallel(self, world_size: int | None) -> None:
+        """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet (some rules need
+        the data-parallel size: checked once `world_size` is known, or `parallel.dp` set)."""
         par = self.parallel
         if par.pp > 1:
             raise ValueError(
@@ -594,16 +595,12 @@ class TrainConfig:
                 "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
                 "sequence yet; set sequence_parallel = false"
             )
-        if par.optimizer_level:
+        dp = par.dp_size(world_size) if world_size is not None else par.dp
+        if par.optimizer_level and dp > 1:
             raise ValueError(
-                f"parallel.optimizer_level = {par.optimizer_level} with parallel.tp = {par.tp}: sharded "
-                "optimizers do not take the tensor-parallel layouts of Hugging Face models yet; use "
-                "optimizer_level = 0 with tp > 1, or tp = 1 (data parallel, every level)"
-            )
-        if par.recompute != "none":
-            raise ValueError(
-                f"parallel.recompute = {par.recompute!r} with parallel.tp = {par.tp}: recomputing a tensor-"
-                "parallel Hugging Face block is not supported yet; use recompute = 'none' with tp > 1, or tp = 1"
+                f"parallel.optimizer_level = {par.optimizer_level} with parallel.tp = {par.tp} and dp = {dp}: "
+                "sharded optimizers do not take the tensor-parallel layouts of Hugging Face models across "
+                "data-parallel replicas yet; use optimizer_level = 0 there, or tp = 1 (data parallel, every level)"
             )
 
     def check_pipeline(self) -> None:

@@ -36,7 +36,7 @@ from loom.layout.parameters import materialize
 from loom.layout.tensor_layout import TensorLayout
 from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.models.tensor_plans import tensor_plan
+from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
 from loom.pipeline import (
     SCHEDULES,
@@ -102,7 +102,7 @@ def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
         hf.load_weights(model, config.model.hf_pretrained)
         model = _parallelize_hf(model, par.tp)
     if par.recompute != "none":
-        for block in hf.blocks(model):
+        for block in find_blocks(model)[1]:
             recompute(block, par.recompute)
     return hf.train_on_token_pairs(model)
 
