@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tiny_tokenizer import SENTENCES, save_tokenizer, word_tokenizer
+from tokenizers import Tokenizer
 
 from loom.train.config import DataConfig, TrainConfig
 from loom.train.data import (
@@ -25,33 +26,13 @@ from loom.train.data import (
     write_token_file,
 )
 
-SENTENCES = [
-    "the cat sat on the mat",
-    "the dog sat on the log",
-    "a cat and a dog met on a mat",
-    "the log was on the mat and the cat was on the log",
-    "every dog has a log and every cat has a mat",
-]
 DOCS = [" ".join(SENTENCES[i % 5] for i in range(k, k + 3)) for k in range(12)]  # 12 documents
-
-
-def _word_tokenizer() -> Tokenizer:
-    """A word-level tokenizer trained on SENTENCES, with "[UNK]" (id 0) and "<eos>" (id 1)."""
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>"])
-    tokenizer.train_from_iterator(SENTENCES, trainer=trainer)
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """The tokenizer saved as `transformers` saves one (tokenizer.json + tokenizer_config.json)."""
-    from transformers import PreTrainedTokenizerFast
-
-    directory = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), eos_token="<eos>").save_pretrained(directory)
-    return directory
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def expected_ids(tokenizer_dir, documents, eos=1):
@@ -280,7 +261,7 @@ def test_corpus_errors(tmp_path, tokenizer_dir):
         CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 2, tokenizer=tmp_path / "broken.json"))
     bare = tmp_path / "bare"
     bare.mkdir()
-    _word_tokenizer().save(str(bare / "tokenizer.json"))
+    word_tokenizer().save(str(bare / "tokenizer.json"))
     with pytest.raises(ValueError, match=r"names no end-of-sequence token .*'<eos>': 1.*set data.eos_id"):
         CorpusDataset(data_config("jsonl", tmp_path / "short.jsonl", 2, tokenizer=bare))
 

@@ -12,12 +12,14 @@ Model parameters and optimizer states reshard on load: a checkpoint of any optim
 any level, on any mesh or on one process (random generators are restored as saved on as many processes as
 saved them; on any other mesh a `Trainer(seed=...)` derives them per step and rank, see `loom.dist.rng`).
 `export_model` writes one checkpoint's model as a single safetensors (or torch.save) file; `import_model`
-turns such a file into a weights-only checkpoint.
+turns such a file into a weights-only checkpoint. `export_hf` writes the run of a Hugging Face model as a
+directory that `from_pretrained` loads.
 """
 
 from loom.checkpoint.checkpointer import load_checkpoint, load_from, load_model_weights, save_checkpoint
 from loom.checkpoint.export import (
     config_path,
+    export_hf,
     export_model,
     import_model,
     read_model_tensors,
@@ -38,6 +40,7 @@ __all__ = [
     "CheckpointWarning",
     "Checkpointer",
     "config_path",
+    "export_hf",
     "export_model",
     "import_model",
     "latest_valid",

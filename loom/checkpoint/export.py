@@ -1,6 +1,7 @@
 """One checkpoint's model as a single unsharded file, and such a file back as a checkpoint.
 
     export_model("runs/ckpt/step_000100", "model.safetensors")   # + model.config.json, the [model] config
+    export_hf("runs/ckpt/step_000100", "runs/hf")                # a Hugging Face model's run: a directory
     import_model("model.safetensors", "runs/init")               # -> runs/init/step_000000/ (weights only)
 
 An exported `.safetensors` file is what plain PyTorch reads: `safetensors.torch.load_file` gives name ->
@@ -9,6 +10,8 @@ tensor for `model.load_state_dict` of an unsharded model; its metadata holds the
 created with the permissions the user's umask gives new files. An imported checkpoint holds only the model:
 `dcp/` (the same keys `save_checkpoint` writes, so `load_model_weights` reshards it onto any mesh),
 `plan.json` and a manifest with `"kind": "weights"`; it has no optimizer or data state to resume a run from.
+A run of a Hugging Face model also exports as a directory (`config.json` + `model.safetensors`) that
+`from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -91,6 +94,48 @@ def export_model(checkpoint: str | Path, out: str | Path) -> int:
     if config is not None:
         mf.write_atomic(config_path(out), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
     return len(tensors)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | None = None) -> int:
+    """Write the Hugging Face model of `checkpoint` (a run with `[model] hf_config` or `hf_pretrained`) as a
+    directory that `transformers.AutoModelForCausalLM.from_pretrained(out)` loads: `config.json` (the model's
+    Hugging Face config, from `hf_config` when given, else the file the run named) and `model.safetensors`
+    (every parameter whole). `out` is created if missing; returns the number of tensors."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    source = Path(hf_config) if hf_config is not None else hf_config_file(checkpoint)
+    if source is None:
+        raise CheckpointError(
+            f"{checkpoint}: its model is loom's GPT, not a Hugging Face model ([model] hf_config or "
+            "hf_pretrained), so it has no Hugging Face export; export it to a file, e.g. model.safetensors"
+        )
+    if not source.is_file():
+        raise CheckpointError(
+            f"{source}: the Hugging Face config of {checkpoint}'s model is missing; restore it, or give one "
+            "with --hf-config PATH"
+        )
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: is a file; a Hugging Face export is a directory, give a new path")
+    tensors = read_model_tensors(checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt"}  # what Hugging Face loaders look for
+    step = _checkpoint_step(checkpoint)
+    if step is not None:
+        metadata["step"] = str(step)
+    save_safetensors(tensors, out / "model.safetensors", metadata)
+    mf.write_atomic(out / "config.json", source.read_bytes())
+    return len(tensors)
+
+
+def hf_config_file(checkpoint: str | Path) -> Path | None:
+    """The Hugging Face config.json that the run of `checkpoint` built its model from (as the run named it;
+    it may have moved since); None when the model is loom's GPT."""
+    model = _model_config(_read_plan(Path(checkpoint)))
+    model = model if isinstance(model, dict) else {}
+    if model.get("hf_pretrained"):
+        return Path(model["hf_pretrained"]) / "config.json"
+    if model.get("hf_config"):
+        return Path(model["hf_config"])
+    return None
 
 
 def check_export_target(out: str | Path) -> Path:

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 NAME = "checkpoint"
-HELP = "list or verify checkpoints, export one as a single safetensors/.pt file, or import such a file"
+HELP = (
+    "list or verify checkpoints, export one as a single safetensors/.pt file (or a Hugging Face directory), "
+    "or import such a file"
+)
 DESCRIPTION = """\
 Inspect the checkpoints a run saved under DIR (its [checkpoint] dir), verify them, export one checkpoint's
 model parameters as one unsharded file (safetensors, or torch.save for .pt) that plain PyTorch reads, or
@@ -24,6 +27,8 @@ examples:
   loom checkpoint export runs/ckpt model.safetensors
                                       the newest intact checkpoint's parameters (+ model.config.json)
   loom checkpoint export runs/ckpt/step_000100 model.pt
+  loom checkpoint export runs/ckpt runs/hf-model   a Hugging Face model's run ([model] hf_config or
+                                      hf_pretrained): a directory that from_pretrained loads
   loom checkpoint import model.safetensors runs/init          -> runs/init/step_000000 (weights only)
   loom checkpoint import model.safetensors runs/init --step 100
 """
@@ -42,7 +47,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     export = actions.add_parser("export", help="write one checkpoint's parameters to one unsharded file")
     export.add_argument("dir", help="a checkpoint directory, or a step_* directory inside one")
     export.add_argument(
-        "out", help="the file to write: model.safetensors, or model.pt (.pth, .bin) for torch.save"
+        "out",
+        help="the file to write: model.safetensors, or model.pt (.pth, .bin) for torch.save; or, for a run "
+        "of a Hugging Face model, a directory (config.json + model.safetensors for from_pretrained)",
+    )
+    export.add_argument(
+        "--hf-config",
+        type=Path,
+        default=None,
+        help="the Hugging Face config.json to export with (default: the one the run named)",
     )
     imp = actions.add_parser("import", help="turn a safetensors/.pt file into a weights-only checkpoint")
     imp.add_argument("file", help="a .safetensors file, or a torch.save file of name -> tensor")
@@ -70,7 +83,7 @@ def execute(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return _verify(Path(args.dir))
     if args.action == "export":
-        return _export(Path(args.dir), Path(args.out))
+        return _export(Path(args.dir), Path(args.out), args.hf_config)
     return _import(Path(args.file), Path(args.dir), args.step, args.config)
 
 
@@ -197,12 +210,11 @@ def _size(count: int) -> str:
     return f"{value / 1024:.1f} TiB"
 
 
-def _export(source: Path, out: Path) -> int:
-    from loom.checkpoint import CheckpointError, export_model, latest_valid, verify
-    from loom.checkpoint.export import check_export_target
+def _export(source: Path, out: Path, hf_config: Path | None = None) -> int:
+    from loom.checkpoint import CheckpointError, export_hf, export_model, latest_valid, verify
+    from loom.checkpoint.export import check_export_target, hf_config_file
 
     try:
-        check_export_target(out)
         checkpoints = _checkpoints(source)
     except CheckpointError as exc:
         return _fail(str(exc))
@@ -216,11 +228,20 @@ def _export(source: Path, out: Path) -> int:
         if choice.path is None:
             return _fail(f"no intact checkpoint under {source}: " + " | ".join(choice.skipped))
         path = choice.path
+    # a directory (or a name without a suffix) for a Hugging Face model's run: config.json + safetensors
+    to_directory = (out.is_dir() or not out.suffix) and (hf_config or hf_config_file(path)) is not None
     try:
-        count = export_model(path, out)
+        if not to_directory:
+            check_export_target(out)
+    except CheckpointError as exc:
+        return _fail(str(exc))
+    try:
+        count = export_hf(path, out, hf_config) if to_directory else export_model(path, out)
     except (CheckpointError, OSError) as exc:
         return _fail(f"exporting {path} to {out} failed: {exc}")
-    print(f"wrote {count} tensors of {path} to {out}")
+    print(
+        f"wrote {count} tensors of {path} to {out}" + (" (a Hugging Face directory)" if to_directory else "")
+    )
     return 0
 
 

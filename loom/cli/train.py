@@ -17,10 +17,11 @@ from loom.train.job import check_faults, run
 from loom.train.report import steps_summary
 
 NAME = "train"
-HELP = "train a GPT from a TOML config on local worker processes"
+HELP = "train a GPT or a Hugging Face causal LM from a TOML config on local worker processes"
 DESCRIPTION = """\
-Train the reference GPT as CONFIG.toml says: mesh (dp x tp), optimizer level, recomputation, precision,
-data and schedule. Keys can be overridden on the command line as --section.key value.
+Train the reference GPT, or a Hugging Face causal LM ([model] hf_config or hf_pretrained), as CONFIG.toml
+says: mesh (dp x tp), optimizer level, recomputation, precision, data and schedule. Keys can be overridden
+on the command line as --section.key value. At the end the model continues a few prompts greedily.
 
 The workers are supervised: a worker that dies, raises during training or hangs (no heartbeat for
 fault.heartbeat_timeout_s: one per step and one per start-up phase) stops the job, which restarts from the
@@ -124,6 +125,8 @@ def _report(console: Console, summary: dict) -> None:
         console.print(
             f"  {escape(prompt)}{escape(generated.split(chr(10), 1)[0])!s:6s} (expected {answer}) {mark}"
         )
+    for prompt, continuation in summary.get("text_samples", []):
+        console.print(f"  {escape(prompt)} [bold]->[/] {escape(continuation)}", soft_wrap=True)
     if "accuracy" in summary:
         console.print(f"[bold]accuracy on 100 held-out prompts: {100 * summary['accuracy']:.0f}%[/]")
 

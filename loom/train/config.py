@@ -154,10 +154,19 @@ class _Section:
 class ModelConfig(_Section):
     """`[model]`: a GPT-style decoder, the TOML surface of `loom.models.config.GPTConfig`, which holds the
     rules (checked when the config is read). `n_kv_heads=None` means n_heads (no grouped-query attention),
-    `d_ff=None` means 4 * d_model."""
+    `d_ff=None` means 4 * d_model.
+
+    Or a Hugging Face causal LM: `hf_config` (a config.json, the model built with random weights) or
+    `hf_pretrained` (a directory of config.json + safetensors weights). Its config is then the model's
+    description: the other keys are filled in from it (`loom.models.hf.model_shape`; one given with another
+    value is an error), but `dropout`, which belongs to loom's GPT alone."""
 
     SECTION: ClassVar[str] = "model"
-    name: Literal["gpt"] = _key("gpt", "the model family (only the reference GPT today)")
+    name: Literal["gpt"] = _key("gpt", "loom's reference GPT, unless hf_config or hf_pretrained is set")
+    hf_config: str | None = _key(None, "a Hugging Face config.json: that causal LM, random weights")
+    hf_pretrained: str | None = _key(
+        None, "a directory with a Hugging Face config.json and safetensors weights: that model, trained"
+    )
     vocab_size: int = _key(
         256, "token ids 0..vocab_size-1 (>= 256 for byte tokens: arithmetic and text data)"
     )
@@ -174,7 +183,48 @@ class ModelConfig(_Section):
     dropout: float = _key(0.0, "dropout probability in [0, 1)")
 
     def check(self) -> None:
+        if self.is_hf:
+            self._take_hf_shape()
         self.gpt_config()
+
+    @property
+    def is_hf(self) -> bool:
+        """True when the model is a Hugging Face causal LM (`hf_config` or `hf_pretrained`)."""
+        return self.hf_config is not None or self.hf_pretrained is not None
+
+    def hf_model_config(self) -> Any:
+        """The Hugging Face config of the model (read offline from `hf_config`, or `hf_pretrained`'s
+        config.json); a ValueError naming the key when it is missing or not a causal LM."""
+        from loom.models import hf  # transformers: only for Hugging Face models
+
+        if self.hf_pretrained is not None:
+            return hf.read_config(Path(self.hf_pretrained) / "config.json", "model.hf_pretrained")
+        return hf.read_config(self.hf_config, "model.hf_config")
+
+    def _take_hf_shape(self) -> None:
+        """Fill the shape keys from the Hugging Face config; refuse keys it makes meaningless."""
+        if self.hf_config is not None and self.hf_pretrained is not None:
+            raise ValueError(
+                "model.hf_config and model.hf_pretrained are both set; keep one (hf_pretrained's directory "
+                "holds its own config.json)"
+            )
+        defaults = ModelConfig.__dataclass_fields__
+        if self.dropout != defaults["dropout"].default:
+            raise ValueError(
+                f"model.dropout = {self.dropout!r} is loom's GPT's; a Hugging Face model's dropout is in its "
+                "config.json: remove model.dropout"
+            )
+        from loom.models.hf import model_shape
+
+        source = "hf_pretrained" if self.hf_pretrained is not None else "hf_config"
+        for key, value in model_shape(self.hf_model_config()).items():
+            given = getattr(self, key)
+            if given not in (value, defaults[key].default):
+                raise ValueError(
+                    f"model.{key} = {given!r}, but model.{source}'s config says {value!r}; remove model.{key} "
+                    "(the Hugging Face config describes the model)"
+                )
+            setattr(self, key, value)
 
     def gpt_config(self) -> GPTConfig:
         """The model's `GPTConfig` (what the workers build): the one place `[model]` becomes a model."""
@@ -492,7 +542,17 @@ class TrainConfig:
                 f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        data.check_vocab(model.vocab_size)
+        try:
+            data.check_vocab(model.vocab_size)
+        except ValueError as error:
+            if not model.is_hf:
+                raise
+            raise ValueError(
+                f"{error}; with a Hugging Face model, model.vocab_size is the vocab_size of its config.json "
+                f"({model.hf_config or model.hf_pretrained}): change it there"
+            ) from None
+        if model.is_hf:
+            self._check_hf_parallel(world_size)
         cut_over_tp = (
             ("model.n_heads", model.n_heads),
             ("model.n_kv_heads (kv heads)", model.kv_heads),
@@ -518,6 +578,30 @@ class TrainConfig:
         if dp is not None:
             self._check_batch_split(dp)
         return self
+
+    def _check_hf_parallel(self, world_size: int | None) -> None:
+        """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet (some rules need
+        the data-parallel size: checked once `world_size` is known, or `parallel.dp` set)."""
+        par = self.parallel
+        if par.pp > 1:
+            raise ValueError(
+                f"parallel.pp = {par.pp}: pipelines for Hugging Face models through loom train are not built "
+                "yet; use parallel.pp = 1 (data and tensor parallel) or loom's GPT"
+            )
+        if par.tp == 1:
+            return  # data parallel: every optimizer level and recompute policy
+        if par.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
+                "sequence yet; set sequence_parallel = false"
+            )
+        dp = par.dp_size(world_size) if world_size is not None else par.dp
+        if par.optimizer_level and dp > 1:
+            raise ValueError(
+                f"parallel.optimizer_level = {par.optimizer_level} with parallel.tp = {par.tp} and dp = {dp}: "
+                "sharded optimizers do not take the tensor-parallel layouts of Hugging Face models across "
+                "data-parallel replicas yet; use optimizer_level = 0 there, or tp = 1 (data parallel, every level)"
+            )
 
     def check_pipeline(self) -> None:
         """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.

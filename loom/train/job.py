@@ -9,7 +9,10 @@ task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into p
 blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
 samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
-still reject). `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
+still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
+(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1, no pipelines yet);
+on any data but the arithmetic task the job ends by continuing a few training prompts greedily, decoded by
+`data.tokenizer`. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
 start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
 first step as well as later, is noticed.
 """
@@ -21,13 +24,19 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 import loom
 from loom.dist import env
 from loom.dist.context import unsharded
 from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
+from loom.layout.parameters import materialize
+from loom.layout.tensor_layout import TensorLayout
+from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
 from loom.pipeline import (
     SCHEDULES,
@@ -40,7 +49,14 @@ from loom.pipeline import (
 )
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
-from loom.train.data import ArithmeticCorpus, ByteTokenizer, DistributedBatches, build_dataset, micro_batches
+from loom.train.data import (
+    ArithmeticCorpus,
+    ByteTokenizer,
+    DistributedBatches,
+    build_dataset,
+    load_tokenizer,
+    micro_batches,
+)
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.pipeline_trainer import PipelineTrainer
@@ -66,6 +82,35 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     for block in model.blocks:
         recompute(block, par.recompute)
     return model
+
+
+def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
+    """The Hugging Face causal LM of `[model]`, made parallel on `mesh`: tensor parallel with its family's
+    Megatron module plan when `parallel.tp > 1`, else data parallel. `hf_config`: random weights seeded by
+    `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads its own slices. The
+    model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
+    model_config, par = config.model.hf_model_config(), config.parallel
+    if config.model.hf_pretrained is None:
+        model = _parallelize_hf(hf.build_model(model_config, config.train.seed), par.tp)
+    elif par.tp > 1:  # laid out on the meta device: each rank allocates and reads its shards alone
+        model = _parallelize_hf(hf.empty_model(model_config), par.tp)
+        model.loom.materialize(model, "cpu")
+        hf.load_weights(model, config.model.hf_pretrained)
+    else:  # every rank holds the whole model: read it, one tensor at a time, then replicate
+        model = hf.empty_model(model_config)
+        materialize(model, "cpu")
+        hf.load_weights(model, config.model.hf_pretrained)
+        model = _parallelize_hf(model, par.tp)
+    if par.recompute != "none":
+        for block in find_blocks(model)[1]:
+            recompute(block, par.recompute)
+    return hf.train_on_token_pairs(model)
+
+
+def _parallelize_hf(model: nn.Module, tp: int) -> nn.Module:
+    if tp == 1:
+        return loom.parallelize(model, mode="data_parallel")
+    return loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
 
 
 def check_pipeline(config: TrainConfig) -> None:
@@ -187,18 +232,45 @@ def build_trainer(
 
 
 @torch.no_grad()
-def generate(model: GPT, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of `prompt` (every data-parallel rank decodes the same prompt)."""
+def generate(model: nn.Module, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation of `prompt` in byte tokens (every data-parallel rank decodes the same prompt)."""
     tokenizer = ByteTokenizer()
-    ids = tokenizer.encode(prompt)
-    multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
-    for _ in range(max_new_tokens):
-        # pad on the right to a length the sequence cut divides; causality keeps padding out of the answer
-        padded = ids + [0] * (-len(ids) % multiple)
-        window = torch.tensor([padded[-model.config.max_seq_len :]])
-        logits = loom.full(model(window))
-        ids.append(int(logits[0, min(len(ids), model.config.max_seq_len) - 1].argmax()))
-    return tokenizer.decode(ids[len(tokenizer.encode(prompt)) :])
+    return tokenizer.decode(generate_ids(model, tokenizer.encode(prompt), max_new_tokens))
+
+
+@torch.no_grad()
+def generate_ids(model: nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after `ids`, decoded by every
+    rank of its mesh at once (each data-parallel rank brings the same prompt; logits are gathered whole)."""
+    if isinstance(model, GPT):
+        multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
+        return hf.greedy(
+            lambda x: loom.full(model(x)), ids, max_new_tokens, model.config.max_seq_len, multiple
+        )
+    window = model.config.max_position_embeddings
+    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), ids, max_new_tokens, window)
+
+
+def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count: int = 3) -> dict:
+    """Greedy continuations of the first tokens of the first `count` training windows, as text (decoded by
+    `data.tokenizer`, else as bytes); token files without a tokenizer show ids."""
+    prompt_len = max(1, min(8, config.data.seq_len // 2))
+    decode = _decoder(config)
+    samples = []
+    for index in range(min(count, len(dataset))):
+        prompt = dataset[index][0][:prompt_len].tolist()
+        continuation = generate_ids(model, prompt, prompt_len)
+        samples.append((decode(prompt), decode(continuation)))
+    return {"text_samples": samples}
+
+
+def _decoder(config: TrainConfig):  # noqa: ANN202  (ids -> str)
+    if config.data.tokenizer is not None:
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+    if config.data.kind == "tokens":
+        return lambda ids: " ".join(map(str, ids))
+    return ByteTokenizer().decode
 
 
 def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = False) -> dict:
@@ -226,6 +298,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     _phase("building the model")
     if config.parallel.pp > 1:
         model, pipeline = build_pipeline(config, mesh)
+    elif config.model.is_hf:
+        model = build_hf_model(config, mesh)
     else:
         # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
         example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
@@ -272,6 +346,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         summary.update(_arithmetic_report(dataset, model, mesh))
     elif isinstance(dataset, ArithmeticCorpus):
         summary.update(_pipeline_arithmetic_report(dataset, model, mesh, pipeline))
+    elif pipeline is None:
+        summary.update(_text_samples(config, dataset, model))
     return summary
 
 
@@ -313,21 +389,27 @@ def plan_text(config: TrainConfig, model: GPT, verbose: bool = False) -> str:
     lines = [
         f"plan: {state.mesh}, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
         f"sequence parallel {'on' if par.sequence_parallel else 'off'}, precision {config.train.precision}",
-        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-        f"d_model {config.model.d_model}, {config.model.n_heads} heads",
+        f"model: {_model_name(config, model)}{model.num_parameters() / 1e6:.2f}M parameters, "
+        f"{config.model.n_layers} layers, d_model {config.model.d_model}, {config.model.n_heads} heads",
         "parameters" + ("" if verbose else " by layout (loom train --verbose lists each one)") + ":",
     ]
     names, shape = state.mesh.device_mesh.mesh_dim_names, state.mesh.canonical_shape
-    rows = [
+    rows = [  # a data-parallel model (a Hugging Face one at tp = 1) has every parameter replicated
         (
             name,
             tuple(p.shape),
-            state.parameter_layouts[name].describe(names, shape),
-            tuple(p.to_local().shape),
+            state.parameter_layouts.get(name, TensorLayout.replicated(p.ndim)).describe(names, shape),
+            tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape),
         )
         for name, p in model.named_parameters()
     ]
     return "\n".join(lines + group_layouts(rows, verbose=verbose))
+
+
+def _model_name(config: TrainConfig, model: nn.Module) -> str:
+    """ "LlamaForCausalLM from PATH, " for a Hugging Face model; nothing for loom's GPT."""
+    m = config.model
+    return f"{type(model).__name__} from {m.hf_pretrained or m.hf_config}, " if m.is_hf else ""
 
 
 def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
