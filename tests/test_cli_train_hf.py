@@ -166,9 +166,6 @@ def test_hf_config_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
     assert "pipelines for Hugging Face models through loom train are not built yet" in _error(
         tmp_path, parallel={"pp": 2, "microbatches": 2}
     )
-    assert "use optimizer_level = 0 there" in _error(
-        tmp_path, parallel={"dp": 2, "tp": 2, "optimizer_level": 1}, train={"workers": 4}
-    )
     assert "change it there" in _error(tmp_path, data={"eos_id": 40})  # an id past the model's vocabulary
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert "pip install 'loom[hf]'" in _error(tmp_path)

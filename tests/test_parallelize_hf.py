@@ -3,41 +3,51 @@ losses, gradients and parameters as one device (tolerances: tests/equivalence.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from equivalence import RTOL, adamw, assert_params_close
+from equivalence import ADAMW, RTOL, adamw, assert_params_close
 from hf_models import batches, build
 from torch.distributed.tensor.debug import CommDebugMode
 
 import loom
 from loom.dist.comm import collective_counts
 from loom.models.recipes import tensor_plan
+from loom.parallel import make_optimizer
 from loom.plan import Plan
 
 LR = 3e-3
 
 
-def _train(model, data, local=lambda t: t):
-    optimizer = adamw(model.parameters(), lr=LR)
+def _train(model, data, local=lambda t: t, level=0):
+    optimizer = (
+        make_optimizer(model, torch.optim.AdamW, level, **(ADAMW | {"lr": LR}))
+        if level
+        else adamw(model.parameters(), lr=LR)
+    )
     losses, grads = [], None
     for step, ids in enumerate(data):
         ids = local(ids)
         loss = model(input_ids=ids, labels=ids).loss
         optimizer.zero_grad()
         loss.backward()
-        if step == 0:
+        if step == 0 and not level:  # above level 1 the gradients are sharded (ZeRO)
             grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loom.full(loss).item())
-    params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    state = getattr(model, "loom", None)
+    with (
+        state.full_parameters() if state is not None else contextlib.nullcontext()
+    ):  # level 3: sharded at rest
+        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
     return losses, grads, params
 
 
-def tensor_parallel_case(family, dp, tp, plan_dir=None):
+def tensor_parallel_case(family, dp, tp, plan_dir=None, level=0):
     reference = build(family)
     model = copy.deepcopy(reference)
     data = batches()
@@ -55,7 +65,7 @@ def tensor_parallel_case(family, dp, tp, plan_dir=None):
         assert model.loom.plan == plan and model.loom.mode == "semi_auto"
         assert model.get_submodule(_first_mlp(family)).loom_recompute == "full"
     local = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731  (tensor-parallel peers read the same rows)
-    actual = _train(model, data, local)
+    actual = _train(model, data, local, level)
     shards = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
     return expected, actual, shards
 
@@ -64,6 +74,17 @@ RECOMPUTED = {  # the MLPs in full, and one attention (whose forward lifts tenso
     "llama": {"*.mlp": "full", "model.layers.1.self_attn": "selective"},
     "gpt2": {"*.mlp": "full", "transformer.h.1.attn": "selective"},
 }
+
+
+@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+def test_optimizer_levels_with_megatron_layouts_match_one_device(dist_run, level):
+    """States (1), gradients (2) and parameters (3) sharded over the data-parallel replicas of a tensor-
+    parallel Llama: a gradient pending along a dim its parameter is cut on (the vocabulary-parallel head's) is
+    cut like its parameter before the buckets take it."""
+    for expected, actual, _ in dist_run(4, tensor_parallel_case, "llama", 2, 2, None, level):
+        (ref_losses, _, ref_params), (losses, _, params) = expected, actual
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+        assert_params_close(params, ref_params, lr=LR, steps=len(losses))
 
 
 def _first_mlp(family):

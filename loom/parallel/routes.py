@@ -39,7 +39,7 @@ def dtensor_route(mesh: Mesh):
     routes: dict[tuple, Route] = {}
 
     def route(param: nn.Parameter) -> tuple[Route | None, torch.Tensor]:
-        grad = param.grad
+        grad = _like_parameter(param)
         assert isinstance(grad, DTensor), "parameters of a semi_auto model are DTensors"
         partial = tuple((i, p.reduce_op) for i, p in enumerate(grad.placements) if isinstance(p, Partial))
         dims = tuple(i for i, _ in partial)
@@ -62,6 +62,26 @@ def dtensor_route(mesh: Mesh):
         return routes[key], grad.to_local()
 
     return route
+
+
+def _like_parameter(param: nn.Parameter) -> torch.Tensor:
+    """`param.grad` cut as the parameter is, keeping only the pending sums over mesh dims where the
+    parameter is replicated (the data-parallel replicas' parts, which the buckets reduce).
+
+    Backward may leave a gradient whole, or pending, along a dim where its parameter is cut (a
+    vocabulary-parallel head's gradient pending over "tp"); its local piece then has another size than the
+    parameter's, which optimizer levels 1-3 cut into chunks. Bringing it to the parameter's cut now is a
+    reduce-scatter (or a local slice) over that dim, and less to reduce afterwards."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    target = tuple(
+        g if g.is_partial() and p.is_replicate() else p
+        for g, p in zip(grad.placements, param.placements, strict=True)
+    )
+    if target != tuple(grad.placements):
+        param.grad = grad = grad.redistribute(grad.device_mesh, target)
+    return grad
 
 
 def _replicate_dims(dims: tuple[int, ...]):

@@ -595,13 +595,6 @@ class TrainConfig:
                 "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
                 "sequence yet; set sequence_parallel = false"
             )
-        dp = par.dp_size(world_size) if world_size is not None else par.dp
-        if par.optimizer_level and dp > 1:
-            raise ValueError(
-                f"parallel.optimizer_level = {par.optimizer_level} with parallel.tp = {par.tp} and dp = {dp}: "
-                "sharded optimizers do not take the tensor-parallel layouts of Hugging Face models across "
-                "data-parallel replicas yet; use optimizer_level = 0 there, or tp = 1 (data parallel, every level)"
-            )
 
     def check_pipeline(self) -> None:
         """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.
