@@ -157,17 +157,23 @@ def forward_collectives_case(layers):
     loom.parallelize(model, module_plan=tensor_plan(model), batch_axes=())
     ids = batches()[0]
     model(input_ids=ids, labels=ids)  # the first forward also checks the ranks' agreement
-    with CommDebugMode() as comm:
-        model(input_ids=ids, labels=ids)
-    return collective_counts(comm)
+    with CommDebugMode() as forward:
+        loss = model(input_ids=ids, labels=ids).loss
+    model.loom.grad_sync.enabled = False  # the buckets' reduction is data parallelism's, counted elsewhere
+    with CommDebugMode() as backward:
+        loss.backward()
+    return collective_counts(forward), collective_counts(backward)
 
 
 def test_megatron_plan_issues_megatrons_collectives(dist_run):
-    """One all-reduce after the embedding, one after each row-parallel matrix (two per block), and the
-    vocabulary-parallel cross entropy's three per-row all-reduces; nothing gathers the logits."""
+    """Forward: one all-reduce after the embedding, one after each row-parallel matrix (two per block), and
+    the vocabulary-parallel cross entropy's three per-row all-reduces; nothing gathers the logits. Backward:
+    one all-reduce per block's column-parallel inputs (two per block), two at the model's ends; no
+    reduce-scatter and all-gather pairs."""
     for layers in (1, 3):
-        counts = dist_run(2, forward_collectives_case, layers)[0]
-        assert counts == {"all_reduce": 1 + 2 * layers + 3}, (layers, counts)
+        forward, backward = dist_run(2, forward_collectives_case, layers)[0]
+        assert forward == {"all_reduce": 1 + 2 * layers + 3}, (layers, forward)
+        assert backward == {"all_reduce": 2 * layers + 2}, (layers, backward)
 
 
 @pytest.mark.parametrize(

@@ -36,17 +36,22 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
     placements = layout.placements(mesh.ndim)
     if tuple(x.placements) == placements:
         return x
-    return _GradInPlacements.apply(x.redistribute(mesh.device_mesh, placements))
+    out = x.redistribute(mesh.device_mesh, placements)
+    if any(p.is_partial() for p in x.placements):
+        out = _GradInPlacements.apply(out)
+    return out
 
 
 class _GradInPlacements(torch.autograd.Function):
     """Identity whose backward hands the gradient on in the forward output's placements.
 
-    A redistribution's backward moves the gradient from whatever placements it arrives in back to the
-    input's. DTensor cannot go from every placement to every other (a pending sum to the masked pending
-    sum of a vocabulary-cut embedding, say); the reverse of the forward move always exists, so the
-    gradient is first brought to the output's placements (summing a pending sum when needed, which the
-    reverse move would have done anyway)."""
+    Used where the forward sums a pending sum (Megatron's all-reduce after a row-parallel matrix or a
+    vocabulary-cut embedding). Its backward must give the input's pending placement from whatever the
+    gradient arrives in: DTensor cannot reach the masked pending sum of an embedding from an ordinary one,
+    and from a pending gradient it picks reduce-scatters and all-gathers. Bringing the gradient to the
+    output's placements first is Megatron's conjugate: one all-reduce where the gradient is pending, none
+    where it is whole. Other redistributions keep DTensor's direct backward (a pending sum to a cut is one
+    reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x: DTensor) -> DTensor:  # noqa: ANN001
