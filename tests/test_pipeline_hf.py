@@ -334,7 +334,5 @@ def tied_tensor_parallel_case() -> str:
 
 def test_a_head_tied_across_pipeline_ranks_is_refused_with_tensor_parallel_stages(dist_run):
     for message in dist_run(4, tied_tensor_parallel_case):
-        assert "lm_head.weight is tied between stages on different pipeline ranks" in message or (
-            "transformer.wte.weight is tied" in message
-        ), message
+        assert "is tied between pipeline stages" in message, message
         assert "tie_word_embeddings = False" in message

@@ -52,17 +52,17 @@ def local_attention(
     *args: Any,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` on DTensors (batch, heads, seq, dim), run on local shards.
+    """`F.scaled_dot_product_attention` on DTensors (..., seq, dim), run on local shards.
 
-    Per mesh dim the query keeps a cut of the batch (dim 0) or of the heads (dim 1), which attention
-    computes independently; any other placement (a cut sequence or head dim, a pending sum) is gathered
-    first. Key and value take the query's placements (with grouped-query attention, a cut of the heads
+    Per mesh dim the query keeps a cut of a leading dim (the batch, the heads: every dim but the last two),
+    which attention computes independently; any other placement (a cut sequence or head dim, a pending sum)
+    is gathered first. Key and value take the query's placements (with grouped-query attention, a cut of the heads
     keeps each query head with its key/value head when the cut divides the key/value heads). A mask is cut
     alike where it is not broadcast.
     """
     like = next(t for t in (query, key, value) if isinstance(t, DTensor))
     mesh = like.device_mesh
-    placements = [_attention_placement(p) for p in like.placements]
+    placements = [_attention_placement(p, like.ndim) for p in like.placements]
     query, key, value = (_as_dtensor(t, like).redistribute(mesh, placements) for t in (query, key, value))
     _check_heads(query, key, placements)
     if isinstance(attn_mask, torch.Tensor):
@@ -71,7 +71,15 @@ def local_attention(
     out = F.scaled_dot_product_attention(
         _LocalPiece.apply(query), _LocalPiece.apply(key), _LocalPiece.apply(value), attn_mask, *args, **kwargs
     )
-    return DTensor.from_local(out.contiguous(), mesh, placements, run_check=False)
+    shape = (*query.shape[:-1], value.shape[-1])  # given: an uneven cut would misstate it
+    return DTensor.from_local(
+        out.contiguous(), mesh, placements, run_check=False, shape=shape, stride=_strides(shape)
+    )
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    return torch.empty(shape, device="meta").stride()
 
 
 class _LocalPiece(torch.autograd.Function):
@@ -89,19 +97,20 @@ class _LocalPiece(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:  # noqa: ANN001
-        whole = torch.empty(ctx.shape, device="meta")
         return DTensor.from_local(
             grad.contiguous(),
             ctx.mesh,
             ctx.placements,
             run_check=False,
             shape=ctx.shape,
-            stride=whole.stride(),
+            stride=_strides(ctx.shape),
         )
 
 
-def _attention_placement(placement: Placement) -> Placement:
-    if isinstance(placement, Shard) and placement.dim in (0, 1):
+def _attention_placement(placement: Placement, ndim: int) -> Placement:
+    """A cut of a leading dim (batch, heads) stays; a cut of the sequence or head dim, or a pending sum, is
+    gathered (attention mixes the whole sequence)."""
+    if isinstance(placement, Shard) and placement.dim < ndim - 2:
         return placement
     return Replicate()
 
@@ -111,14 +120,20 @@ def _as_dtensor(x: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def _check_heads(query: DTensor, key: DTensor, placements: list[Placement]) -> None:
-    for mesh_dim, placement in enumerate(placements):
-        size = query.device_mesh.size(mesh_dim)
-        if isinstance(placement, Shard) and placement.dim == 1 and key.shape[1] % size:
-            raise ValueError(
-                f"scaled_dot_product_attention: the heads are cut {size} ways on mesh dim {mesh_dim}, but the "
-                f"key/value tensors have {key.shape[1]} heads, which {size} does not divide; cut the heads by "
-                f"a divisor of the key/value heads (or leave the attention projections replicated)"
-            )
+    """With grouped-query attention each rank's query heads must meet their own key/value heads: the cut of
+    the heads (dim -3 of 4-D inputs, over every mesh dim that cuts it) must divide the key/value heads."""
+    if query.ndim < 4:
+        return
+    heads = query.ndim - 3
+    size = math.prod(
+        query.device_mesh.size(d) for d, p in enumerate(placements) if isinstance(p, Shard) and p.dim == heads
+    )
+    if key.shape[heads] % size:
+        raise ValueError(
+            f"scaled_dot_product_attention: the heads are cut {size} ways, but the key/value tensors have "
+            f"{key.shape[heads]} heads, which {size} does not divide; cut the heads by a divisor of the "
+            f"key/value heads (or leave the attention projections replicated)"
+        )
 
 
 def _mask_placements(placements: list[Placement], mask: DTensor, ndim: int) -> list[Placement]:
@@ -158,13 +173,16 @@ def local_cross_entropy(
     options = {"weight": weights, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
     if reduction == "none":
         losses = F.cross_entropy(logits, labels, reduction="none", **options)
-        return DTensor.from_local(losses, mesh, placements, run_check=False)
+        shape = tuple(target.shape)
+        return DTensor.from_local(
+            losses, mesh, placements, run_check=False, shape=shape, stride=_strides(shape)
+        )
     pending = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
     total = F.cross_entropy(logits, labels, reduction="sum", **options)
     if reduction == "mean":
-        kept = (labels != ignore_index).to(logits.dtype)
+        kept = (labels != ignore_index).to(torch.float32)  # counted in fp32: bf16 rounds counts above 256
         if weights is not None:
-            kept = kept * weights[labels.clamp(min=0)]
+            kept = kept * weights[torch.where(labels == ignore_index, 0, labels)].float()
         total = total / DTensor.from_local(kept.sum(), mesh, pending).full_tensor()
     return DTensor.from_local(total, mesh, pending, run_check=False)
 
@@ -199,7 +217,7 @@ def vocab_parallel_cross_entropy(
     if reduction == "none":
         return losses
     total = losses.sum()
-    return total if reduction == "sum" else total / valid.to(logits.dtype).sum()
+    return total if reduction == "sum" else total / valid.to(torch.float32).sum()
 
 
 def _vocab_ids(size: int, mesh: Any, cuts: list[Placement]) -> torch.Tensor:
@@ -243,8 +261,10 @@ class LiftPlainTensors(TorchFunctionMode):
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        _active.reset(self._tokens.pop())
+        try:
+            super().__exit__(*exc)
+        finally:
+            _active.reset(self._tokens.pop())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}

@@ -35,30 +35,43 @@ def run_locally(module: nn.Module, path: str) -> None:
         like = next((x for x in flat if isinstance(x, DTensor)), None)
         if like is None:
             return original(*args, **kwargs)
-        mesh = like.device_mesh
+        mesh, rows = like.device_mesh, like.shape[0]
         placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
+        whole = [Replicate()] * mesh.ndim
 
         def local(x: Any) -> Any:
+            """A row-wise input (as many rows as the first) becomes this rank's rows; any other (a broadcast
+            table, a per-expert table, a scalar) comes whole."""
             if not isinstance(x, DTensor):
                 return x
-            if x.ndim == 0:
-                return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-            return x.redistribute(mesh, placements).to_local()
+            row_wise = x.ndim > 0 and x.shape[0] == rows
+            return x.redistribute(mesh, placements if row_wise else whole).to_local()
 
         args, kwargs = tree_map(local, (args, kwargs))
+        local_rows = like.redistribute(mesh, placements).to_local().shape[0]
         grads: list[Placement] = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
         with _local_parameters(module, path, grads):
             out = original(*args, **kwargs)
-        return tree_map(
-            lambda t: (
-                DTensor.from_local(t, mesh, placements, run_check=False)
-                if isinstance(t, torch.Tensor) and t.ndim
-                else t
-            ),
-            out,
-        )
+        return tree_map(lambda t: _row_output(t, path, mesh, placements, rows, local_rows), out)
 
     module.forward = forward
+    module.loom_local = True
+
+
+def _row_output(t: Any, path: str, mesh: Any, placements: list[Placement], rows: int, local_rows: int) -> Any:
+    """A local output row-wise as the inputs: the DTensor of all ranks' rows; anything else is an error (a
+    local region must compute each output row from the same input rows)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.ndim == 0 or t.shape[0] != local_rows:
+        raise ValueError(
+            f"{path} runs as a local region (module plan 'local': True), which must compute each row of its "
+            f"outputs from the same rows of its inputs, but it returned a tensor of shape {tuple(t.shape)} for "
+            f"{local_rows} local rows; leave it out of the local regions"
+        )
+    shape = (rows, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @contextmanager

@@ -193,17 +193,31 @@ def apply_module_plan(
         # Only inside a parallelized forward, whose tensors are DTensors: a copy of the model gathered
         # whole (to sample from it) runs unchanged.
         if ins is not None:
-            module.register_forward_pre_hook(
-                lambda _, args, op=op, ins=ins: (
-                    lay_out_inputs(op, args, ins, mesh) if _has_dtensor(args) else None
-                )
-            )
+            module.register_forward_pre_hook(_input_hook(op, ins, mesh), with_kwargs=True)
         if outs is not None:
             module.register_forward_hook(
                 lambda _, __, out, op=op, outs=outs: (
                     lay_out_outputs(op, out, outs, mesh) if _has_dtensor(out) else out
                 )
             )
+
+
+def _input_hook(op: str, ins: tuple, mesh: Mesh) -> Any:
+    """A pre-hook laying out the positional inputs by `ins`, inside a parallelized forward only; a module
+    called with its tensors as keywords cannot take an in_strategy (it addresses positions)."""
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not _has_dtensor((args, kwargs)):
+            return None
+        if not _has_dtensor(args):
+            raise ValueError(
+                f"module plan: {op} was called with its tensors as keywords ({sorted(kwargs)}), but its "
+                f"in_strategy lays out positional inputs; give its parameters a parameter_plan instead, or "
+                f"put the in_strategy on a submodule called positionally"
+            )
+        return lay_out_inputs(op, args, ins, mesh), kwargs
+
+    return hook
 
 
 def _has_dtensor(value: Any) -> bool:
@@ -250,4 +264,10 @@ def recompute_modules(model: nn.Module, policies: Mapping[str, str]) -> None:
     names = [name for name, _ in model.named_modules() if name]
     for pattern, policy in policies.items():
         for name in matching(pattern, names, "plan.recompute_modules", model):
-            recompute(model.get_submodule(name), policy)
+            module = model.get_submodule(name)
+            if getattr(module, "loom_local", False) and policy != "none":
+                raise ValueError(
+                    f"plan.recompute_modules: {name} runs as a local region (module plan 'local': True), whose "
+                    f"forward recomputation cannot wrap; recompute the block around it instead (e.g. its parent)"
+                )
+            recompute(module, policy)

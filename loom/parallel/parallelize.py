@@ -29,6 +29,7 @@ from loom.dist import consistency
 from loom.dist.context import require_mesh
 from loom.dist.mesh import Mesh
 from loom.layout import compile_inputs
+from loom.layout.named import on_mesh_axes
 from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
@@ -311,18 +312,26 @@ def _parameter_layouts(
 
 
 def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, TensorLayout]:
-    shapes = dict((name, p.shape) for name, p in model.named_parameters(remove_duplicate=False))
+    """`parameter_plan` (name -> cuts, axis names or a Layout map) compiled, keyed by each parameter's first
+    name (a tied parameter is laid out once, under the name `lay_out_parameters` sees first)."""
+    first: dict[int, str] = {}
+    shapes: dict[str, torch.Size] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+        shapes[name] = param.shape
+    by_name = {name: first[id(param)] for name, param in model.named_parameters(remove_duplicate=False)}
     layouts = {}
     for name, entry in plan.items():
         if name not in shapes:
             raise ValueError(
                 f"parameter_plan names unknown parameter {name!r}; the parameters are {sorted(shapes)}"
             )
+        entry = on_mesh_axes(entry, mesh.axis_sizes())
         (layout,) = compile_inputs(
             f"parameter {name}", [name], (entry,), [shapes[name]], mesh.canonical_shape
         )
         if layout is not None:
-            layouts[name] = layout
+            layouts[by_name[name]] = layout
     return layouts
 
 

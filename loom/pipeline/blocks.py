@@ -231,7 +231,7 @@ def model_pipeline(
     loss_fn = loss_fn or recipe.loss
     stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
     if stage_mesh is not None:
-        _refuse_tied_copies(model, every, schedule, pp, virtual)
+        _refuse_tied_copies(model, every)
         lay_out_stages(model, stages, stage_mesh, _tensor_plan(model, recipe, module_plan))
         loss_fn = sharded_loss(loss_fn, stage_mesh)
     pipeline = rank_pipeline(
@@ -243,23 +243,21 @@ def model_pipeline(
     return pipeline
 
 
-def _refuse_tied_copies(
-    model: nn.Module, every: Sequence[BlockStage], schedule: str, pp: int, virtual: int
-) -> None:
-    """Tensor-parallel stages of any model do not yet keep a parameter whose copies sit on several pipeline
-    ranks (a head tied to the token table) in step: refuse it rather than train it wrong."""
-    rank_of = {k: r for r in range(pp) for k in stage_indices(schedule, r, pp, virtual)}
-    holders: dict[int, set[int]] = {}
-    for k, stage in enumerate(every):
+def _refuse_tied_copies(model: nn.Module, every: Sequence[BlockStage]) -> None:
+    """Tensor-parallel stages of any model do not yet keep a parameter that several stages hold (a head tied
+    to the token table: on two pipeline ranks, or on one with a V placement) one tensor: refuse it rather
+    than train two drifting copies."""
+    holders: dict[int, int] = {}
+    for stage in every:
         for param in stage.parameters():
-            holders.setdefault(id(param), set()).add(rank_of[k])
+            holders[id(param)] = holders.get(id(param), 0) + 1
     names = {id(p): n for n, p in model.named_parameters()}
-    shared = [names[i] for i, ranks in holders.items() if len(ranks) > 1]
+    shared = [names[i] for i, count in holders.items() if count > 1]
     if shared:
         raise ValueError(
-            f"{type(model).__name__}: {shared[0]} is tied between stages on different pipeline ranks (a head "
-            f"tied to the token table), which tensor-parallel stages of this model do not support yet: untie "
-            f"it (config.tie_word_embeddings = False), or use tp = 1 with pipelines"
+            f"{type(model).__name__}: {shared[0]} is tied between pipeline stages (a head tied to the token "
+            f"table), which tensor-parallel stages of this model do not support yet: untie it "
+            f"(config.tie_word_embeddings = False), or use tp = 1 with pipelines"
         )
 
 

@@ -1,0 +1,52 @@
+"""Tier 2: the local regions of `loom.parallel.lift` on cuts a Hugging Face model does not make: attention on
+3-D inputs cut along the sequence, cross entropy with class weights and an `ignore_index` past the classes,
+and uneven batch cuts (2 ranks; rtol 1e-5 against one device)."""
+
+import torch
+import torch.nn.functional as F
+from equivalence import RTOL
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import loom
+from loom.parallel.lift import local_attention, local_cross_entropy
+
+
+def attention_case():
+    mesh = loom.init({"dp": 2}).device_mesh
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 8, 4, generator=generator) for _ in range(3))  # (batch, seq, dim); 3 rows
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    by_seq = [distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k, v)]  # the sequence cut: gathered
+    by_rows = [distribute_tensor(t, mesh, [Shard(0)]) for t in (q, k, v)]  # 3 rows over 2 ranks: uneven
+    return [
+        (local_attention(*cut, is_causal=True).full_tensor() - expected).abs().max().item()
+        for cut in (by_seq, by_rows)
+    ]
+
+
+def test_attention_on_3d_inputs_cut_along_the_sequence_or_unevenly_matches_one_device(dist_run):
+    for errors in dist_run(2, attention_case):
+        assert max(errors) < 1e-6, errors
+
+
+def cross_entropy_case():
+    mesh = loom.init({"dp": 2}).device_mesh
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, generator=generator)
+    labels = torch.tensor([0, 5, 3, 5, 1, 4])  # 5: ignored, past the 5 classes
+    weight = torch.rand(5, generator=generator)
+    results = []
+    for reduction in ("mean", "sum"):
+        expected = F.cross_entropy(logits, labels, weight=weight, ignore_index=5, reduction=reduction)
+        cut = local_cross_entropy(
+            distribute_tensor(logits, mesh, [Shard(0)]), distribute_tensor(labels, mesh, [Shard(0)]),
+            weight=DTensor.from_local(weight, mesh, [Replicate()]), ignore_index=5, reduction=reduction,
+        )  # fmt: skip
+        results.append((cut.full_tensor().item(), expected.item()))
+    return results
+
+
+def test_weighted_cross_entropy_with_an_ignore_index_past_the_classes_matches_one_device(dist_run):
+    for results in dist_run(2, cross_entropy_case):
+        for got, want in results:
+            assert abs(got - want) <= RTOL * abs(want), results
