@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 import loom
-from loom.pipeline import (
+from loom.parallel.pipeline import (
     Pipeline,
     Recorder,
     bubble_fraction,
@@ -57,7 +57,7 @@ from loom.pipeline import (
     step_bubbles,
     theoretical_bubble,
 )
-from loom.pipeline.timeline import Event
+from loom.parallel.pipeline.timeline import Event
 
 PP = 4
 RUNS = (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2), ("gpipe", 1))

@@ -11,7 +11,7 @@ from test_pipeline_equivalence import STEPS, batches
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.pipeline import Pipeline, gpt_pipeline, pipeline_optimizer, source_names
+from loom.parallel.pipeline import Pipeline, gpt_pipeline, pipeline_optimizer, source_names
 from loom.train.data import micro_batches
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from loom.pipeline import (
+from loom.parallel.pipeline import (
     Event,
     SavedActivations,
     assign_stages,

@@ -9,8 +9,8 @@ from equivalence import ADAMW, RTOL, adamw, param_atol
 import loom
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
-from loom.pipeline import Pipeline, gpt_loss, gpt_pipeline, source_names, split_gpt
-from loom.pipeline.stages import balanced_partition
+from loom.parallel.pipeline import Pipeline, gpt_loss, gpt_pipeline, source_names, split_gpt
+from loom.parallel.pipeline.stages import balanced_partition
 
 STEPS, BATCH, SEQ = 3, 8, 8
 CONFIG = GPTConfig(vocab_size=32, d_model=16, n_layers=8, n_heads=2, max_seq_len=SEQ, tie_embeddings=False)

@@ -20,8 +20,7 @@ from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
 from loom.models.recipes import RECIPES, Recipe, find_blocks, recipe_for
 from loom.parallel import make_optimizer
-from loom.parallel.zero3 import model_units
-from loom.pipeline import (
+from loom.parallel.pipeline import (
     block_split,
     model_pipeline,
     pipeline_optimizer,
@@ -29,6 +28,7 @@ from loom.pipeline import (
     split_model,
     whole_model,
 )
+from loom.parallel.zero3 import model_units
 from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import global_mean
 

@@ -24,8 +24,8 @@ from test_pipeline_equivalence import CONFIG
 import loom
 from loom.models.gpt import GPT
 from loom.parallel.grad_sync import Bucket
-from loom.pipeline import SCHEDULES, pipeline_optimizer, split_gpt
-from loom.pipeline.stages import balanced_partition
+from loom.parallel.pipeline import SCHEDULES, pipeline_optimizer, split_gpt
+from loom.parallel.pipeline.stages import balanced_partition
 from loom.train.data import micro_batches
 from loom.train.pipeline_trainer import PipelineTrainer
 

@@ -12,7 +12,7 @@ from pipeline_cases import build, reference, train
 from test_pipeline_equivalence import CONFIG, STEPS
 
 import loom
-from loom.pipeline import whole_gpt
+from loom.parallel.pipeline import whole_gpt
 from loom.train.job import run
 
 TIED = dataclasses.replace(CONFIG, tie_embeddings=True)

@@ -28,7 +28,7 @@ import loom
 from loom.checkpoint.export import read_model_tensors
 from loom.cli.main import main
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.pipeline import gpt_pipeline, pipeline_optimizer, source_names
+from loom.parallel.pipeline import gpt_pipeline, pipeline_optimizer, source_names
 from loom.train.config import TrainConfig
 from loom.train.data import micro_batches
 from loom.train.job import check_pipeline, run

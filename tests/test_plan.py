@@ -15,7 +15,7 @@ from loom.cost.hardware import get_cluster
 from loom.cost.transformer import transformer_config
 from loom.models.config import GPTConfig
 from loom.models.gpt import GPT, Strategies
-from loom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from loom.parallel.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 from loom.plan import SCHEDULES, FieldError, Plan
 from loom.sim.simulator import simulate
 from loom.train import Trainer

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 # Every pipeline schedule loom runs, with the model chunks (virtual stages) each pipeline rank may hold:
-# (fewest, most), None for "any number". `loom.pipeline.schedule` maps each name to torch's class.
+# (fewest, most), None for "any number". `loom.parallel.pipeline.schedule` maps each name to torch's class.
 SCHEDULE_VIRTUAL: dict[str, tuple[int, int | None]] = {
     "gpipe": (1, 1),
     "1f1b": (1, 1),

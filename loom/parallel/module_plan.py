@@ -242,7 +242,7 @@ def plan_for_mesh(plan: Plan | str | Path, mesh: Mesh) -> Plan:
         )
     if plan.pp > 1:
         raise ValueError(
-            f"parallelize: the plan has pp = {plan.pp}; pipeline stages are built by loom.pipeline, not by "
+            f"parallelize: the plan has pp = {plan.pp}; pipeline stages are built by loom.parallel.pipeline, not by "
             f"parallelize (a Plan with pipelines runs through `loom train`)"
         )
     return plan

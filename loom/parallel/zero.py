@@ -97,7 +97,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Holds the model's parameters in `param_groups` (so learning-rate schedulers work as usual) and builds the
     sharded optimizer at the first step, when the gradient buckets are known. The buckets are those of the
     model's `GradSync` (`model.loom.grad_sync`), or of `grad_sync` when given (a pipeline's stages: see
-    `loom.pipeline.optimizer`, which at level 3 also gives the stages' `sharding`). At level 3 `units` are
+    `loom.parallel.pipeline.optimizer`, which at level 3 also gives the stages' `sharding`). At level 3 `units` are
     the modules gathered one at a time (default: `loom.parallel.zero3.model_units`, from the model's recipe).
     """
 

@@ -38,7 +38,7 @@ from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
-from loom.pipeline import (
+from loom.parallel.pipeline import (
     SCHEDULES,
     Pipeline,
     gpt_pipeline,

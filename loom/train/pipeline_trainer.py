@@ -20,18 +20,18 @@ from torch.distributed.tensor import DTensor
 from loom.dist import env
 from loom.dist.context import unsharded
 from loom.parallel.grads import GradView, grad_views
+from loom.parallel.pipeline import Pipeline
 from loom.parallel.zero import ZeroOptimizer
-from loom.pipeline import Pipeline
 from loom.train.precision import autocast
 from loom.train.trainer import Trainer
 
 
 class PipelineTrainer(Trainer):
-    """Trains `pipeline` (this rank's stages; see `loom.pipeline.gpt_pipeline`) with `optimizer` over its
+    """Trains `pipeline` (this rank's stages; see `loom.parallel.pipeline.gpt_pipeline`) with `optimizer` over its
     parameters. Takes the Trainer's options (`grad_accum`, `clip_grad_norm`, `precision`, `callbacks`, ...);
     each of `train_step`'s micro-batches is an `(inputs, targets)` pair that the pipeline cuts again into
     its own micro-batches. `model` is what `trainer.model` shows (checkpoints save its `state_dict`): by
-    default the stages; `loom.pipeline.stage_parameters` gives them the whole model's names. Every rank of
+    default the stages; `loom.parallel.pipeline.stage_parameters` gives them the whole model's names. Every rank of
     the world runs one pipeline rank (world = pp x dp x tp), so sums over the world (the gradient norm, the
     finiteness check) cover every stage once per replica. Stages laid out on a stage mesh (tp > 1) run with
     that mesh current (`Pipeline` sets it inside the `unsharded` block).

@@ -33,8 +33,8 @@ def stage_of_blocks(blocks: Sequence[nn.Module]) -> list[int]:
         if k is None:
             raise ValueError(
                 f"block {index} ({type(block).__name__}) has no pipeline stage; mark it with "
-                f"loom.pipeline.pipeline_stage(block, k) or block.pipeline_stage = k, or partition the "
-                f"blocks automatically with loom.pipeline.assign_stages(blocks, pp)"
+                f"loom.parallel.pipeline.pipeline_stage(block, k) or block.pipeline_stage = k, or partition the "
+                f"blocks automatically with loom.parallel.pipeline.assign_stages(blocks, pp)"
             )
         previous = stages[-1] if stages else -1
         if k < previous or k > previous + 1:

@@ -24,8 +24,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from loom.pipeline.memory import SavedActivations
-from loom.pipeline.timeline import Recorder
+from loom.parallel.pipeline.memory import SavedActivations
+from loom.parallel.pipeline.timeline import Recorder
 
 Work = Callable[[str, bool], AbstractContextManager]
 """`work(kind, last_backward)`: the context a stage's piece of work runs in (kind "forward", "backward" or

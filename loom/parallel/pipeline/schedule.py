@@ -14,7 +14,7 @@ averaged over the micro-batches (each weighted by 1/micro-batches in backward); 
 `global_loss` makes it the global mean on every rank with one collective (a trainer accumulating several
 batches calls it once per step); gradients are those of that mean.
 
-Gradients are reduced by the stages' one `GradSync` (`loom.pipeline.reduction`), bucket by bucket while
+Gradients are reduced by the stages' one `GradSync` (`loom.parallel.pipeline.reduction`), bucket by bucket while
 each stage's last backward pass of the step runs, and finished after the schedule. Stages laid out on a
 stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current.
 """
@@ -40,11 +40,11 @@ from torch.distributed.pipelining import (
 from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync
+from loom.parallel.pipeline.reduction import stage_grad_sync
+from loom.parallel.pipeline.stage import TimedStage
+from loom.parallel.pipeline.tied import Tied
+from loom.parallel.pipeline.timeline import Recorder
 from loom.parallel.zero3 import ParameterSharding
-from loom.pipeline.reduction import stage_grad_sync
-from loom.pipeline.stage import TimedStage
-from loom.pipeline.tied import Tied
-from loom.pipeline.timeline import Recorder
 from loom.plan import SCHEDULE_VIRTUAL
 from loom.plan import SCHEDULES as PLAN_SCHEDULES
 

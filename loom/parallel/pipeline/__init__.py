@@ -3,7 +3,7 @@
 over torch.distributed.pipelining, per-rank timelines with the bubble fraction, and saved-activation memory
 per stage."""
 
-from loom.pipeline.blocks import (
+from loom.parallel.pipeline.blocks import (
     BlockStage,
     block_split,
     blocks_per_stage,
@@ -14,7 +14,7 @@ from loom.pipeline.blocks import (
     tied_parameters,
     whole_model,
 )
-from loom.pipeline.gpt import (
+from loom.parallel.pipeline.gpt import (
     gpt_loss,
     gpt_pipeline,
     gpt_stage,
@@ -23,18 +23,18 @@ from loom.pipeline.gpt import (
     split_gpt,
     whole_gpt,
 )
-from loom.pipeline.memory import SavedActivations
-from loom.pipeline.optimizer import pipeline_optimizer
-from loom.pipeline.reduction import stage_grad_sync
-from loom.pipeline.schedule import (
+from loom.parallel.pipeline.memory import SavedActivations
+from loom.parallel.pipeline.optimizer import pipeline_optimizer
+from loom.parallel.pipeline.reduction import stage_grad_sync
+from loom.parallel.pipeline.schedule import (
     SCHEDULES,
     Pipeline,
     schedule_kind,
     stage_indices,
     validate_microbatches,
 )
-from loom.pipeline.stage import TimedStage
-from loom.pipeline.stages import (
+from loom.parallel.pipeline.stage import TimedStage
+from loom.parallel.pipeline.stages import (
     assign_stages,
     balanced_partition,
     group_blocks,
@@ -43,8 +43,8 @@ from loom.pipeline.stages import (
     pipeline_stage,
     stage_of_blocks,
 )
-from loom.pipeline.tied import Tied
-from loom.pipeline.timeline import (
+from loom.parallel.pipeline.tied import Tied
+from loom.parallel.pipeline.timeline import (
     Event,
     Recorder,
     bubble_fraction,

@@ -3,7 +3,7 @@ parameters) sharded over the ranks that run the same stages (the stage's data-pa
 tensor parallelism its stage mesh), never over pipeline ranks, which hold other stages.
 
 `ZeroOptimizer` shards its states over the buckets of the pipeline's one `GradSync` (see
-`loom.pipeline.reduction`), which reduces them while each stage's last backward runs (reduce-scattered at
+`loom.parallel.pipeline.reduction`), which reduces them while each stage's last backward runs (reduce-scattered at
 levels 2-3). A tied parameter's bucket spans the ranks that hold its copies, so its chunks are cut alike on
 each of them and its copies take the same update. At level 3 each stage is gathered around each of its
 pieces of work inside the schedule (`Pipeline.shard_parameters`).
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from loom.parallel.pipeline.schedule import Pipeline
 from loom.parallel.zero import LEVELS, ZeroOptimizer
-from loom.pipeline.schedule import Pipeline
 
 
 def pipeline_optimizer(

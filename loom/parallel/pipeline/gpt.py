@@ -32,10 +32,10 @@ from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.models.recipes import gpt_recipe
 from loom.parallel.parallelize import parallelize
-from loom.pipeline.blocks import BlockStage, rank_pipeline, source_names
-from loom.pipeline.schedule import Pipeline, stage_indices
-from loom.pipeline.stages import balanced_partition, group_blocks
-from loom.pipeline.tensor_stages import enter_stream, stream_placements
+from loom.parallel.pipeline.blocks import BlockStage, rank_pipeline, source_names
+from loom.parallel.pipeline.schedule import Pipeline, stage_indices
+from loom.parallel.pipeline.stages import balanced_partition, group_blocks
+from loom.parallel.pipeline.tensor_stages import enter_stream, stream_placements
 
 
 def gpt_stage(model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> BlockStage:
@@ -114,7 +114,7 @@ def shard_stages(
     the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
     with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
     whole model on one device). Gradients are left pending: the pipeline's one `GradSync` reduces them (see
-    `loom.pipeline.reduction`)."""
+    `loom.parallel.pipeline.reduction`)."""
     s = model.strategies
     if (s.dp, s.tp) != (mesh.dp_size, mesh.axis_size("tp")):
         raise ValueError(

@@ -32,10 +32,10 @@ from torch.distributed.tensor import Placement
 from loom.dist.mesh import Mesh
 from loom.layout.redistribute import full
 from loom.models.recipes import Recipe, piece, recipe_for, submodule
-from loom.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
-from loom.pipeline.stages import balanced_partition
-from loom.pipeline.tensor_stages import lay_out_stages, sharded_loss
-from loom.pipeline.tied import Tied
+from loom.parallel.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
+from loom.parallel.pipeline.stages import balanced_partition
+from loom.parallel.pipeline.tensor_stages import lay_out_stages, sharded_loss
+from loom.parallel.pipeline.tied import Tied
 
 
 class BlockStage(nn.Module):
@@ -221,7 +221,7 @@ def model_pipeline(
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as `PipelineTrainer` does). With one, each stage is laid out on its
     stage mesh (the dp x tp ranks of its pipeline index) by `module_plan` (default: the recipe's
-    `tensor_plan`; patterns over the whole model's paths): see `loom.pipeline.tensor_stages`."""
+    `tensor_plan`; patterns over the whole model's paths): see `loom.parallel.pipeline.tensor_stages`."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")

@@ -49,7 +49,7 @@ def lay_out_stages(
 ) -> None:
     """Lay each of this rank's `stages` (parts of `model`) out on the stage mesh `mesh` by `module_plan`
     (patterns over `model`'s paths). Gradients are left pending: the pipeline's one `GradSync` reduces
-    them (see `loom.pipeline.reduction`)."""
+    them (see `loom.parallel.pipeline.reduction`)."""
     boundary = stream_placements(mesh, False)
     for stage in stages:
         parallelize_part(stage, mesh, module_plan=module_plan, root=model)

@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync, Route
+from loom.parallel.pipeline.tied import Tied
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
-from loom.pipeline.tied import Tied
 
 
 def stage_grad_sync(
