@@ -172,7 +172,7 @@ def test_a_pipeline_step_reduces_gradients_one_way(dist_run, dp, tp):
         expected = {
             "all_reduce from parallel/grad_sync.py:launch": buckets,
             "all_reduce from parallel/grad_sync.py:_agree": 1,
-            "all_reduce from pipeline/schedule.py:global_loss": 1,
+            "all_reduce from parallel/pipeline/schedule.py:global_loss": 1,
             "all_reduce from parallel/grads.py:global_grad_norm": 1,
         }
         assert {call: calls.count(call) for call in calls} == expected, calls
