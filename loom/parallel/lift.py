@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from loom.dist import consistency
+from loom.parallel.local_region import contiguous_strides, pending_over_rows, row_placements
 
 __all__ = ["LiftPlainTensors", "lifting", "local_attention", "local_cross_entropy"]
 
@@ -73,13 +74,8 @@ def local_attention(
     )
     shape = (*query.shape[:-1], value.shape[-1])  # given: an uneven cut would misstate it
     return DTensor.from_local(
-        out.contiguous(), mesh, placements, run_check=False, shape=shape, stride=_strides(shape)
+        out.contiguous(), mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape)
     )
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`."""
-    return torch.empty(shape, device="meta").stride()
 
 
 class _LocalPiece(torch.autograd.Function):
@@ -103,7 +99,7 @@ class _LocalPiece(torch.autograd.Function):
             ctx.placements,
             run_check=False,
             shape=ctx.shape,
-            stride=_strides(ctx.shape),
+            stride=contiguous_strides(ctx.shape),
         )
 
 
@@ -167,7 +163,7 @@ def local_cross_entropy(
         return vocab_parallel_cross_entropy(input, _as_dtensor(target, input), ignore_index, reduction)
     like = next(t for t in (input, target) if isinstance(t, DTensor))
     mesh = like.device_mesh
-    placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
+    placements = row_placements(like.placements)
     logits, labels = (_as_dtensor(t, like).redistribute(mesh, placements).to_local() for t in (input, target))
     weights = None if weight is None else _as_dtensor(weight, like).full_tensor()
     options = {"weight": weights, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
@@ -175,9 +171,9 @@ def local_cross_entropy(
         losses = F.cross_entropy(logits, labels, reduction="none", **options)
         shape = tuple(target.shape)
         return DTensor.from_local(
-            losses, mesh, placements, run_check=False, shape=shape, stride=_strides(shape)
+            losses, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape)
         )
-    pending = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+    pending = pending_over_rows(placements)
     total = F.cross_entropy(logits, labels, reduction="sum", **options)
     if reduction == "mean":
         kept = (labels != ignore_index).to(torch.float32)  # counted in fp32: bf16 rounds counts above 256

@@ -14,7 +14,7 @@ semi_auto model's gradient synchronisation reduces like any other.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +24,21 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["run_locally"]
+
+
+def row_placements(placements: Sequence[Placement]) -> list[Placement]:
+    """Rows (dim 0) stay cut where they are; every other placement becomes whole (gathered, summed)."""
+    return [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in placements]
+
+
+def pending_over_rows(placements: Sequence[Placement]) -> list[Placement]:
+    """What a sum over rows is, given the rows' placements: pending where the rows are cut."""
+    return [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (for a DTensor built from its local piece)."""
+    return torch.empty(tuple(shape), device="meta").stride()
 
 
 def run_locally(module: nn.Module, path: str) -> None:
@@ -36,23 +51,26 @@ def run_locally(module: nn.Module, path: str) -> None:
         if like is None:
             return original(*args, **kwargs)
         mesh, rows = like.device_mesh, like.shape[0]
-        placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
+        placements = row_placements(like.placements)
         whole = [Replicate()] * mesh.ndim
+        local_rows: list[int] = []  # this rank's row count, seen on the first row-wise input
 
         def local(x: Any) -> Any:
             """A row-wise input (as many rows as the first) becomes this rank's rows; any other (a broadcast
             table, a per-expert table, a scalar) comes whole."""
             if not isinstance(x, DTensor):
                 return x
-            row_wise = x.ndim > 0 and x.shape[0] == rows
-            return x.redistribute(mesh, placements if row_wise else whole).to_local()
+            if x.ndim > 0 and x.shape[0] == rows:
+                piece = x.redistribute(mesh, placements).to_local()
+                local_rows.append(piece.shape[0])
+                return piece
+            return x.redistribute(mesh, whole).to_local()
 
         args, kwargs = tree_map(local, (args, kwargs))
-        local_rows = like.redistribute(mesh, placements).to_local().shape[0]
-        grads: list[Placement] = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+        grads = pending_over_rows(placements)
         with _local_parameters(module, path, grads):
             out = original(*args, **kwargs)
-        return tree_map(lambda t: _row_output(t, path, mesh, placements, rows, local_rows), out)
+        return tree_map(lambda t: _row_output(t, path, mesh, placements, rows, local_rows[0]), out)
 
     module.forward = forward
     module.loom_local = True
@@ -70,8 +88,9 @@ def _row_output(t: Any, path: str, mesh: Any, placements: list[Placement], rows:
             f"{local_rows} local rows; leave it out of the local regions"
         )
     shape = (rows, *t.shape[1:])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(
+        t, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape)
+    )
 
 
 @contextmanager

@@ -68,19 +68,6 @@ class ModuleStrategy:
             local=bool(data.get("local", False)),
         )
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data (the inverse of `from_data`), for JSON."""
-        data: dict[str, Any] = {}
-        if self.in_strategy is not None:
-            data["in_strategy"] = self.in_strategy
-        if self.out_strategy is not None:
-            data["out_strategy"] = self.out_strategy
-        if self.parameter_plan:
-            data["parameter_plan"] = dict(self.parameter_plan)
-        if self.local:
-            data["local"] = True
-        return data
-
 
 def _tuples(value: Any) -> Any:
     """JSON lists back to the tuples strategies are written with (None stays None)."""
@@ -255,7 +242,7 @@ def pattern_layouts(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) ->
     result: dict[str, Any] = {}
     for pattern, spec in layouts.items():
         matched = matching(pattern, names, "plan.parameter_layouts", model)
-        result.update({name: to_entry(_tuples(spec), mesh) for name in matched})
+        result.update({name: _tuples(spec) for name in matched})  # parallelize reads axis names
     return result
 
 
