@@ -279,3 +279,34 @@ def test_the_default_outer_step_is_the_papers_nesterov_sgd():
     outer = DiLoCo(net.parameters(), torch.optim.SGD(net.parameters(), lr=0.1), sync_every=4).outer
     assert isinstance(outer, torch.optim.SGD)
     assert (outer.defaults["lr"], outer.defaults["momentum"], outer.defaults["nesterov"]) == (0.7, 0.9, True)
+
+
+def tensor_parallel_replica_case():
+    """Replicas of 2 ranks each (dp=2 x tp=2): the MLP's first linear cut by rows, the second by columns;
+    DiLoCo meets over "dp" on each rank's local shards."""
+    import loom
+    from loom.parallel.parallelize import parallelize_part
+
+    mesh = loom.init({"dp": 2, "tp": 2})
+    net = model()
+    megatron = {
+        "0": {"parameter_plan": {"weight": ("tp", "None"), "bias": ("tp",)}},
+        "2": {"parameter_plan": {"weight": ("None", "tp")}, "out_strategy": (("None", "None"),)},
+    }
+    parallelize_part(net, mesh.without("dp"), module_plan=megatron, root=net, batch_axes=())
+    outer = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    optimizer = diloco(4, fragments=2, outer_kwargs=outer, group=mesh["dp"].get_group())(net)
+    cut = [tuple(p.to_local().shape) != tuple(p.shape) for p in net.parameters()]
+    for step in range(STEPS):
+        x, y = batch(mesh.dp_rank(), step)
+        nn.functional.mse_loss(net(x).full_tensor(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return mesh.dp_rank(), cut, [p.full_tensor().detach() for p in net.parameters()]
+
+
+def test_replicas_sharded_by_tensor_parallelism_sync_their_shards(dist_run):
+    expected = simulated_diloco(2, sync_every=4, lr=0.7, momentum=0.9, fragments=2)
+    for replica, cut, result in dist_run(4, tensor_parallel_replica_case):
+        assert cut == [True, True, True, False]  # the second bias stays whole
+        close(result, expected[replica])
