@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from loom.cost.hardware import PROFILES, get_cluster
+from loom.cost.hardware import PROFILES, Link, get_cluster
 from loom.cost.plan import ParallelPlan
+from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDULES, Plan, default_schedule
 from loom.sim.presets import PRESETS, get_model, load_model_config
@@ -43,6 +45,8 @@ examples:
   loom simulate --layers 24 --hidden 2048 --heads 16 --vocab 32000 --gpus 8 --tp 2 --global-batch 64
   loom simulate --model gpt3-175b --gpus 64 --tp 8 --pp 8 --interleave 3 --global-batch 64 --timeline t.png
   loom simulate --model-config config.json --hardware this-machine.json --gpus 2
+  loom simulate --model llama3-8b --gpus 8 --tp 8 --global-batch 64 --seq 4096 --recompute full \\
+      --replicas 4 --link-gbps 1 --sync-every 100 --fragments 4 --fragment-delay 5
 
 models: {", ".join(PRESETS)}
 hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`
@@ -122,6 +126,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
     plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
     plan.add_argument("--dtype", choices=PRECISIONS, help="default bf16")
+    slow = parser.add_argument_group(
+        "replicas over a slow link (the plan above is one replica): synchronous data parallelism vs DiLoCo"
+    )
+    slow.add_argument("--replicas", type=positive_int, help="replicas joined by the slow link")
+    slow.add_argument(
+        "--link-gbps", type=float, default=1.0, help="bandwidth per replica, Gbit/s (default 1)"
+    )
+    slow.add_argument("--link-latency-ms", type=float, default=10.0, help="latency per hop (default 10 ms)")
+    slow.add_argument("--sync-every", type=positive_int, default=50, help="DiLoCo's inner steps (default 50)")
+    slow.add_argument("--fragments", type=positive_int, default=1, help="streaming fragments (default 1)")
+    slow.add_argument("--fragment-delay", type=int, default=0, help="inner steps a fragment's sync overlaps")
+    slow.add_argument("--outer-dtype", choices=("fp32", "bf16"), default="fp32", help="pseudo-gradients sent")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument(
@@ -335,6 +351,43 @@ def _print(
     console.print(BUBBLE_DEFINITION, highlight=False)
 
 
+def _slow_links(args: argparse.Namespace, model: TransformerConfig, result: SimResult) -> SlowLinkComparison:
+    """This replica's step against `--replicas` of them over the slow link (`loom.cost.slow_links`)."""
+    if args.link_gbps <= 0 or args.link_latency_ms < 0:
+        raise ValueError(f"--link-gbps {args.link_gbps} must be > 0 and --link-latency-ms >= 0")
+    link = Link(name="slow link", bandwidth=args.link_gbps * 1e9 / 8, latency_s=args.link_latency_ms / 1e3,
+                efficiency=1.0)  # fmt: skip
+    return compare_sync(
+        replica_step_s=result.iteration_s, parameters=model.parameter_count(), replicas=args.replicas,
+        link=link, sync_every=args.sync_every, grad_bytes_per_value=4,
+        outer_bytes_per_value=2 if args.outer_dtype == "bf16" else 4, fragments=args.fragments,
+        fragment_delay=args.fragment_delay,
+    )  # fmt: skip
+
+
+def _slow_json(slow: SlowLinkComparison) -> dict:
+    return asdict(slow) | {"speedup": slow.speedup, "byte_reduction": slow.byte_reduction}
+
+
+def _print_slow(console: Console, args: argparse.Namespace, slow: SlowLinkComparison) -> None:
+    table = Table(
+        title=f"{args.replicas} replicas over {args.link_gbps:g} Gbit/s, {args.link_latency_ms:g} ms "
+        f"(DiLoCo: sync every {args.sync_every}, {args.fragments} fragment(s), delay {args.fragment_delay}, "
+        f"{args.outer_dtype})"
+    )
+    for column in ("", "step", "GB sent per step"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row("one replica alone", _duration(slow.replica_step_s), "0")
+    table.add_row("synchronous data parallel", _duration(slow.synchronous_step_s),
+                  f"{slow.synchronous_bytes_per_step / 1e9:.3f}")  # fmt: skip
+    table.add_row("DiLoCo", _duration(slow.diloco_step_s), f"{slow.diloco_bytes_per_step / 1e9:.3f}")
+    console.print(table)
+    console.print(
+        f"DiLoCo steps {slow.speedup:.2f}x faster and sends {slow.byte_reduction:.0f}x fewer bytes; it needs "
+        "somewhat more tokens for the same loss (benchmarks/diloco.py measures both)."
+    )
+
+
 def execute(args: argparse.Namespace) -> int:
     """Simulate and print; return the exit status."""
     console = Console(stderr=False)
@@ -362,12 +415,20 @@ def execute(args: argparse.Namespace) -> int:
     except ValueError as exc:  # an unknown hardware profile or a broken profile file
         print(f"loom simulate: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        slow = _slow_links(args, model, result) if args.replicas else None
+    except ValueError as exc:
+        print(f"loom simulate: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(_json(model, plan, result, [] if result.fits else [result.reason])))
+        data = _json(model, plan, result, [] if result.fits else [result.reason])
+        print(json.dumps(data | ({"slow_links": _slow_json(slow)} if slow else {})))
     elif not result.fits:
         print(f"loom simulate: the plan does not fit: {result.reason}", file=sys.stderr)
     else:
         _print(console, model, plan, cluster, result)
+        if slow is not None:
+            _print_slow(console, args, slow)
     if args.timeline:
         title = f"{model.name}: {result.iteration_s:.2f} s" + (
             "" if result.fits else " (does not fit in memory)"
