@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps per method (a multiple of 50)")
     parser.add_argument("--rounds", type=int, default=30, help="federated rounds")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=140)  # the tables are wide; a pipe would get 80 columns
     methods = [("sync", 1), ("diloco", 10), ("diloco", 50), ("local_sgd", 10)]
     results = {f"{m} H={h}" if m != "sync" else "synchronous": loom.launch(train_gpt, 2, m, h, args.steps)[0]
                for m, h in methods}  # fmt: skip
