@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.cli.main import build_parser, main
+from loom.cli.main import build_parser, main, parse_arguments
 from loom.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,13 +95,13 @@ def test_every_readme_command_is_run_or_excluded_for_a_reason():
 def test_every_readme_command_parses(workdir):
     parser = build_parser()
     for command in loom_commands():
-        args = parser.parse_args(shlex.split(command)[1:])
+        args = parse_arguments(parser, shlex.split(command)[1:])
         if args.command == "train":  # the config and its overrides are valid for the workers it starts
             config = load_config(args.config, args.overrides)
             config.validate(config.train.workers)
     for prefix, extra in SHORT.items():  # and so are the options the tests append
         for command in loom_commands(prefix.split()[1]):
-            parser.parse_args([*shlex.split(command)[1:], *extra])
+            parse_arguments(parser, [*shlex.split(command)[1:], *extra])
 
 
 # Appended to the tour: every rank's result is x @ w @ v of the tensors rank 0 drew, which are the ones this

@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`argv` parsed as `loom` reads it: a command that takes config overrides (`TAKES_CONFIG_OVERRIDES`)
+    gets the `--section.key value` pairs argparse does not know as `args.overrides`; any other command
+    exits with argparse's usage error for them."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(_module(args.command), "TAKES_CONFIG_OVERRIDES", False):
+        parser.parse_args(argv)  # argparse's own error: unrecognized arguments
+    if extra:
+        args.overrides = extra
+    return args
+
+
 def _module(command: str | None) -> object:
     return next((module for module in _COMMANDS if module.NAME == command), None)
 
@@ -62,11 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command with `argv` (default: sys.argv[1:]); return the exit status."""
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if extra and not getattr(_module(args.command), "TAKES_CONFIG_OVERRIDES", False):
-            parser.parse_args(argv)  # argparse's own error: unrecognized arguments
-        if extra:
-            args.overrides = extra
+        args = parse_arguments(parser, argv)
     except SystemExit as exc:  # --help or a usage error: argparse printed it; report its status
         return _exit_code(exc)
     if args.command is None:

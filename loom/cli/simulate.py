@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Link, get_cluster
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDULES, Plan, default_schedule
@@ -79,7 +79,7 @@ def positive_int(text: str) -> int:
 
 DEFAULT_SEQ = 2048
 PLAN_FLAGS = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "recompute")
-PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype")
+PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype", "stage_layers")
 MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts")
 MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
@@ -122,6 +122,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=SIMULATED_SCHEDULES,
         help="default: interleaved when --interleave > 1, else 1f1b",
+    )
+    plan.add_argument(
+        "--stage-layers",
+        metavar="N,N,...|light-ends",
+        help="layers of each of the pp * interleave stages (uneven), or light-ends: the first and last stage "
+        "one layer fewer (as Llama 3 405B ran)",
     )
     plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
     plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
@@ -209,8 +215,22 @@ def _read_plan(path: str) -> Plan:
     return Plan.from_dict(data, f"plan file {path!r}")
 
 
-def _flags_plan(args: argparse.Namespace) -> tuple[Plan, int]:
-    """The Plan and global batch the plan flags describe."""
+def _stage_layers(text: str | None, layers: int, stages: int) -> list[int] | None:
+    """`--stage-layers`: counts separated by commas, or light-ends (`loom.cost.plan.light_ends`)."""
+    if text is None:
+        return None
+    if text == "light-ends":
+        return list(light_ends(layers, stages))
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PlanError(
+            [f"--stage-layers {text!r}: give {stages} layer counts separated by commas, or light-ends"]
+        ) from None
+
+
+def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
+    """The Plan and global batch the plan flags describe (`layers`: the model's, for --stage-layers)."""
     tp, pp = args.tp or 1, args.pp or 1
     if args.dp is None:
         gpus = args.gpus or tp * pp
@@ -234,7 +254,7 @@ def _flags_plan(args: argparse.Namespace) -> tuple[Plan, int]:
         dp=dp, tp=tp, pp=pp, ep=args.ep or 1, schedule=args.schedule or default_schedule(interleave),
         virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=args.recompute or "none",
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
-        precision=args.dtype or "bf16",
+        precision=args.dtype or "bf16", stages=_stage_layers(args.stage_layers, layers, pp * interleave),
     )  # fmt: skip
     return plan, batch
 
@@ -249,13 +269,13 @@ def _saved_plan(args: argparse.Namespace, saved: Plan) -> tuple[Plan, int]:
 
 
 def _plan(
-    args: argparse.Namespace, config: TrainConfig | None, saved: Plan | None
+    args: argparse.Namespace, config: TrainConfig | None, saved: Plan | None, layers: int
 ) -> tuple[ParallelPlan, int]:
     """What the simulator prices, and on how many devices (an impossible plan is a `PlanError`)."""
     try:
         if config is not None:
             return config.cost_model(config.train.workers)[1], config.train.workers
-        plan, batch = _saved_plan(args, saved) if saved is not None else _flags_plan(args)
+        plan, batch = _saved_plan(args, saved) if saved is not None else _flags_plan(args, layers)
         priced = plan.parallel_plan(
             global_batch=batch,
             seq=args.seq or DEFAULT_SEQ,
@@ -313,6 +333,10 @@ def _gib(gib: float) -> str:
     return f"{gib:.1f} GiB" if gib >= 0.1 or gib == 0 else f"{gib * 1024:.1f} MiB"
 
 
+def _rank_layers(model: TransformerConfig, plan: ParallelPlan) -> list[int]:
+    return [plan.rank_layers(model.layers, rank) for rank in range(plan.pp)]
+
+
 def _print(
     console: Console, model: TransformerConfig, plan: ParallelPlan, cluster, result: SimResult
 ) -> None:
@@ -348,6 +372,12 @@ def _print(
     memory = ", ".join(f"{name} {_gib(gib)}" for name, gib in result.memory_breakdown_gib.items())
     console.print(parts)
     console.print(f"memory: {memory}")
+    if plan.pp > 1:
+        stages = ", ".join(
+            f"{gib:.1f}" + (f" ({n} layers)" if plan.stage_layers else "")
+            for gib, n in zip(result.stage_memory_gib, _rank_layers(model, plan), strict=True)
+        )
+        console.print(f"memory per pipeline stage, GiB: {stages}")
     console.print(BUBBLE_DEFINITION, highlight=False)
 
 
@@ -403,7 +433,7 @@ def execute(args: argparse.Namespace) -> int:
         return 2
     plan = None
     try:
-        plan, gpus = _plan(args, config, saved)
+        plan, gpus = _plan(args, config, saved, model.layers)
         cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
         result = simulate(model, plan, cluster, record=bool(args.timeline))
     except PlanError as exc:

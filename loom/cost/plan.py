@@ -30,6 +30,7 @@ __all__ = [
     "check_schedule",
     "check_sizes",
     "default_schedule",
+    "light_ends",
 ]
 
 # Every pipeline schedule loom runs, with the model chunks (virtual stages) each pipeline rank may hold:
@@ -76,6 +77,18 @@ def check_choice(owner: str, key: str, value: Any, choices: Sequence[Any]) -> No
         raise FieldError(owner, key, value, fix)
 
 
+def light_ends(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per stage when the first and last stage hold one layer fewer than the others (they also
+    hold the embedding and the output layer), as Llama 3 405B's 126 layers ran on 16 stages (7, 8 x 14, 7)."""
+    if stages < 3 or (layers + 2) % stages:
+        raise ValueError(
+            f"{layers} layers on {stages} stages cannot have the first and last one layer lighter: "
+            f"(layers + 2) must be a multiple of the stages, and there must be at least 3 stages"
+        )
+    middle = (layers + 2) // stages
+    return (middle - 1, *([middle] * (stages - 2)), middle - 1)
+
+
 def default_schedule(virtual: int) -> str:
     """The schedule a plan gets when it names none: interleaved 1F1B with virtual stages, else 1F1B."""
     return "interleaved" if virtual > 1 else "1f1b"
@@ -99,6 +112,8 @@ class ParallelPlan:
 
     `interleave` is the number of model chunks (virtual stages) per pipeline stage; `schedule` defaults to
     "interleaved" when it is above 1 and "1f1b" otherwise. `optimizer_level` is 0-3 (MindSpore / ZeRO).
+    `stage_layers`: the layers of each of the `pp * interleave` virtual stages in model order (virtual
+    stage v runs on pipeline rank v % pp), when they are uneven; empty: equal stages.
     """
 
     dp: int = 1
@@ -116,6 +131,7 @@ class ParallelPlan:
     overlap_grad_sync: bool = True
     flash_attention: bool = False  # fused attention: no s x s tensors stored or moved
     dtype: str = "bf16"
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -137,6 +153,22 @@ class ParallelPlan:
             raise ValueError(
                 f"ParallelPlan: ep={self.ep} must divide dp={self.dp} (experts shard the data-parallel axis)"
             )
+        if self.stage_layers:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+            check_sizes(owner, {f"stage_layers[{i}]": n for i, n in enumerate(self.stage_layers)})
+            if len(self.stage_layers) != self.virtual_stages:
+                raise FieldError(
+                    owner, "stage_layers", self.stage_layers,
+                    f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
+                )  # fmt: skip
+
+    def chunk_layers(self, layers: int) -> list[int]:
+        """Layers of each virtual stage in model order (`stage_layers`, else `layers` split equally)."""
+        return list(self.stage_layers) or [layers // self.virtual_stages] * self.virtual_stages
+
+    def rank_layers(self, layers: int, rank: int) -> int:
+        """Layers held by pipeline rank `rank` (its chunks v = rank, rank + pp, ...)."""
+        return sum(self.chunk_layers(layers)[rank :: self.pp])
 
     @property
     def devices(self) -> int:
@@ -158,5 +190,5 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """Plain data for JSON."""
-        return dataclasses.asdict(self)
+        """Plain data for JSON (stage layers as a list, as JSON reads them back)."""
+        return dataclasses.asdict(self) | {"stage_layers": list(self.stage_layers)}

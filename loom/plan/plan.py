@@ -196,7 +196,8 @@ class Plan:
         A step runs `accumulation` times `micro_batches` micro-batches per data-parallel replica; the
         simulator plays them as one schedule (a pipelined run with accumulation flushes between its
         schedule runs, so it takes a little longer than priced). Strategies, parameter layouts and
-        per-module recompute are not priced: the simulator prices Megatron's layouts over tp.
+        per-module recompute are not priced: the simulator prices Megatron's layouts over tp. Stages given
+        as blocks per stage are priced as they are (uneven included).
         """
         self._require_resolved("parallel_plan")
         if self.cp > 1:
@@ -224,7 +225,15 @@ class Plan:
             overlap_grad_sync=overlap_grad_sync,
             flash_attention=flash_attention,
             dtype=self.precision,
+            stage_layers=self._stage_layers(),
         )
+
+    def _stage_layers(self) -> tuple[int, ...]:
+        """Blocks per stage when `stages` gives them as counts (the simulator prices uneven stages);
+        stages given as module paths are priced as equal."""
+        if self.stages and all(isinstance(n, int) for n in self.stages):
+            return tuple(self.stages)
+        return ()
 
     # ---- plain data and JSON ----
     def replace(self, **changes: Any) -> Plan:

@@ -13,7 +13,7 @@ __all__ = ["stage_memory", "stage_parameters"]
 
 def stage_parameters(model: TransformerConfig, plan: ParallelPlan, rank: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one device of pipeline rank `rank`."""
-    t, layers = plan.tp, model.layers // plan.pp
+    t, layers = plan.tp, plan.rank_layers(model.layers, rank)
     norms = 2 * model.norm_parameters()
     experts = model.experts * model.mlp_parameters() if model.is_moe else 0
     sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
@@ -43,7 +43,8 @@ def stage_memory(
         "dtype_bytes": e,
     }
     per_layer = layer_activation_bytes(model, s, b, t, recompute=plan.recompute, **options)
-    layers_per_chunk = model.layers // plan.virtual_stages
+    # a chunk in flight keeps its layers' activations: count this rank's largest chunk (uneven stages)
+    layers_per_chunk = max(plan.chunk_layers(model.layers)[rank :: plan.pp])
     activations = in_flight * layers_per_chunk * per_layer
     if plan.recompute == "full":  # backward rebuilds one layer's activations at a time
         activations += layer_activation_bytes(model, s, b, t, recompute="none", **options)

@@ -59,6 +59,7 @@ class SimResult:
     reason: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds on the slowest device
     memory_breakdown_gib: dict[str, float] = field(default_factory=dict)
+    stage_memory_gib: list[float] = field(default_factory=list)  # per pipeline rank, in rank order
     timeline: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -75,9 +76,15 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
         reasons.append(
             f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {plan.devices} devices, but the cluster has {cluster.gpus}"
         )
-    if model.layers % plan.virtual_stages:
+    if plan.stage_layers and sum(plan.stage_layers) != model.layers:
         reasons.append(
-            f"{model.layers} layers do not split into pp*interleave = {plan.virtual_stages} equal stages"
+            f"the stages hold {sum(plan.stage_layers)} layers ({', '.join(map(str, plan.stage_layers))}), but "
+            f"the model has {model.layers}"
+        )
+    elif not plan.stage_layers and model.layers % plan.virtual_stages:
+        reasons.append(
+            f"{model.layers} layers do not split into pp*interleave = {plan.virtual_stages} equal stages: "
+            "give the layers of each stage (--stage-layers, e.g. light-ends)"
         )
     if model.heads % plan.tp:
         reasons.append(f"{model.heads} attention heads do not split over tp={plan.tp}")
@@ -101,12 +108,9 @@ def _total(costs: Costs) -> float:
 
 
 def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, pieces: PieceCosts):
-    per_chunk = model.layers // plan.virtual_stages
     layer_f, layer_b = _total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute)
-    forward, backward = (
-        [per_chunk * layer_f] * plan.virtual_stages,
-        [per_chunk * layer_b] * plan.virtual_stages,
-    )
+    chunks = plan.chunk_layers(model.layers)
+    forward, backward = [n * layer_f for n in chunks], [n * layer_b for n in chunks]
     forward[0] += _total(pieces.embed_fwd)
     backward[0] += _total(pieces.embed_bwd)
     forward[-1] += _total(pieces.head_fwd)
@@ -157,9 +161,9 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
 
 
 def _breakdown(
-    plan: ParallelPlan, pieces: PieceCosts, per_chunk: int, rank: int, times: tuple
+    plan: ParallelPlan, pieces: PieceCosts, rank_layers: int, rank: int, times: tuple
 ) -> dict[str, float]:
-    tasks = plan.micro_batches * plan.interleave * per_chunk  # layer-passes of one kind on this device
+    tasks = plan.micro_batches * rank_layers  # layer-passes of one kind on this device
     parts: dict[str, float] = {}
     for costs in (pieces.layer_fwd, pieces.layer_bwd):
         for name, value in costs.items():
@@ -194,7 +198,6 @@ def simulate(
     playback = play(
         orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
     )
-    per_chunk = model.layers // plan.virtual_stages
     ends = [_grad_sync_end(model, plan, cluster, rank, playback) for rank in range(plan.pp)]
     slowest = max(range(plan.pp), key=lambda r: ends[r][1])
     iteration = ends[slowest][1]
@@ -210,7 +213,7 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    breakdown = _breakdown(plan, pieces, per_chunk, slowest, times)
+    breakdown = _breakdown(plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times)
     return SimResult(
         iteration_s=iteration,
         tokens_per_s=tokens / iteration,
@@ -227,5 +230,6 @@ def simulate(
         else f"needs {peak_gib:.1f} GiB per device, more than the {capacity:g} GiB of {cluster.name}",
         breakdown=breakdown,
         memory_breakdown_gib={name: value / GIB for name, value in fullest.items()},
+        stage_memory_gib=[sum(m.values()) / GIB for m in memory],
         timeline=playback.intervals,
     )
