@@ -33,6 +33,7 @@ __all__ = [
     "model_shape",
     "read_config",
     "require_transformers",
+    "shifted_causal_lm_loss",
     "train_on_token_pairs",
 ]
 
@@ -247,6 +248,15 @@ def train_on_token_pairs(model: nn.Module) -> nn.Module:
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     model.register_forward_hook(after, prepend=True, always_call=True)
     return model
+
+
+def shifted_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The model's own causal LM loss (`ForCausalLMLoss`) of logits (batch, seq, vocab) against `targets`
+    already shifted (the inputs moved by one, as loom's data gives them): what `train_on_token_pairs` makes
+    the model return, as a pipeline's last stage computes it from its logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=targets)
 
 
 def greedy(
