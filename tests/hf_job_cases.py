@@ -27,9 +27,7 @@ def hf_config(family: str):
         bos_token_id=1, eos_token_id=1, attention_dropout=0.0,
     )  # fmt: skip
     if family == "mixtral":  # no router loss: the model's loss is the cross entropy alone
-        return MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False
-        )
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False)
     return LlamaConfig(**common)
 
 

@@ -117,3 +117,20 @@ def test_pipeline_losses_are_those_without_a_pipeline(trained, dist_run, tmp_pat
     config = hf_job(tmp_path, family, parallel={"dp": 4}, train={"steps": STEPS, "workers": 4})
     plain = dist_run(4, run, config)[0]["losses"]
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(plain), rtol=RTOL, atol=0)
+
+
+# ---- config errors (no workers) ------------------------------------------------------------------------
+
+
+def test_pipeline_settings_that_cannot_run_are_config_errors(tmp_path):
+    pipeline = {"dp": 1, "tp": 2, "pp": 2, "microbatches": 2}
+    with pytest.raises(ValueError) as error:  # GPT-2's head is its token table, on both pipeline ranks
+        hf_job(tmp_path, "gpt2", parallel=pipeline, train={"workers": 4})
+    message = str(error.value)
+    assert message.startswith("parallel.pp = 2 with parallel.tp = 2: the model's head is tied"), message
+    assert '"tie_word_embeddings": false' in message and "set parallel.tp = 1" in message
+    with pytest.raises(ValueError, match=r"parallel.pp = 3 exceeds model.n_layers = 2; lower pp"):
+        hf_job(tmp_path, "llama", parallel={"dp": 1, "pp": 3, "microbatches": 3})  # 2 layers
+    with pytest.raises(ValueError, match=r"not divisible by parallel.microbatches = 3"):
+        hf_job(tmp_path, "llama", parallel={"dp": 2, "pp": 2, "microbatches": 3}).validate(4)
+    hf_job(tmp_path, "llama", parallel=pipeline, train={"workers": 4}).validate(4)  # untied: allowed

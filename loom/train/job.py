@@ -413,7 +413,9 @@ def _pipeline_report(
     token at a time, which a schedule of fixed micro-batch shapes cannot), decoded by rank 0 alone and its
     report sent to the others."""
     if isinstance(model, GPT):
-        whole = whole_gpt(model, pipeline, mesh, schedule=pipeline.schedule_name, virtual=len(pipeline.modules))
+        whole = whole_gpt(
+            model, pipeline, mesh, schedule=pipeline.schedule_name, virtual=len(pipeline.modules)
+        )
     else:
         whole = whole_model(model, pipeline, mesh)
     report: list[dict | None] = [None]
