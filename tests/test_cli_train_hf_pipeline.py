@@ -42,26 +42,39 @@ def _job(root, name: str, **sections):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def trained(request, tmp_path_factory, worker_pool):
-    """A 6-step run of each case, checkpointed at steps 3 and 6: (name, root, summary)."""
-    name = request.param
-    root = tmp_path_factory.mktemp(name)
-    config = _job(root, name)
-    summary = worker_pool.run(config.train.workers, run, config)[0]
-    return name, root, summary
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, worker_pool):
+    """`trained(name)`: a 6-step run of case `name`, checkpointed at steps 3 and 6, as (root, summary);
+    each case runs once per module, for every test that asks for it."""
+    runs = {}
+
+    def get(name: str) -> tuple:
+        if name not in runs:
+            root = tmp_path_factory.mktemp(name)
+            config = _job(root, name)
+            runs[name] = root, worker_pool.run(config.train.workers, run, config)[0]
+        return runs[name]
+
+    return get
 
 
-def test_loss_falls_and_samples_are_text(trained):
-    _, _, summary = trained
+SLOW = pytest.mark.slow
+# the resumed Mixtral run costs as much as its first (make test keeps the three pipeline cases)
+RESUMED = [*list(CASES)[:3], pytest.param("mixtral-dp2-tp2", marks=SLOW)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_falls_and_samples_are_text(trained, name):
+    _, summary = trained(name)
     losses = summary["losses"]
     assert len(losses) == STEPS and losses[-1] < 0.85 * losses[0], losses
     prompt, continuation = summary["text_samples"][0]
     assert prompt.startswith("the cat sat") and continuation  # decoded by the word-level tokenizer
 
 
-def test_a_checkpoint_resumes_bitwise(trained, dist_run, tmp_path):
-    name, root, summary = trained
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_checkpoint_resumes_bitwise(trained, dist_run, tmp_path, name):
+    root, summary = trained(name)
     (tmp_path / "ckpt").mkdir()
     shutil.copytree(root / "ckpt" / "step_000003", tmp_path / "ckpt" / "step_000003")
     shutil.copy(root / "corpus.txt", tmp_path)  # the data position is tied to the corpus
@@ -77,10 +90,11 @@ def test_a_checkpoint_resumes_bitwise(trained, dist_run, tmp_path):
         assert torch.equal(final[key], tensor), key
 
 
-def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(trained, tmp_path):
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(trained, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    name, root, summary = trained
+    root, summary = trained(name)
     family = CASES[name][0]
     assert main(["checkpoint", "export", str(root / "ckpt"), str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -109,14 +123,40 @@ def _tokenizer(root):
 def test_pipeline_losses_are_those_without_a_pipeline(trained, dist_run, tmp_path):
     """The pipeline run's losses equal those of the same job on dp=4 without a pipeline (fp32; losses are
     Lipschitz in the parameters, and AdamW's eps of 1e-3 keeps its steps Lipschitz in the gradients)."""
-    name, root, summary = trained
-    if name != "llama-dp2-pp2-level3":
-        pytest.skip("one equivalence check: the Llama pipeline at optimizer level 3")
-    family = CASES[name][0]
+    root, summary = trained("llama-dp2-pp2-level3")
+    family = "llama"
     shutil.copy(root / f"{family}.json", tmp_path)
     config = hf_job(tmp_path, family, parallel={"dp": 4}, train={"steps": STEPS, "workers": 4})
     plain = dist_run(4, run, config)[0]["losses"]
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(plain), rtol=RTOL, atol=0)
+
+
+def _four_layers(root, family: str) -> str:
+    """A config.json of `family`'s tiny model with 4 layers (2 stages on each of 2 pipeline ranks)."""
+    path = root / f"{family}-4.json"
+    config = hf_config(family)
+    config.num_hidden_layers = 4  # GPT-2's n_layer is the same attribute
+    config.to_json_file(path)
+    return str(path)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("family", "schedule", "level"),
+    [("llama", "interleaved", 1), ("llama", "zero_bubble", 2), ("gpt2", "interleaved", 0)],
+)
+def test_every_schedule_matches_no_pipeline(dist_run, tmp_path, family, schedule, level):
+    """Each schedule of loom train (stages per rank: the schedule's fewest) and optimizer level on pp=2,
+    4 layers: the losses of dp=2 without a pipeline."""
+    model = {"hf_config": _four_layers(tmp_path, family)}
+    train = {"steps": 4, "workers": 2}
+    piped = hf_job(
+        tmp_path, family, model=model, train=train,
+        parallel={"dp": 1, "pp": 2, "microbatches": 4, "schedule": schedule, "optimizer_level": level},
+    )  # fmt: skip
+    plain = hf_job(tmp_path, family, model=model, train=train, parallel={"dp": 2})
+    losses = [dist_run(2, run, config)[0]["losses"] for config in (piped, plain)]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=RTOL, atol=0)
 
 
 # ---- config errors (no workers) ------------------------------------------------------------------------
