@@ -6,6 +6,7 @@ resumes bitwise (the later losses and the final parameters of the uninterrupted 
 the export loads with `from_pretrained` and gives the checkpoint's logits and the run's own samples (decoded
 on rank 0 from the whole model that `whole_model` gathered). The pipeline's losses are one device's."""
 
+import json
 import shutil
 
 import pytest
@@ -34,12 +35,22 @@ CASES = {  # name: (family, [parallel], workers)
 }
 
 
-def _job(root, name: str, **sections):
+# evaluated at steps 3 and 6 on one held-out batch, logged to a metrics file
+EVAL = {"eval_every": 3, "eval_batches": 1, "metrics_file": "metrics.jsonl"}
+
+
+def _job(root, name: str):
     family, parallel, workers = CASES[name]
+    train = {"steps": STEPS, "workers": workers, **EVAL, "metrics_file": str(root / "metrics.jsonl")}
     return hf_job(
-        root, family, parallel=parallel, train={"steps": STEPS, "workers": workers, **sections},
+        root, family, parallel=parallel, train=train,
         checkpoint={"dir": str(root / "ckpt"), "every_steps": 3, "keep_last": 5},
     )  # fmt: skip
+
+
+def _eval_losses(root) -> list[float]:
+    lines = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if line["kind"] == "eval"]
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +76,11 @@ RESUMED = [*list(CASES)[:3], pytest.param("mixtral-dp2-tp2", marks=SLOW)]
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_falls_and_samples_are_text(trained, name):
-    _, summary = trained(name)
+    root, summary = trained(name)
     losses = summary["losses"]
     assert len(losses) == STEPS and losses[-1] < 0.85 * losses[0], losses
+    evaluated = _eval_losses(root)  # the held-out loss falls too
+    assert len(evaluated) == 2 and evaluated[1] < evaluated[0], evaluated
     prompt, continuation = summary["text_samples"][0]
     assert prompt.startswith("the cat sat") and continuation  # decoded by the word-level tokenizer
 
@@ -121,14 +134,19 @@ def _tokenizer(root):
 
 
 def test_pipeline_losses_are_those_without_a_pipeline(trained, dist_run, tmp_path):
-    """The pipeline run's losses equal those of the same job on dp=4 without a pipeline (fp32; losses are
-    Lipschitz in the parameters, and AdamW's eps of 1e-3 keeps its steps Lipschitz in the gradients)."""
+    """The pipeline run's training and evaluation losses equal those of the same job on dp=4 without a
+    pipeline (fp32; losses are Lipschitz in the parameters, and AdamW's eps of 1e-3 keeps its steps
+    Lipschitz in the gradients)."""
     root, summary = trained("llama-dp2-pp2-level3")
     family = "llama"
     shutil.copy(root / f"{family}.json", tmp_path)
-    config = hf_job(tmp_path, family, parallel={"dp": 4}, train={"steps": STEPS, "workers": 4})
+    train = {"steps": STEPS, "workers": 4, **EVAL, "metrics_file": str(tmp_path / "metrics.jsonl")}
+    config = hf_job(tmp_path, family, parallel={"dp": 4}, train=train)
     plain = dist_run(4, run, config)[0]["losses"]
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(plain), rtol=RTOL, atol=0)
+    evaluated = [_eval_losses(root), _eval_losses(tmp_path)]  # at steps 3 and 6
+    assert len(evaluated[0]) == 2
+    torch.testing.assert_close(torch.tensor(evaluated[0]), torch.tensor(evaluated[1]), rtol=RTOL, atol=0)
 
 
 def _four_layers(root, family: str) -> str:
@@ -142,18 +160,20 @@ def _four_layers(root, family: str) -> str:
 
 @SLOW
 @pytest.mark.parametrize(
-    ("family", "schedule", "level"),
-    [("llama", "interleaved", 1), ("llama", "zero_bubble", 2), ("gpt2", "interleaved", 0)],
+    ("family", "schedule", "level", "recompute"),
+    [
+        ("llama", "interleaved", 1, "none"),
+        ("llama", "zero_bubble", 2, "full"),
+        ("gpt2", "interleaved", 0, "selective"),
+    ],
 )
-def test_every_schedule_matches_no_pipeline(dist_run, tmp_path, family, schedule, level):
-    """Each schedule of loom train (stages per rank: the schedule's fewest) and optimizer level on pp=2,
-    4 layers: the losses of dp=2 without a pipeline."""
+def test_every_schedule_matches_no_pipeline(dist_run, tmp_path, family, schedule, level, recompute):
+    """Each schedule of loom train (stages per rank: the schedule's fewest), optimizer level and
+    recomputation policy on pp=2, 4 layers: the losses of dp=2 without a pipeline."""
     model = {"hf_config": _four_layers(tmp_path, family)}
     train = {"steps": 4, "workers": 2}
-    piped = hf_job(
-        tmp_path, family, model=model, train=train,
-        parallel={"dp": 1, "pp": 2, "microbatches": 4, "schedule": schedule, "optimizer_level": level},
-    )  # fmt: skip
+    parallel = {"dp": 1, "pp": 2, "microbatches": 4, "schedule": schedule, "optimizer_level": level}
+    piped = hf_job(tmp_path, family, model=model, train=train, parallel={**parallel, "recompute": recompute})
     plain = hf_job(tmp_path, family, model=model, train=train, parallel={"dp": 2})
     losses = [dist_run(2, run, config)[0]["losses"] for config in (piped, plain)]
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=RTOL, atol=0)
