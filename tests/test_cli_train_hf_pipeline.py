@@ -194,3 +194,13 @@ def test_pipeline_settings_that_cannot_run_are_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"not divisible by parallel.microbatches = 3"):
         hf_job(tmp_path, "llama", parallel={"dp": 2, "pp": 2, "microbatches": 3}).validate(4)
     hf_job(tmp_path, "llama", parallel=pipeline, train={"workers": 4}).validate(4)  # untied: allowed
+    two = {"dp": 1, "pp": 2, "microbatches": 2}
+    qwen = hf_config("llama").to_dict() | {"model_type": "qwen2"}  # a family loom has no recipe for
+    (tmp_path / "qwen2.json").write_text(json.dumps(qwen))
+    with pytest.raises(ValueError, match=r"no pipeline recipe for Qwen2ForCausalLM .*use parallel.pp = 1"):
+        hf_job(tmp_path, "llama", model={"hf_config": str(tmp_path / "qwen2.json")}, parallel=two)
+    router = hf_config("mixtral")
+    router.output_router_logits = True
+    router.to_json_file(tmp_path / "router.json")
+    with pytest.raises(ValueError, match=r'auxiliary router loss .*"output_router_logits": false there'):
+        hf_job(tmp_path, "mixtral", model={"hf_config": str(tmp_path / "router.json")}, parallel=two)

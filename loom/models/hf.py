@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 __all__ = [
     "WEIGHTS_INDEX",
     "build_model",
+    "causal_lm_class",
     "empty_model",
     "greedy",
     "load_weights",
@@ -104,6 +105,13 @@ def model_shape(config: Any) -> dict[str, Any]:
         else "learned",
         "mlp": "swiglu" if getattr(config, "hidden_act", None) == "silu" else "gelu",
     }
+
+
+def causal_lm_class(config: Any) -> str:
+    """The name of the causal LM class `AutoModelForCausalLM` builds from `config` (e.g. "LlamaForCausalLM")."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    return CAUSAL[config.model_type]
 
 
 def build_model(config: Any, seed: int) -> nn.Module:

@@ -596,6 +596,33 @@ class TrainConfig:
                 "laid out tensor-parallel yet; set parallel.tp = 1, or parallel.pp = 1, or untie it "
                 '("tie_word_embeddings": false in its config.json)'
             )
+        if par.pp > 1:
+            self._check_hf_pipeline()
+
+    def _check_hf_pipeline(self) -> None:
+        """A Hugging Face model cut into pipeline stages needs its family's recipe (where its embeddings,
+        blocks and head are: `loom.models.recipes`), and a loss that the last stage computes alone."""
+        from loom.models.hf import causal_lm_class
+        from loom.models.recipes import RECIPES
+
+        model, pp = self.model, self.parallel.pp
+        source = model.hf_config or str(Path(model.hf_pretrained or "") / "config.json")
+        hf_config = model.hf_model_config()
+        name = causal_lm_class(hf_config)
+        if name not in RECIPES:
+            known = sorted(n for n in RECIPES if n != "GPT")
+            raise ValueError(
+                f"parallel.pp = {pp}: loom has no pipeline recipe for {name} (model_type "
+                f"{hf_config.model_type!r} in {source}; recipes: {known}); use parallel.pp = 1 (data and "
+                "tensor parallel), or cut it in Python with loom.parallel.pipeline.model_pipeline(model, "
+                "mesh, recipe=Recipe(...))"
+            )
+        if getattr(hf_config, "output_router_logits", False):
+            raise ValueError(
+                f"parallel.pp = {pp}: {source} sets output_router_logits = true, whose auxiliary router "
+                'loss pipeline stages do not compute; set "output_router_logits": false there, or use '
+                "parallel.pp = 1"
+            )
 
     def check_pipeline(self) -> None:
         """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.
