@@ -179,6 +179,41 @@ def test_every_schedule_matches_no_pipeline(dist_run, tmp_path, family, schedule
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=RTOL, atol=0)
 
 
+@SLOW
+def test_mixtral_with_tensor_parallel_stages_matches_data_parallel(dist_run, tmp_path):
+    """Mixtral on tp=2 x pp=2 at optimizer level 1 (its experts local regions inside the stages; the whole
+    model gathered for the samples runs its own experts): the losses and samples of dp=4."""
+    train = {"steps": 4, "workers": 4}
+    piped = hf_job(
+        tmp_path, "mixtral", train=train,
+        parallel={"dp": 1, "tp": 2, "pp": 2, "microbatches": 2, "optimizer_level": 1},
+    )  # fmt: skip
+    plain = hf_job(tmp_path, "mixtral", train=train, parallel={"dp": 4})
+    first, second = (dist_run(4, run, config)[0] for config in (piped, plain))
+    torch.testing.assert_close(
+        torch.tensor(first["losses"]), torch.tensor(second["losses"]), rtol=RTOL, atol=0
+    )
+    assert first["text_samples"][0][0] == second["text_samples"][0][0] and first["text_samples"][0][1]
+
+
+@SLOW
+def test_hf_pretrained_pipeline_starts_from_the_saved_weights(dist_run, tmp_path):
+    """GPT-2 saved by save_pretrained, trained on pp=2: each rank reads the whole model, keeps its stages;
+    the first loss is the saved model's on the same batch."""
+    saved = hf.build_model(hf_config("gpt2"), seed=3)
+    saved.save_pretrained(tmp_path / "pretrained")
+    config = hf_job(
+        tmp_path, "gpt2", model={"hf_pretrained": str(tmp_path / "pretrained")},
+        parallel={"dp": 1, "pp": 2, "microbatches": 2}, train={"steps": 1},
+    )  # fmt: skip
+    losses = dist_run(2, run, config)[0]["losses"]
+    inputs, targets = first_batch(config)
+    with torch.no_grad():
+        logits = saved(input_ids=inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert losses[0] == pytest.approx(expected, rel=RTOL)
+
+
 # ---- config errors (no workers) ------------------------------------------------------------------------
 
 
