@@ -121,7 +121,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(trained,
         torch.testing.assert_close(exported(input_ids=ids).logits, expected, rtol=RTOL, atol=1e-6)
     # the run's samples came from the whole model gathered on rank 0: the exported model decodes them too
     prompt_ids = build_dataset(_job(root, name).data)[0][0][:8].tolist()  # the job's first prompt
-    continuation = hf.greedy(lambda x: exported(input_ids=x).logits, prompt_ids, 8, 32)
+    (continuation,) = hf.greedy(lambda x: exported(input_ids=x).logits, [prompt_ids], 8, 32)
     tokenizer = _tokenizer(root)
     assert summary["text_samples"][0] == (
         tokenizer.decode(prompt_ids, skip_special_tokens=False),

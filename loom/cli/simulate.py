@@ -23,9 +23,10 @@ from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDUL
 from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
-from loom.train.config import TrainConfig, load_config
+from loom.train.config import TrainConfig, load_config, parse_overrides
 
 NAME = "simulate"
+TAKES_CONFIG_OVERRIDES = True  # `loom simulate CONFIG.toml --parallel.tp 4`, as `loom train` takes them
 HELP = "predict step time, MFU and memory of a parallel plan (no GPU needed)"
 DESCRIPTION = f"""\
 Simulate one training iteration of a transformer under a parallel plan on a modelled cluster: the pipeline
@@ -33,6 +34,7 @@ schedule played as events, tensor/expert/data-parallel communication, recomputat
 
 examples:
   loom simulate configs/demo.toml            # the run `loom train configs/demo.toml` makes
+  loom simulate configs/demo.toml --train.workers 8 --parallel.tp 4   # ... with loom train's overrides
   loom simulate --plan plan.json --model llama3-8b --hardware h100-sxm --global-batch 512 --seq 4096
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --interleave 3 \\
       --global-batch 1536 --recompute selective --sequence-parallel
@@ -47,7 +49,8 @@ hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out 
 
 dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
 with --plan to dp * the plan's micro-batches * micro-batch. A CONFIG.toml sets the model, the plan, the batch
-and the devices itself: only the hardware and output options go with it.
+and the devices itself: only the hardware and output options go with it, and after CONFIG.toml the
+`--section.key value` overrides that `loom train` takes.
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
 2 for usage errors. --timeline draws the schedule of a plan that does not fit too (as if memory allowed),
 says so, and still exits 1. A timeline with many micro-batches gets a second panel zoomed on the step's start.
@@ -162,6 +165,21 @@ def _check_sources(args: argparse.Namespace) -> None:
     given = [f"--{flag.replace('_', '-')}" for flag in taken if getattr(args, flag) not in (None, False)]
     if given:
         raise ValueError(f"{why}; leave out {' '.join(given)}")
+
+
+def _config(args: argparse.Namespace) -> TrainConfig | None:
+    """The training config CONFIG.toml with its `--section.key value` overrides (None without CONFIG)."""
+    overrides = getattr(args, "overrides", [])
+    if overrides and not args.config:
+        raise ValueError(
+            f"{' '.join(overrides)}: not a loom simulate option; --section.key overrides change a training "
+            "config, so give CONFIG.toml first (loom simulate CONFIG.toml --parallel.tp 4)"
+        )
+    try:
+        parse_overrides(overrides)
+    except ValueError as exc:  # `--parallel.tp 4 CONFIG.toml` took 4 for CONFIG.toml
+        raise ValueError(f"{exc} (the overrides go after CONFIG.toml)") from None
+    return load_config(args.config, overrides) if args.config else None
 
 
 def _read_plan(path: str) -> Plan:
@@ -323,8 +341,8 @@ def execute(args: argparse.Namespace) -> int:
     try:
         if args.timeline:
             require_matplotlib()
+        config = _config(args)
         _check_sources(args)
-        config = load_config(args.config) if args.config else None
         saved = _read_plan(args.plan) if args.plan else None
         model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
