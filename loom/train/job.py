@@ -12,8 +12,8 @@ samples come from the whole model gathered once training ends (see `check_pipeli
 still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
 (`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1; with pp > 1 built
 whole on every rank and cut into stages by its family's recipe, `build_pipeline`); on any data but the
-arithmetic task the job ends by continuing a few training prompts greedily, decoded by `data.tokenizer`. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
-start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
+arithmetic task the job ends by continuing a few training prompts greedily, decoded by `data.tokenizer`.
+`loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
 first step as well as later, is noticed.
 """
 
@@ -173,8 +173,8 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
 
 
 def all_stages(config: TrainConfig, model: nn.Module) -> list[BlockStage]:
-    """Every stage of the pipeline `build_pipeline` builds from `model`, in stage order (for the plan's
-    text and for gathering the whole model): the blocks cut evenly into `pp x virtual` stages."""
+    """Every stage of the pipeline `build_pipeline` builds from `model`, in stage order (the plan's text
+    lists them by pipeline rank): the blocks cut evenly into `pp x virtual` stages."""
     par = config.parallel
     count = par.pp * SCHEDULES[par.schedule].min_virtual
     if isinstance(model, GPT):
