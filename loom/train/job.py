@@ -13,8 +13,9 @@ still reject). With `[model] hf_config` or `hf_pretrained` the model is a Huggin
 (`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1; with pp > 1 built
 whole on every rank and cut into stages by its family's recipe, `build_pipeline`); on any data but the
 arithmetic task the job ends by continuing a few training prompts greedily, decoded by `data.tokenizer`.
-`loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
-first step as well as later, is noticed.
+`loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each start-up phase
+(`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its first step as well
+as later, is noticed.
 """
 
 from __future__ import annotations
