@@ -1,5 +1,6 @@
-"""Tiny `loom train` jobs on Hugging Face models (GPT-2, Llama: 2 layers, hidden 64) built offline from a
-config.json, trained on a text file tokenised by a local word-level tokenizer."""
+"""Tiny `loom train` jobs on Hugging Face models (GPT-2, Llama, Mixtral: 2 layers, hidden 64; Mixtral with 4
+experts, top-2) built offline from a config.json, trained on a text file tokenised by a local word-level
+tokenizer."""
 
 from pathlib import Path
 
@@ -13,18 +14,21 @@ VOCAB = 32  # the tokenizer's words and specials fit; a multiple of tp
 
 def hf_config(family: str):
     """The tiny model's Hugging Face config (dropout off, no cache)."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     if family == "gpt2":
         return GPT2Config(
             n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=1,
         )  # fmt: skip
-    return LlamaConfig(
+    common = dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
-        bos_token_id=1, eos_token_id=1,
+        bos_token_id=1, eos_token_id=1, attention_dropout=0.0,
     )  # fmt: skip
+    if family == "mixtral":  # no router loss: the model's loss is the cross entropy alone
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False)
+    return LlamaConfig(**common)
 
 
 def write_corpus(root: Path) -> tuple[Path, Path]:

@@ -163,9 +163,6 @@ def test_hf_config_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
     )
     (tmp_path / "vit.json").write_text('{"model_type": "vit"}')
     assert "not a causal language model" in _error(tmp_path, model={"hf_config": str(tmp_path / "vit.json")})
-    assert "pipelines for Hugging Face models through loom train are not built yet" in _error(
-        tmp_path, parallel={"pp": 2, "microbatches": 2}
-    )
     assert "change it there" in _error(tmp_path, data={"eos_id": 40})  # an id past the model's vocabulary
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert "pip install 'loom[hf]'" in _error(tmp_path)

@@ -9,6 +9,7 @@ Tier 1: stages composed in one process give the model's logits exactly (sdpa and
 loom's GPT through its recipe); bad recipes and splits are clear errors."""
 
 import functools
+from copy import deepcopy
 
 import hf_models
 import pytest
@@ -336,3 +337,20 @@ def test_a_head_tied_across_pipeline_ranks_is_refused_with_tensor_parallel_stage
     for message in dist_run(4, tied_tensor_parallel_case):
         assert "is tied between pipeline stages" in message, message
         assert "tie_word_embeddings = False" in message
+
+
+def test_a_copy_gathered_whole_runs_its_own_local_regions():
+    """`whole_model` deep-copies a model whose experts run as local regions (Mixtral with tp): the copy's
+    experts must run their own forward, not the shared wrapper, which calls the original module's."""
+    from loom.parallel.local_region import run_locally, run_normally
+
+    model = build("mixtral")
+    run_locally(model.model.layers[0].mlp.experts, "model.layers.0.mlp.experts")
+    copy = deepcopy(model)
+    copied, ids = copy.model.layers[0].mlp.experts, batches()[0]
+    with torch.no_grad():
+        copied.down_proj.zero_()  # the copy's experts now add nothing
+        assert torch.equal(copy(ids).logits, model(ids).logits)  # the wrapper ran the original's experts
+        run_normally(copy)
+        assert not torch.equal(copy(ids).logits, model(ids).logits)
+    assert not hasattr(copied, "loom_local")

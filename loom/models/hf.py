@@ -27,12 +27,14 @@ from torch.distributed.tensor import DTensor, Shard
 __all__ = [
     "WEIGHTS_INDEX",
     "build_model",
+    "causal_lm_class",
     "empty_model",
     "greedy",
     "load_weights",
     "model_shape",
     "read_config",
     "require_transformers",
+    "shifted_causal_lm_loss",
     "train_on_token_pairs",
 ]
 
@@ -103,6 +105,13 @@ def model_shape(config: Any) -> dict[str, Any]:
         else "learned",
         "mlp": "swiglu" if getattr(config, "hidden_act", None) == "silu" else "gelu",
     }
+
+
+def causal_lm_class(config: Any) -> str:
+    """The name of the causal LM class `AutoModelForCausalLM` builds from `config` (e.g. "LlamaForCausalLM")."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    return CAUSAL[config.model_type]
 
 
 def build_model(config: Any, seed: int) -> nn.Module:
@@ -247,6 +256,15 @@ def train_on_token_pairs(model: nn.Module) -> nn.Module:
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     model.register_forward_hook(after, prepend=True, always_call=True)
     return model
+
+
+def shifted_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The model's own causal LM loss (`ForCausalLMLoss`) of logits (batch, seq, vocab) against `targets`
+    already shifted (the inputs moved by one, as loom's data gives them): what `train_on_token_pairs` makes
+    the model return, as a pipeline's last stage computes it from its logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=targets)
 
 
 def greedy(

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["run_locally"]
+__all__ = ["run_locally", "run_normally"]
 
 
 def row_placements(placements: Sequence[Placement]) -> list[Placement]:
@@ -74,6 +74,15 @@ def run_locally(module: nn.Module, path: str) -> None:
 
     module.forward = forward
     module.loom_local = True
+
+
+def run_normally(model: nn.Module) -> None:
+    """Undo `run_locally` in `model`: each local region runs its class's forward again. For a copy of a
+    model gathered whole (`copy.deepcopy` shares the wrapper, which calls the original module's forward,
+    with the original's sharded parameters), which computes on plain tensors anyway."""
+    for module in model.modules():
+        if module.__dict__.pop("loom_local", False):
+            del module.forward  # the instance's wrapper; the class's forward shows through
 
 
 def _row_output(t: Any, path: str, mesh: Any, placements: list[Placement], rows: int, local_rows: int) -> Any:

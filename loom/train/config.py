@@ -582,18 +582,46 @@ class TrainConfig:
     def _check_hf_parallel(self, world_size: int | None) -> None:
         """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet (some rules need
         the data-parallel size: checked once `world_size` is known, or `parallel.dp` set)."""
-        par = self.parallel
-        if par.pp > 1:
-            raise ValueError(
-                f"parallel.pp = {par.pp}: pipelines for Hugging Face models through loom train are not built "
-                "yet; use parallel.pp = 1 (data and tensor parallel) or loom's GPT"
-            )
-        if par.tp == 1:
-            return  # data parallel: every optimizer level and recompute policy
-        if par.sequence_parallel:
+        par, model = self.parallel, self.model
+        if par.tp > 1 and par.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
                 "sequence yet; set sequence_parallel = false"
+            )
+        if par.pp > 1 and par.tp > 1 and model.tie_embeddings:
+            source = model.hf_config or str(Path(model.hf_pretrained or "") / "config.json")
+            raise ValueError(
+                f"parallel.pp = {par.pp} with parallel.tp = {par.tp}: the model's head is tied to its token "
+                f"table (tie_word_embeddings in {source}), and a table tied between pipeline stages is not "
+                "laid out tensor-parallel yet; set parallel.tp = 1, or parallel.pp = 1, or untie it "
+                '("tie_word_embeddings": false in its config.json)'
+            )
+        if par.pp > 1:
+            self._check_hf_pipeline()
+
+    def _check_hf_pipeline(self) -> None:
+        """A Hugging Face model cut into pipeline stages needs its family's recipe (where its embeddings,
+        blocks and head are: `loom.models.recipes`), and a loss that the last stage computes alone."""
+        from loom.models.hf import causal_lm_class
+        from loom.models.recipes import RECIPES
+
+        model, pp = self.model, self.parallel.pp
+        source = model.hf_config or str(Path(model.hf_pretrained or "") / "config.json")
+        hf_config = model.hf_model_config()
+        name = causal_lm_class(hf_config)
+        if name not in RECIPES:
+            known = sorted(n for n in RECIPES if n != "GPT")
+            raise ValueError(
+                f"parallel.pp = {pp}: loom has no pipeline recipe for {name} (model_type "
+                f"{hf_config.model_type!r} in {source}; recipes: {known}); use parallel.pp = 1 (data and "
+                "tensor parallel), or cut it in Python with loom.parallel.pipeline.model_pipeline(model, "
+                "mesh, recipe=Recipe(...))"
+            )
+        if getattr(hf_config, "output_router_logits", False):
+            raise ValueError(
+                f"parallel.pp = {pp}: {source} sets output_router_logits = true, whose auxiliary router "
+                'loss pipeline stages do not compute; set "output_router_logits": false there, or use '
+                "parallel.pp = 1"
             )
 
     def check_pipeline(self) -> None:

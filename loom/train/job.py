@@ -10,11 +10,12 @@ blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
 samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
 still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
-(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1, no pipelines yet);
-on any data but the arithmetic task the job ends by continuing a few training prompts greedily, decoded by
-`data.tokenizer`. `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each
-start-up phase (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its
-first step as well as later, is noticed.
+(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1; with pp > 1 built
+whole on every rank and cut into stages by its family's recipe, `build_pipeline`); on any data but the
+arithmetic task the job ends by continuing a few training prompts greedily, decoded by `data.tokenizer`.
+`loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each start-up phase
+(`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its first step as well
+as later, is noticed.
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import (
     SCHEDULES,
+    BlockStage,
     Pipeline,
+    balanced_partition,
     gpt_pipeline,
+    model_pipeline,
     pipeline_optimizer,
-    rank_stages,
+    split_gpt,
+    split_model,
+    stage_indices,
     stage_parameters,
     whole_gpt,
+    whole_model,
 )
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
@@ -89,22 +96,30 @@ def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
     Megatron module plan when `parallel.tp > 1`, else data parallel. `hf_config`: random weights seeded by
     `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads its own slices. The
     model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
-    model_config, par = config.model.hf_model_config(), config.parallel
-    if config.model.hf_pretrained is None:
-        model = _parallelize_hf(hf.build_model(model_config, config.train.seed), par.tp)
-    elif par.tp > 1:  # laid out on the meta device: each rank allocates and reads its shards alone
-        model = _parallelize_hf(hf.empty_model(model_config), par.tp)
+    par = config.parallel
+    if config.model.hf_pretrained is not None and par.tp > 1:
+        # laid out on the meta device: each rank allocates and reads its shards alone
+        model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par.tp)
         model.loom.materialize(model, "cpu")
         hf.load_weights(model, config.model.hf_pretrained)
-    else:  # every rank holds the whole model: read it, one tensor at a time, then replicate
-        model = hf.empty_model(model_config)
-        materialize(model, "cpu")
-        hf.load_weights(model, config.model.hf_pretrained)
-        model = _parallelize_hf(model, par.tp)
+    else:  # every rank holds the whole model, then replicates it (or lays it out)
+        model = _parallelize_hf(whole_hf_model(config), par.tp)
     if par.recompute != "none":
         for block in find_blocks(model)[1]:
             recompute(block, par.recompute)
     return hf.train_on_token_pairs(model)
+
+
+def whole_hf_model(config: TrainConfig) -> nn.Module:
+    """The whole Hugging Face causal LM of `[model]` on this process: `hf_config`'s with random weights
+    seeded by `train.seed` (the same on every rank), or `hf_pretrained`'s weights read one tensor at a time."""
+    model_config = config.model.hf_model_config()
+    if config.model.hf_pretrained is None:
+        return hf.build_model(model_config, config.train.seed)
+    model = hf.empty_model(model_config)
+    materialize(model, "cpu")
+    hf.load_weights(model, config.model.hf_pretrained)
+    return model
 
 
 def _parallelize_hf(model: nn.Module, tp: int) -> nn.Module:
@@ -129,22 +144,43 @@ def check_faults(config: TrainConfig, faults: Sequence[Fault]) -> None:
         )
 
 
-def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[GPT, Pipeline]:
-    """The GPT of `[model]` on the meta device, cut into stages balanced by blocks, and this rank's part of
-    the pipeline, with only its stages materialised (initialised as the whole model would be). With
-    `parallel.tp > 1` each stage is laid out tensor-parallel on its own dp x tp ranks (the strategies are
-    ignored at tp = 1, where the stages run unsharded)."""
+def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pipeline]:
+    """The model of `[model]` cut into `pp x virtual` stages balanced by blocks, and this rank's part of the
+    pipeline. loom's GPT is built on the meta device and only this rank's stages are materialised
+    (initialised as the whole model would be; `gpt_pipeline`). A Hugging Face model is built whole on every
+    rank (`whole_hf_model`), then cut by its family's recipe (`model_pipeline`): the other ranks' stages go
+    to the meta device, and the last stage's loss is the model's own on targets already shifted. With
+    `parallel.tp > 1` each stage is laid out tensor-parallel on its own dp x tp ranks (the GPT by its
+    strategies, a Hugging Face model by its recipe's Megatron module plan)."""
     par = config.parallel
-    with torch.device("meta"):
-        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
-    pipeline = gpt_pipeline(
-        model, mesh, schedule=par.schedule, microbatches=par.microbatches,
-        virtual=SCHEDULES[par.schedule].min_virtual, seed=config.train.seed,
-    )  # fmt: skip
+    virtual = SCHEDULES[par.schedule].min_virtual
+    if config.model.is_hf:
+        model = whole_hf_model(config)
+        pipeline = model_pipeline(
+            model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
+            loss_fn=hf.shifted_causal_lm_loss,
+        )  # fmt: skip
+    else:
+        with torch.device("meta"):
+            model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
+        pipeline = gpt_pipeline(
+            model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
+            seed=config.train.seed,
+        )  # fmt: skip
     for stage in pipeline.modules:
         for block in stage.blocks:
             recompute(block, par.recompute)
     return model, pipeline
+
+
+def all_stages(config: TrainConfig, model: nn.Module) -> list[BlockStage]:
+    """Every stage of the pipeline `build_pipeline` builds from `model`, in stage order (the plan's text
+    lists them by pipeline rank): the blocks cut evenly into `pp x virtual` stages."""
+    par = config.parallel
+    count = par.pp * SCHEDULES[par.schedule].min_virtual
+    if isinstance(model, GPT):
+        return split_gpt(model, balanced_partition([1.0] * len(model.blocks), count))
+    return split_model(model, count)
 
 
 # What `run` does before its first step, in order; each phase begins with a heartbeat, so each must take less
@@ -186,7 +222,7 @@ class Heartbeat:
 
 
 def build_trainer(
-    config: TrainConfig, model: GPT, callbacks: list, pipeline: Pipeline | None = None
+    config: TrainConfig, model: nn.Module, callbacks: list, pipeline: Pipeline | None = None
 ) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
     throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), a
@@ -350,13 +386,18 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
-    if isinstance(dataset, ArithmeticCorpus) and pipeline is None:
-        summary.update(_arithmetic_report(dataset, model))
-    elif isinstance(dataset, ArithmeticCorpus):
-        summary.update(_pipeline_arithmetic_report(dataset, model, mesh, pipeline))
-    elif pipeline is None:
-        summary.update(_text_samples(config, dataset, model))
+    if pipeline is None:
+        summary.update(_report(config, dataset, model))
+    else:
+        summary.update(_pipeline_report(config, dataset, model, mesh, pipeline))
     return summary
+
+
+def _report(config: TrainConfig, dataset: object, model: nn.Module) -> dict:
+    """What the run ends with: the arithmetic samples and accuracy, or greedy continuations of text."""
+    if isinstance(dataset, ArithmeticCorpus):
+        return _arithmetic_report(dataset, model)
+    return _text_samples(config, dataset, model)
 
 
 def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
@@ -374,17 +415,22 @@ def _arithmetic_report(corpus: ArithmeticCorpus, model: GPT) -> dict:
     return {"samples": samples, "accuracy": accuracy}
 
 
-def _pipeline_arithmetic_report(
-    corpus: ArithmeticCorpus, model: GPT, mesh: loom.Mesh, pipeline: Pipeline
+def _pipeline_report(
+    config: TrainConfig, dataset: object, model: nn.Module, mesh: loom.Mesh, pipeline: Pipeline
 ) -> dict:
-    """The samples and accuracy of a pipeline run: the whole model gathered on every rank (sampling runs
-    one token at a time, which a schedule of fixed micro-batch shapes cannot), decoded by rank 0 alone and
-    its report sent to the others."""
-    whole = whole_gpt(model, pipeline, mesh, schedule=pipeline.schedule_name, virtual=len(pipeline.modules))
+    """The report of a pipeline run (`_report`): the whole model gathered on every rank (sampling runs one
+    token at a time, which a schedule of fixed micro-batch shapes cannot), decoded by rank 0 alone and its
+    report sent to the others."""
+    if isinstance(model, GPT):
+        whole = whole_gpt(
+            model, pipeline, mesh, schedule=pipeline.schedule_name, virtual=len(pipeline.modules)
+        )
+    else:
+        whole = whole_model(model, pipeline, mesh)
     report: list[dict | None] = [None]
     if loom.rank() == 0:
         with unsharded():  # the whole model computes on this process alone
-            report = [_arithmetic_report(corpus, whole)]
+            report = [_report(config, dataset, whole)]
     dist.broadcast_object_list(report, src=0)
     return report[0]
 
@@ -420,9 +466,10 @@ def _model_name(config: TrainConfig, model: nn.Module) -> str:
     return f"{type(model).__name__} from {m.hf_pretrained or m.hf_config}, " if m.is_hf else ""
 
 
-def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
+def pipeline_plan_text(config: TrainConfig, model: nn.Module, mesh: loom.Mesh) -> str:
     """The plan of a pipeline run: mesh, schedule, each pipeline rank's stages (blocks, parameters)."""
     par, virtual = config.parallel, SCHEDULES[config.parallel.schedule].min_virtual
+    m = config.model
     lines = [
         f"plan: {mesh}, pipeline schedule {par.schedule} with {par.microbatches} micro-batches, "
         f"{par.pp * virtual} stages, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
@@ -433,12 +480,14 @@ def pipeline_plan_text(config: TrainConfig, model: GPT, mesh: loom.Mesh) -> str:
             if par.tp > 1
             else ""
         ),
-        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-        f"d_model {config.model.d_model}, {config.model.n_heads} heads",
+        f"model: {_model_name(config, model)}{model.num_parameters() / 1e6:.2f}M parameters, "
+        f"{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads",
     ]
+    every = all_stages(config, model)
+    head = "head (a copy of the tied embedding)" if m.tie_embeddings else "head"
     for pp_rank in range(par.pp):
-        for stage in rank_stages(model, par.schedule, par.pp, pp_rank, virtual):
-            head = "head (a copy of the tied embedding)" if config.model.tie_embeddings else "head"
+        for k in stage_indices(par.schedule, pp_rank, par.pp, virtual):
+            stage = every[k]
             parts = ["embedding"] * stage.first + [f"blocks {stage.block_indices}"] + [head] * stage.last
             count = sum(p.numel() for p in stage.parameters())
             lines.append(f"  pp rank {pp_rank}: {' + '.join(parts)}, {count / 1e6:.3f}M parameters")

@@ -32,6 +32,7 @@ from torch.distributed.tensor import Placement
 from loom.dist.mesh import Mesh
 from loom.layout.redistribute import full
 from loom.models.recipes import Recipe, piece, recipe_for, submodule
+from loom.parallel.local_region import run_normally
 from loom.parallel.pipeline.schedule import SCHEDULES, Pipeline, stage_indices
 from loom.parallel.pipeline.stages import balanced_partition
 from loom.parallel.pipeline.tensor_stages import lay_out_stages, sharded_loss
@@ -406,6 +407,7 @@ def whole_model(
                 owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
     with torch.no_grad(), pipeline.full_parameters():
         whole = copy.deepcopy(model)  # this rank's stages whole inside the block, the others' on meta
+    run_normally(whole)  # a local region's wrapper would call the original module, not its copy
     device = next(iter(pipeline.parameters())).device
     _replace_parameters(
         whole, lambda p: torch.empty_like(p, device=device) if p.is_meta else full(p.detach())
