@@ -196,13 +196,10 @@ def _layer_params(model: TransformerConfig, plan: ParallelPlan, unit: str) -> li
     t, h, d, f = plan.tp, model.hidden, model.head_dim, model.ffn
     q, kv = model.heads * d, model.kv * d
     norm = [_Param(h, WORLD, 1, unit)] * (2 if model.norm == "layernorm" else 1)
-    cut = [
-        _Param(h * q // t, DP, 1, unit),
-        _Param(h * kv // t, DP, 1, unit),
-        _Param(h * kv // t, DP, 1, unit),
-    ]
+    widths = [q + 2 * kv] if model.fused_qkv else [q, kv, kv]  # one matrix, or three
+    cut = [_Param(h * w // t, DP, 1, unit) for w in widths]
     if model.biases:
-        cut += [_Param(q // t, DP, 1, unit), _Param(kv // t, DP, 1, unit), _Param(kv // t, DP, 1, unit)]
+        cut += [_Param(w // t, DP, 1, unit) for w in widths]
     attention = cut + [_Param(q * h // t, DP, 1, unit)]
     mats = 3 if model.gated_mlp else 2
     mlp = [_Param(h * f // t, DP, 1, unit) for _ in range(mats)]
