@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from loom.dist._torch_private import dispatch_mode_base, group_of_name, unbox_process_group
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all", "broadcast", "send", "recv")
 
@@ -72,7 +73,7 @@ class Collective:
         return len(self.ranks)
 
 
-class CollectiveRecorder(TorchDispatchMode):
+class CollectiveRecorder(dispatch_mode_base()):
     """Inside `with CollectiveRecorder() as rec:`, every collective this rank issues is appended to
     `rec.calls` (a `Collective`), in issue order. Operations on DTensors pass through untouched, so that
     DTensor turns them into the functional collectives recorded here."""
@@ -112,11 +113,9 @@ def _describe(func, kind: str, args: tuple, kwargs: dict) -> Collective:
 
 def _group_ranks(bound: dict) -> tuple[int, ...]:
     if "process_group" in bound:
-        group = dist.ProcessGroup.unbox(bound["process_group"])
+        group = unbox_process_group(bound["process_group"])
     else:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(bound["group_name"])
+        group = group_of_name(bound["group_name"])
     return tuple(dist.get_process_group_ranks(group))
 
 
