@@ -137,8 +137,10 @@ def recorder_case():
         gathered = torch.empty(8)
         all_gather_flat(gathered, buffer[:4], group=tp)  # output: 32 bytes
         reduce_scatter_flat(torch.empty(2), buffer, group=tp)  # input: 16 bytes
-        dist.broadcast(buffer, src=dist.get_rank() - mesh.axis_rank("tp"), group=tp)  # 16 bytes
-        cut = torch.distributed.tensor.distribute_tensor(
+        first = dist.get_rank() - mesh.axis_rank("tp")  # the tp group's first rank (tp is innermost)
+        dist.broadcast(buffer, src=first, group=tp)  # 16 bytes
+        dist.reduce(buffer, dst=first, group=tp)  # 16 bytes
+        cut = torch.distributed.tensor.distribute_tensor(  # scattered from the first rank: 16 bytes each
             torch.arange(8.0), mesh["tp"], [torch.distributed.tensor.Shard(0)]
         )
         cut.full_tensor()  # DTensor's functional all-gather: 32 bytes gathered
@@ -154,6 +156,8 @@ def test_recorder_sizes_each_kind_by_its_convention(dist_run):
                 ("all_gather", "tp", 32): 2,
                 ("reduce_scatter", "tp", 16): 1,
                 ("broadcast", "tp", 16): 1,
+                ("reduce", "tp", 16): 1,
+                ("scatter", "tp", 16): 1,
             }
         )
 

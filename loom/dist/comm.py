@@ -7,7 +7,8 @@ buckets, ZeRO's gathers): both reach the dispatcher as `_c10d_functional.*` and 
 
 Bytes follow one convention, nccl-tests' (and `loom.cost.collectives`'): the whole buffer of the collective
 as one rank holds it. all-reduce and broadcast: the buffer; all-gather: the gathered output; reduce-scatter:
-the input before scattering; all-to-all: the rank's send buffer.
+the input before scattering; all-to-all: the rank's send buffer; send, receive and reduce: the buffer;
+gather to one rank: the rank's contribution; scatter from one rank: the piece each rank receives.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from torch.utils._pytree import tree_leaves
 
 from loom.dist._torch_private import dispatch_mode_base, group_of_name, unbox_process_group
 
-KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all", "broadcast", "send", "recv")
+# longer names first: "allreduce" and "reducescatter" contain "reduce"
+KINDS = (
+    "reduce_scatter", "all_gather", "all_reduce", "all_to_all", "broadcast", "send", "recv",
+    "gather", "scatter", "reduce",
+)  # fmt: skip
 
 # operator namespaces of collectives: process-group calls, and the functional collectives DTensor issues
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -38,6 +43,9 @@ _SIZED_BY = {
     "all_to_all": ("input_tensors", "input", "input_tensor"),
     "send": ("tensors",),
     "recv": ("tensors",),
+    "gather": ("input_tensors",),
+    "scatter": ("output_tensors",),
+    "reduce": ("tensors",),
 }
 
 
