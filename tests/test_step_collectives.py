@@ -116,6 +116,34 @@ def test_hf_description_reads_gpt2s_biases_and_fused_projection():
     assert llama.parameter_count() == sum(p.numel() for p in build("llama").parameters())
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_simulator_prices_the_predicted_collectives(sequence_parallel):
+    """One source of truth: each piece's tp_comm is the predicted list priced collective by collective."""
+    from loom.cost.collectives import collective_time, group_span
+    from loom.cost.hardware import get_cluster
+    from loom.cost.layer import piece_costs
+    from loom.cost.traffic import embedding_collectives, head_collectives, layer_collectives
+
+    cluster, plan = get_cluster("a100-80gb", gpus=4), _plan(0, sequence_parallel)
+    pieces = piece_costs(LLAMA, plan, cluster)
+
+    def priced(collectives, phase):
+        span = {"tp": group_span(2, 1, cluster.gpus_per_node), "dp": group_span(2, 2, cluster.gpus_per_node)}
+        return sum(
+            c.count * collective_time(c.kind, c.nbytes, span[c.axis], cluster)
+            for c in collectives
+            if c.phase == phase
+        )
+
+    head = head_collectives(LLAMA, plan, counted_loss=False)
+    assert pieces.layer_fwd["tp_comm"] == priced(layer_collectives(LLAMA, plan), "forward") > 0
+    assert pieces.layer_bwd["tp_comm"] == priced(layer_collectives(LLAMA, plan), "backward") > 0
+    assert pieces.embed_fwd["tp_comm"] == priced(embedding_collectives(LLAMA, plan), "forward") > 0
+    assert pieces.embed_bwd["tp_comm"] == priced(embedding_collectives(LLAMA, plan), "backward")
+    assert pieces.head_fwd["tp_comm"] == priced(head, "forward") > 0
+    assert pieces.head_bwd["tp_comm"] == priced(head, "backward") > 0
+
+
 def test_unsupported_plans_are_refused():
     with pytest.raises(ValueError, match="tp > 1"):
         step_collectives(LLAMA, _plan(0).replace(tp=1))
@@ -228,7 +256,9 @@ def test_one_step_issues_the_predicted_collectives(dist_run, family, level, sequ
         ("llama", 1, False, 25.0),
         ("llama", 2, False, 25.0),
         ("gpt2", 0, False, 25.0),
+        ("gpt2", 2, False, 25.0),
         ("gpt2", 3, False, 25.0),
+        ("gpt", 1, False, 25.0),
         ("gpt", 3, False, 25.0),
         ("llama", 0, False, 0.05),
     ],
