@@ -1,7 +1,7 @@
 """Tier 2: a Llama-style GPT (rotary positions, RMSNorm, SwiGLU, grouped-query attention, untied head)
 through a pipeline gives one device's losses, gradient norms, evaluation loss and parameters: pp=2 on 2
 ranks (a zero-bubble schedule: the weight-gradient passes apart), and dp=2 x tp=2 x pp=2 on 8 ranks with
-sequence parallelism and two stages per rank."""
+sequence parallelism and two stages per rank. Four blocks: one per stage (8 ranks share 2 cores here)."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ from pipeline_cases import assert_matches_one_device, pipeline_case
 from test_pipeline_equivalence import CONFIG
 
 LLAMA = dataclasses.replace(
-    CONFIG, n_heads=4, n_kv_heads=2, norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False
+    CONFIG, n_layers=4, n_heads=4, n_kv_heads=2, norm="rmsnorm", positions="rotary", mlp="swiglu"
 )
 ACCUM = 2
 

@@ -175,6 +175,22 @@ def test_simulate_a_config_prices_the_run_loom_train_makes(capsys):
     assert "CONFIG.toml sets the model" in capsys.readouterr().err
 
 
+def test_simulate_a_config_takes_loom_trains_overrides(capsys):
+    overrides = ["--train.workers", "8", "--parallel.tp=4", "--parallel.optimizer_level", "2"]
+    assert main(["simulate", DEMO, *overrides, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    model, priced = load_config(DEMO, overrides).cost_model(8)
+    assert data["plan"] == priced.to_dict() and (priced.dp, priced.tp, priced.optimizer_level) == (2, 4, 2)
+    assert main(["simulate", DEMO, "--parallel.tpp", "4"]) == 2
+    assert "did you mean 'parallel.tp'" in capsys.readouterr().err
+    assert main(["simulate", "--parallel.tp", "4", DEMO]) == 2  # 4 was taken for CONFIG.toml
+    assert "the overrides go after CONFIG.toml" in capsys.readouterr().err
+    assert main(["simulate", "--model", "gpt3-175b", "--parallel.tp=4"]) == 2
+    assert "give CONFIG.toml first" in capsys.readouterr().err
+    assert main(["checkpoint", "ls", "runs", "--parallel.tp=4"]) == 2  # only simulate takes them
+    assert "unrecognized arguments: --parallel.tp=4" in capsys.readouterr().err
+
+
 # ---- checkpoints store the Plan ----
 def test_checkpoint_plan_json_loads_as_a_plan(tmp_path, capsys):
     config = load_config(None, ["--parallel.optimizer_level=0", "--parallel.recompute=full"])

@@ -144,16 +144,18 @@ def test_arithmetic_prompts_and_accuracy():
         assert int(answer) == int(a) + int(b)
     asked = []
 
-    def oracle(prompt: str, max_new_tokens: int) -> str:
-        asked.append(max_new_tokens)
-        a, b = prompt[:-1].split("+")
-        return f"{int(a) + int(b)}\n7+"
+    def oracle(prompts: list[str], max_new_tokens: int) -> list[str]:
+        asked.append((len(prompts), max_new_tokens))
+        sums = (sum(map(int, prompt[:-1].split("+"))) for prompt in prompts)
+        return [f"{total}\n7+" for total in sums]
 
     assert corpus.accuracy(oracle, n=20) == 1.0
-    assert set(asked) == {corpus.max_answer_tokens} and corpus.max_answer_tokens == 3
-    assert corpus.accuracy(lambda p, n: p + "0\n", n=20) == pytest.approx(
+    assert asked == [(20, corpus.max_answer_tokens)] and corpus.max_answer_tokens == 3
+    assert corpus.accuracy(lambda ps, n: [p + "0\n" for p in ps], n=20) == pytest.approx(
         sum(a == "0" for _, a in corpus.prompts(20)) / 20
     )
+    with pytest.raises(ValueError, match="answered 1 texts for 20 prompts"):
+        corpus.accuracy(lambda ps, n: ["0"], n=20)
     with pytest.raises(ValueError, match="ops '\\*'"):
         ArithmeticCorpus(32, ops="*")
 

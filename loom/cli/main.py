@@ -1,8 +1,10 @@
 """The `loom` command: one entry point, one small module per subcommand.
 
 A subcommand module provides NAME, HELP (one line for `loom --help`), DESCRIPTION (its own `--help`
-text, with examples), `configure(parser)` to add its arguments and `execute(args) -> int` to run.
-Adding a subcommand is writing such a module and listing it in `_COMMANDS`.
+text, with examples), `configure(parser)` to add its arguments and `execute(args) -> int` to run. A module
+with `TAKES_CONFIG_OVERRIDES = True` also receives the `--section.key value` pairs given after its options
+as `args.overrides` (`loom simulate CONFIG.toml --parallel.tp 4`). Adding a subcommand is writing such a
+module and listing it in `_COMMANDS`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _module(command: str | None) -> object:
+    return next((module for module in _COMMANDS if module.NAME == command), None)
+
+
 def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
@@ -56,7 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command with `argv` (default: sys.argv[1:]); return the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(_module(args.command), "TAKES_CONFIG_OVERRIDES", False):
+            parser.parse_args(argv)  # argparse's own error: unrecognized arguments
+        if extra:
+            args.overrides = extra
     except SystemExit as exc:  # --help or a usage error: argparse printed it; report its status
         return _exit_code(exc)
     if args.command is None:

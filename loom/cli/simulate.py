@@ -11,21 +11,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from loom.cost.hardware import PROFILES, get_cluster
+from loom.cost.hardware import PROFILES, Link, get_cluster
 from loom.cost.plan import ParallelPlan
+from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDULES, Plan, default_schedule
 from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
-from loom.train.config import TrainConfig, load_config
+from loom.train.config import TrainConfig, load_config, parse_overrides
 
 NAME = "simulate"
+TAKES_CONFIG_OVERRIDES = True  # `loom simulate CONFIG.toml --parallel.tp 4`, as `loom train` takes them
 HELP = "predict step time, MFU and memory of a parallel plan (no GPU needed)"
 DESCRIPTION = f"""\
 Simulate one training iteration of a transformer under a parallel plan on a modelled cluster: the pipeline
@@ -33,6 +36,7 @@ schedule played as events, tensor/expert/data-parallel communication, recomputat
 
 examples:
   loom simulate configs/demo.toml            # the run `loom train configs/demo.toml` makes
+  loom simulate configs/demo.toml --train.workers 8 --parallel.tp 4   # ... with loom train's overrides
   loom simulate --plan plan.json --model llama3-8b --hardware h100-sxm --global-batch 512 --seq 4096
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --interleave 3 \\
       --global-batch 1536 --recompute selective --sequence-parallel
@@ -41,13 +45,16 @@ examples:
   loom simulate --layers 24 --hidden 2048 --heads 16 --vocab 32000 --gpus 8 --tp 2 --global-batch 64
   loom simulate --model gpt3-175b --gpus 64 --tp 8 --pp 8 --interleave 3 --global-batch 64 --timeline t.png
   loom simulate --model-config config.json --hardware this-machine.json --gpus 2
+  loom simulate --model llama3-8b --gpus 8 --tp 8 --global-batch 64 --seq 4096 --recompute full \\
+      --replicas 4 --link-gbps 1 --sync-every 100 --fragments 4 --fragment-delay 5
 
 models: {", ".join(PRESETS)}
 hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`
 
 dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
 with --plan to dp * the plan's micro-batches * micro-batch. A CONFIG.toml sets the model, the plan, the batch
-and the devices itself: only the hardware and output options go with it.
+and the devices itself: only the hardware and output options go with it, and after CONFIG.toml the
+`--section.key value` overrides that `loom train` takes.
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
 2 for usage errors. --timeline draws the schedule of a plan that does not fit too (as if memory allowed),
 says so, and still exits 1. A timeline with many micro-batches gets a second panel zoomed on the step's start.
@@ -119,6 +126,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
     plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
     plan.add_argument("--dtype", choices=PRECISIONS, help="default bf16")
+    slow = parser.add_argument_group(
+        "replicas over a slow link (the plan above is one replica): synchronous data parallelism vs DiLoCo"
+    )
+    slow.add_argument("--replicas", type=positive_int, help="replicas joined by the slow link")
+    slow.add_argument(
+        "--link-gbps", type=float, default=1.0, help="bandwidth per replica, Gbit/s (default 1)"
+    )
+    slow.add_argument("--link-latency-ms", type=float, default=10.0, help="latency per hop (default 10 ms)")
+    slow.add_argument("--sync-every", type=positive_int, default=50, help="DiLoCo's inner steps (default 50)")
+    slow.add_argument("--fragments", type=positive_int, default=1, help="streaming fragments (default 1)")
+    slow.add_argument("--fragment-delay", type=int, default=0, help="inner steps a fragment's sync overlaps")
+    slow.add_argument("--outer-dtype", choices=("fp32", "bf16"), default="fp32", help="pseudo-gradients sent")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument(
@@ -162,6 +181,21 @@ def _check_sources(args: argparse.Namespace) -> None:
     given = [f"--{flag.replace('_', '-')}" for flag in taken if getattr(args, flag) not in (None, False)]
     if given:
         raise ValueError(f"{why}; leave out {' '.join(given)}")
+
+
+def _config(args: argparse.Namespace) -> TrainConfig | None:
+    """The training config CONFIG.toml with its `--section.key value` overrides (None without CONFIG)."""
+    overrides = getattr(args, "overrides", [])
+    if overrides and not args.config:
+        raise ValueError(
+            f"{' '.join(overrides)}: not a loom simulate option; --section.key overrides change a training "
+            "config, so give CONFIG.toml first (loom simulate CONFIG.toml --parallel.tp 4)"
+        )
+    try:
+        parse_overrides(overrides)
+    except ValueError as exc:  # `--parallel.tp 4 CONFIG.toml` took 4 for CONFIG.toml
+        raise ValueError(f"{exc} (the overrides go after CONFIG.toml)") from None
+    return load_config(args.config, overrides) if args.config else None
 
 
 def _read_plan(path: str) -> Plan:
@@ -317,14 +351,51 @@ def _print(
     console.print(BUBBLE_DEFINITION, highlight=False)
 
 
+def _slow_links(args: argparse.Namespace, model: TransformerConfig, result: SimResult) -> SlowLinkComparison:
+    """This replica's step against `--replicas` of them over the slow link (`loom.cost.slow_links`)."""
+    if args.link_gbps <= 0 or args.link_latency_ms < 0:
+        raise ValueError(f"--link-gbps {args.link_gbps} must be > 0 and --link-latency-ms >= 0")
+    link = Link(name="slow link", bandwidth=args.link_gbps * 1e9 / 8, latency_s=args.link_latency_ms / 1e3,
+                efficiency=1.0)  # fmt: skip
+    return compare_sync(
+        replica_step_s=result.iteration_s, parameters=model.parameter_count(), replicas=args.replicas,
+        link=link, sync_every=args.sync_every, grad_bytes_per_value=4,
+        outer_bytes_per_value=2 if args.outer_dtype == "bf16" else 4, fragments=args.fragments,
+        fragment_delay=args.fragment_delay,
+    )  # fmt: skip
+
+
+def _slow_json(slow: SlowLinkComparison) -> dict:
+    return asdict(slow) | {"speedup": slow.speedup, "byte_reduction": slow.byte_reduction}
+
+
+def _print_slow(console: Console, args: argparse.Namespace, slow: SlowLinkComparison) -> None:
+    table = Table(
+        title=f"{args.replicas} replicas over {args.link_gbps:g} Gbit/s, {args.link_latency_ms:g} ms "
+        f"(DiLoCo: sync every {args.sync_every}, {args.fragments} fragment(s), delay {args.fragment_delay}, "
+        f"{args.outer_dtype})"
+    )
+    for column in ("", "step", "GB sent per step"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row("one replica alone", _duration(slow.replica_step_s), "0")
+    table.add_row("synchronous data parallel", _duration(slow.synchronous_step_s),
+                  f"{slow.synchronous_bytes_per_step / 1e9:.3f}")  # fmt: skip
+    table.add_row("DiLoCo", _duration(slow.diloco_step_s), f"{slow.diloco_bytes_per_step / 1e9:.3f}")
+    console.print(table)
+    console.print(
+        f"DiLoCo steps {slow.speedup:.2f}x faster and sends {slow.byte_reduction:.0f}x fewer bytes; it needs "
+        "somewhat more tokens for the same loss (benchmarks/diloco.py measures both)."
+    )
+
+
 def execute(args: argparse.Namespace) -> int:
     """Simulate and print; return the exit status."""
     console = Console(stderr=False)
     try:
         if args.timeline:
             require_matplotlib()
+        config = _config(args)
         _check_sources(args)
-        config = load_config(args.config) if args.config else None
         saved = _read_plan(args.plan) if args.plan else None
         model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
@@ -344,12 +415,20 @@ def execute(args: argparse.Namespace) -> int:
     except ValueError as exc:  # an unknown hardware profile or a broken profile file
         print(f"loom simulate: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        slow = _slow_links(args, model, result) if args.replicas else None
+    except ValueError as exc:
+        print(f"loom simulate: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(_json(model, plan, result, [] if result.fits else [result.reason])))
+        data = _json(model, plan, result, [] if result.fits else [result.reason])
+        print(json.dumps(data | ({"slow_links": _slow_json(slow)} if slow else {})))
     elif not result.fits:
         print(f"loom simulate: the plan does not fit: {result.reason}", file=sys.stderr)
     else:
         _print(console, model, plan, cluster, result)
+        if slow is not None:
+            _print_slow(console, args, slow)
     if args.timeline:
         title = f"{model.name}: {result.iteration_s:.2f} s" + (
             "" if result.fits else " (does not fit in memory)"

@@ -251,21 +251,26 @@ def train_on_token_pairs(model: nn.Module) -> nn.Module:
 
 def greedy(
     logits_of: Callable[[torch.Tensor], torch.Tensor],
-    ids: list[int],
+    prompts: list[list[int]],
     max_new_tokens: int,
     window: int,
     multiple: int = 1,
-) -> list[int]:
-    """The `max_new_tokens` ids a causal LM picks greedily after `ids`. `logits_of` maps a (1, length) batch
-    of ids to whole logits (1, length, vocab); at most the last `window` ids are fed, right-padded to a
-    multiple of `multiple` (a sequence cut over ranks needs it; causality keeps padding out of the answer)."""
-    ids = list(ids)
+) -> list[list[int]]:
+    """The `max_new_tokens` ids a causal LM picks greedily after each of `prompts`, all decoded as one batch.
+    `logits_of` maps a (batch, length) tensor of ids to whole logits (batch, length, vocab). Each row feeds
+    at most its last `window` ids, right-padded to the longest row and to a multiple of `multiple` (a
+    sequence cut over ranks needs it): causality keeps a row's padding out of its answer, so each row's ids
+    are those it would get alone (up to the kernels' rounding of a batch)."""
+    rows = [list(ids) for ids in prompts]
     window -= window % multiple
-    new = []
+    new: list[list[int]] = [[] for _ in rows]
     for _ in range(max_new_tokens):
-        context = ids[-window:]
-        padded = context + [0] * (-len(context) % multiple)
-        logits = logits_of(torch.tensor([padded]))
-        new.append(int(logits[0, len(context) - 1].argmax()))
-        ids.append(new[-1])
+        contexts = [ids[-window:] for ids in rows]
+        length = max(map(len, contexts))
+        length += -length % multiple
+        batch = torch.tensor([context + [0] * (length - len(context)) for context in contexts])
+        logits = logits_of(batch)
+        for row, context in enumerate(contexts):
+            new[row].append(int(logits[row, len(context) - 1].argmax()))
+            rows[row].append(new[row][-1])
     return new

@@ -167,13 +167,21 @@ def parallelize(
 
 
 def parallelize_part(
-    part: nn.Module, mesh: Mesh, *, module_plan: dict[str, Any], root: nn.Module, bucket_mb: float = 25.0
+    part: nn.Module,
+    mesh: Mesh,
+    *,
+    module_plan: dict[str, Any],
+    root: nn.Module,
+    bucket_mb: float = 25.0,
+    batch_axes: str | Sequence[str] | None = None,
 ) -> nn.Module:
-    """Lay out `part`, a piece of `root` (a pipeline stage), on `mesh` in semi_auto mode by `module_plan`,
-    whose patterns are matched against `root`'s module paths (modules outside `part` are skipped). The mesh
-    is an argument: below the API surface nothing reads the current mesh."""
+    """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica), on `mesh` in semi_auto mode
+    by `module_plan`, whose patterns are matched against `root`'s module paths (modules outside `part` are
+    skipped). `batch_axes` as in `parallelize` (`()`: every rank of `mesh` brings the same batch, as the
+    tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing reads
+    the current mesh."""
     return _parallelize(
-        part, mesh, "semi_auto", None, False, None, bucket_mb, None, None, module_plan, plan_root=root
+        part, mesh, "semi_auto", None, False, None, bucket_mb, None, batch_axes, module_plan, plan_root=root
     )
 
 

@@ -232,23 +232,31 @@ def build_trainer(
 
 
 @torch.no_grad()
-def generate(model: nn.Module, mesh: loom.Mesh, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of `prompt` in byte tokens (every data-parallel rank decodes the same prompt)."""
+def generate(model: nn.Module, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy continuations of `prompts` in byte tokens, decoded as one batch (every data-parallel rank
+    brings the same prompts)."""
     tokenizer = ByteTokenizer()
-    return tokenizer.decode(generate_ids(model, tokenizer.encode(prompt), max_new_tokens))
+    encoded = [tokenizer.encode(prompt) for prompt in prompts]
+    return [tokenizer.decode(ids) for ids in generate_batch(model, encoded, max_new_tokens)]
+
+
+def generate_ids(model: nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after `ids`."""
+    return generate_batch(model, [ids], max_new_tokens)[0]
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after `ids`, decoded by every
-    rank of its mesh at once (each data-parallel rank brings the same prompt; logits are gathered whole)."""
+def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after each of `prompts`, as
+    one batch decoded by every rank of its mesh at once (each data-parallel rank brings the same prompts;
+    logits are gathered whole)."""
     if isinstance(model, GPT):
         multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
         return hf.greedy(
-            lambda x: loom.full(model(x)), ids, max_new_tokens, model.config.max_seq_len, multiple
+            lambda x: loom.full(model(x)), prompts, max_new_tokens, model.config.max_seq_len, multiple
         )
     window = model.config.max_position_embeddings
-    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), ids, max_new_tokens, window)
+    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), prompts, max_new_tokens, window)
 
 
 def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count: int = 3) -> dict:
@@ -343,7 +351,7 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     losses = [r.loss for r in results]
     summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
     if isinstance(dataset, ArithmeticCorpus) and pipeline is None:
-        summary.update(_arithmetic_report(dataset, model, mesh))
+        summary.update(_arithmetic_report(dataset, model))
     elif isinstance(dataset, ArithmeticCorpus):
         summary.update(_pipeline_arithmetic_report(dataset, model, mesh, pipeline))
     elif pipeline is None:
@@ -358,11 +366,11 @@ def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
     return [tuple(next(batches)) for _ in range(config.train.eval_batches)]
 
 
-def _arithmetic_report(corpus: ArithmeticCorpus, model: GPT, mesh: loom.Mesh) -> dict:
-    samples = [
-        (p, a, generate(model, mesh, p, corpus.max_answer_tokens)) for p, a in corpus.prompts(8, seed=7)
-    ]
-    accuracy = corpus.accuracy(lambda p, n: generate(model, mesh, p, n), n=100, seed=7)
+def _arithmetic_report(corpus: ArithmeticCorpus, model: GPT) -> dict:
+    pairs = corpus.prompts(8, seed=7)
+    answers = generate(model, [p for p, _ in pairs], corpus.max_answer_tokens)
+    samples = [(p, a, out) for (p, a), out in zip(pairs, answers, strict=True)]
+    accuracy = corpus.accuracy(lambda prompts, n: generate(model, prompts, n), n=100, seed=7)
     return {"samples": samples, "accuracy": accuracy}
 
 
@@ -376,7 +384,7 @@ def _pipeline_arithmetic_report(
     report: list[dict | None] = [None]
     if loom.rank() == 0:
         with unsharded():  # the whole model computes on this process alone
-            report = [_arithmetic_report(corpus, whole, mesh)]
+            report = [_arithmetic_report(corpus, whole)]
     dist.broadcast_object_list(report, src=0)
     return report[0]
 

@@ -81,17 +81,23 @@ class ArithmeticCorpus:
         """Tokens an answer may take, with its closing newline."""
         return len(str(2 * self.max_operand)) + 1
 
-    def accuracy(self, generate: Callable[[str, int], str], n: int = 100, seed: int | None = None) -> float:
-        """Exact-match accuracy of `generate(prompt, max_new_tokens) -> text` on `n` prompts.
+    def accuracy(
+        self, generate: Callable[[list[str], int], list[str]], n: int = 100, seed: int | None = None
+    ) -> float:
+        """Exact-match accuracy of `generate(prompts, max_new_tokens) -> texts` (one text per prompt, all
+        asked at once so that a model decodes them as one batch) on `n` prompts.
 
-        The generated text is read up to its first newline; a generation that repeats the prompt first is
+        A generated text is read up to its first newline; a generation that repeats the prompt first is
         accepted too (the prompt is stripped).
         """
         if n < 1:
             raise ValueError(f"accuracy needs n >= 1 prompts, got {n}")
+        pairs = self.prompts(n, seed)
+        outputs = generate([prompt for prompt, _ in pairs], self.max_answer_tokens)
+        if len(outputs) != len(pairs):
+            raise ValueError(f"generate answered {len(outputs)} texts for {len(pairs)} prompts")
         correct = 0
-        for prompt, answer in self.prompts(n, seed):
-            out = generate(prompt, self.max_answer_tokens)
+        for (prompt, answer), out in zip(pairs, outputs, strict=True):
             out = out.removeprefix(prompt)
             correct += out.split("\n", 1)[0].strip() == answer
         return correct / n

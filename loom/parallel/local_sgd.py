@@ -1,0 +1,305 @@
+"""Training over slow links: replicas that step alone and meet every `sync_every` steps.
+
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    optimizer = DiLoCo(model.parameters(), inner, sync_every=50, group=replicas)   # or LocalSGD(...)
+    for batch in data:                      # each replica its own batches; gradients are NOT synchronised
+        model(*batch).backward()
+        optimizer.step()                    # an inner step; every 50th also an outer step over `group`
+        optimizer.zero_grad()
+
+- **LocalSGD**: every `sync_every` inner steps the replicas replace their parameters by the average (one
+  all-reduce of the parameters' bytes).
+- **DiLoCo** (Douillard et al. 2023): each replica keeps the global weights of the last sync; at a sync
+  the pseudo-gradient `global - local` is averaged over the replicas and fed to an outer optimizer (SGD with
+  Nesterov momentum by default) that updates the global weights, which every replica then copies. With
+  outer SGD at lr 1 and no momentum this is LocalSGD; with `sync_every = 1`, inner SGD and that outer step
+  it is synchronous data parallelism.
+- **Streaming** (`fragments = F`): the parameters are cut into F fragments of about equal bytes, in
+  parameter order; fragment f meets at inner steps `f * sync_every / F + k * sync_every`, so each fragment
+  still syncs once per `sync_every` steps and a sync moves 1/F of the bytes. With `fragment_delay = d > 0`
+  the average is started asynchronously and applied `d` inner steps later, overlapped with them; the
+  replica then mixes: `local = mix * local_now + (1 - mix) * global_new` (Streaming DiLoCo's alpha).
+- `outer_dtype = torch.bfloat16` sends pseudo-gradients in bf16 (half the bytes); the outer step and the
+  global weights stay fp32.
+
+Parameters may be DTensors (a replica sharded by tp): every operation here works on each rank's local
+shard, so the sharding must be the same in every replica (rank r of each replica holds the same slice).
+`group` is the process group of the replicas this rank meets (e.g. a mesh's "dp" axis); None means all
+ranks. Nothing else communicates: a step between syncs issues no collective. The state (inner and outer
+optimizer, global weights, step count) is in `state_dict()` and resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["DiLoCo", "LocalSGD", "fragments_of"]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of `param` (its shard, for a DTensor)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def fragments_of(params: list[torch.Tensor], count: int) -> list[list[int]]:
+    """Indices of `params` cut into `count` consecutive fragments of about equal bytes (each non-empty)."""
+    if not 1 <= count <= len(params):
+        raise ValueError(
+            f"fragments = {count} must be between 1 and the number of parameters ({len(params)})"
+        )
+    sizes = [_local(p).numel() * _local(p).element_size() for p in params]
+    total, out, start, done = sum(sizes), [], 0, 0
+    for f in range(count):
+        target = total * (f + 1) / count
+        end = start + 1  # at least one parameter per fragment
+        done += sizes[start]
+        while end < len(params) - (count - f - 1) and done + sizes[end] / 2 <= target:
+            done += sizes[end]
+            end += 1
+        if f == count - 1:
+            end = len(params)
+        out.append(list(range(start, end)))
+        start = end
+    return out
+
+
+def _check_every(sync_every: object) -> int:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(
+            f"sync_every = {sync_every!r} must be a positive integer (inner steps between syncs)"
+        )
+    return sync_every
+
+
+def _all_reduce_mean(flat: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
+    """Sum `flat` over `group` in place (the caller divides); returns the work handle when `async_op`."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    return dist.all_reduce(flat, group=group, async_op=async_op)
+
+
+def _replicas(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+class _Replicated:
+    """What LocalSGD and DiLoCo share: the inner optimizer, the step count, the parameter list."""
+
+    def __init__(
+        self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, sync_every: int, group: Any
+    ) -> None:
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("no parameters to synchronise")
+        owned = {id(p) for g in inner.param_groups for p in g["params"]}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in owned]
+        if missing:
+            raise ValueError(
+                f"parameters {missing[:5]} are not in the inner optimizer: give the same parameters to both"
+            )
+        self.inner = inner
+        self.sync_every = _check_every(sync_every)
+        self.group = group
+        self.inner_steps = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (a learning-rate schedule adjusts the inner steps)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (the inner optimizer's)."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+class LocalSGD(_Replicated):
+    """Replicas step alone with `inner` and average their parameters every `sync_every` steps (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(params, inner, sync_every, group)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One inner step; every `sync_every`-th also averages the parameters over the replicas."""
+        self.inner.step()
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.average()
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Replace every parameter by its mean over the replicas (one all-reduce)."""
+        locals_ = [_local(p) for p in self.params]
+        flat = torch._utils._flatten_dense_tensors(locals_)
+        _all_reduce_mean(flat, self.group)
+        flat /= _replicas(self.group)
+        for local, averaged in zip(
+            locals_, torch._utils._unflatten_dense_tensors(flat, locals_), strict=True
+        ):
+            local.copy_(averaged)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state and the step count."""
+        return {"inner": self.inner.state_dict(), "inner_steps": self.inner_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`."""
+        self.inner.load_state_dict(state["inner"])
+        self.inner_steps = int(state["inner_steps"])
+
+
+class DiLoCo(_Replicated):
+    """Inner steps alone, outer steps on the averaged pseudo-gradient (see the module docstring).
+
+    `outer`: an optimizer class for the global weights (default `torch.optim.SGD`) built with
+    `outer_kwargs` (default lr 0.7, momentum 0.9, Nesterov, as the DiLoCo paper trains)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        group: dist.ProcessGroup | None = None,
+        outer: type[torch.optim.Optimizer] = torch.optim.SGD,
+        outer_kwargs: dict[str, Any] | None = None,
+        fragments: int = 1,
+        fragment_delay: int = 0,
+        mix: float = 0.5,
+        outer_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(params, inner, sync_every, group)
+        if fragments > sync_every:
+            raise ValueError(
+                f"fragments = {fragments} is more than sync_every = {sync_every}: each fragment syncs once "
+                "per sync_every inner steps, at its own step; use at most sync_every fragments"
+            )
+        if (
+            isinstance(fragment_delay, bool)
+            or not isinstance(fragment_delay, int)
+            or not (0 <= fragment_delay < sync_every)
+        ):
+            raise ValueError(
+                f"fragment_delay = {fragment_delay!r} must be an integer in [0, sync_every = {sync_every}): a "
+                "fragment's average must land before the fragment's next sync starts"
+            )
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix = {mix} must be in [0, 1] (the share of the local weights kept)")
+        if outer_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"outer_dtype = {outer_dtype} must be torch.float32 or torch.bfloat16")
+        self.fragments = fragments_of(self.params, fragments)
+        self.fragment_delay, self.mix, self.outer_dtype = fragment_delay, mix, outer_dtype
+        # the global weights: fp32 copies of this rank's local shards, updated by the outer optimizer only
+        self.global_weights = [_local(p).detach().float().clone() for p in self.params]
+        kwargs = (
+            {"lr": 0.7, "momentum": 0.9, "nesterov": True} if outer_kwargs is None else dict(outer_kwargs)
+        )
+        self.outer = outer(self.global_weights, **kwargs)
+        self._pending: dict[int, tuple[int, Any, torch.Tensor]] = {}  # fragment -> (apply at, work, buffer)
+
+    def _offset(self, fragment: int) -> int:
+        """The inner step (mod sync_every) at which `fragment` starts its sync."""
+        return (fragment + 1) * self.sync_every // len(self.fragments) % self.sync_every
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One inner step, then the fragments whose turn it is: start (or finish) their outer step."""
+        self.inner.step()
+        self.inner_steps += 1
+        for fragment in range(len(self.fragments)):
+            pending = self._pending.get(fragment)
+            if pending is not None and pending[0] == self.inner_steps:
+                self._finish(fragment, *pending[1:])
+            if self.inner_steps % self.sync_every == self._offset(fragment):
+                self._start(fragment)
+
+    def _start(self, fragment: int) -> None:
+        """Average the fragment's pseudo-gradients: at once, or asynchronously with a delay."""
+        indices = self.fragments[fragment]
+        pseudo = [self.global_weights[i] - _local(self.params[i]).float() for i in indices]
+        flat = torch._utils._flatten_dense_tensors(pseudo).to(self.outer_dtype)
+        delayed = self.fragment_delay > 0
+        work = _all_reduce_mean(flat, self.group, async_op=delayed)
+        if delayed:
+            self._pending[fragment] = (self.inner_steps + self.fragment_delay, work, flat)
+        else:
+            self._finish(fragment, work, flat)
+
+    def _finish(self, fragment: int, work: Any, flat: torch.Tensor) -> None:
+        """The outer step of one fragment on its averaged pseudo-gradient; the replica takes the result."""
+        self._pending.pop(fragment, None)
+        if work is not None:
+            work.wait()
+        indices = self.fragments[fragment]
+        averaged = flat.float() / _replicas(self.group)
+        weights = [self.global_weights[i] for i in indices]
+        for weight, grad in zip(
+            weights, torch._utils._unflatten_dense_tensors(averaged, weights), strict=True
+        ):
+            weight.grad = grad
+        self._outer_step(weights)
+        for i, weight in zip(indices, weights, strict=True):
+            local = _local(self.params[i])
+            if self.fragment_delay > 0:  # inner steps ran meanwhile: keep a share of their progress
+                local.mul_(self.mix).add_(weight.to(local.dtype), alpha=1.0 - self.mix)
+            else:
+                local.copy_(weight)
+
+    def _outer_step(self, weights: list[torch.Tensor]) -> None:
+        """Step the outer optimizer on `weights` only (the other fragments keep their gradients at None)."""
+        for weight in self.global_weights:
+            if all(weight is not w for w in weights):
+                weight.grad = None
+        self.outer.step()
+        for weight in weights:
+            weight.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner and outer optimizer states, the global weights, the step count, and the averages still in
+        flight (waited for, kept with the step they land at: a resumed run applies them when the
+        uninterrupted one would)."""
+        pending = {}
+        for fragment, (land_at, work, flat) in self._pending.items():
+            if work is not None:
+                work.wait()
+            self._pending[fragment] = (land_at, None, flat)
+            pending[fragment] = (land_at, flat.clone())
+        return {
+            "inner": self.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "global_weights": [w.clone() for w in self.global_weights],
+            "inner_steps": self.inner_steps,
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`."""
+        saved = state["global_weights"]
+        if len(saved) != len(self.global_weights):
+            raise ValueError(
+                f"the state holds {len(saved)} global weights; this DiLoCo has {len(self.global_weights)}"
+            )
+        for weight, value in zip(self.global_weights, saved, strict=True):
+            if weight.shape != value.shape:
+                raise ValueError(
+                    f"a saved global weight of shape {tuple(value.shape)} does not fit {tuple(weight.shape)}: "
+                    "the model or its sharding differs from the saved run's"
+                )
+            weight.copy_(value)
+        self.inner.load_state_dict(state["inner"])
+        self.outer.load_state_dict(state["outer"])
+        self.inner_steps = int(state["inner_steps"])
+        self._pending = {int(f): (int(at), None, flat.clone()) for f, (at, flat) in state["pending"].items()}
