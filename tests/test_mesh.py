@@ -53,6 +53,12 @@ def test_private_torch_apis_exist():
     from torch.utils._python_dispatch import _disable_current_modes  # loom.dist.consistency's quiet check
 
     assert callable(_disable_current_modes)
+    from torch.distributed import ProcessGroup  # loom.dist.comm's recorder
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert callable(ProcessGroup.unbox) and callable(_resolve_process_group)
+    assert hasattr(TorchDispatchMode, "__torch_dispatch__")
 
 
 def dtensor_like_case():

@@ -8,10 +8,12 @@ from loom.cost.compute import matmul_efficiency, matmul_time, memory_time
 from loom.cost.hardware import PROFILES, Cluster, Device, Link, get_cluster, save_cluster
 from loom.cost.memory import korthikanti_activation_bytes, layer_activation_bytes, model_state_bytes
 from loom.cost.plan import ParallelPlan
-from loom.cost.transformer import TransformerConfig
+from loom.cost.traffic import StepCollective, step_collectives
+from loom.cost.transformer import TransformerConfig, hf_transformer_config
 
 __all__ = [
     "PROFILES",
+    "StepCollective",
     "Cluster",
     "Device",
     "GroupSpan",
@@ -22,6 +24,7 @@ __all__ = [
     "collective_time",
     "get_cluster",
     "group_span",
+    "hf_transformer_config",
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "matmul_efficiency",
@@ -29,4 +32,5 @@ __all__ = [
     "memory_time",
     "model_state_bytes",
     "save_cluster",
+    "step_collectives",
 ]

@@ -2,7 +2,8 @@
 
 Each piece is a dict of named components in seconds, so that the simulator can report where time goes:
 "matmul" (GEMMs), "elementwise" (memory-bound kernels: norms, activations, softmax, dropout, residuals),
-"tp_comm" (tensor/sequence-parallel collectives, not overlapped, as in Megatron) and "ep_comm"
+"tp_comm" (tensor/sequence-parallel collectives, not overlapped, as in Megatron; the collectives are those
+`loom.cost.traffic` predicts, priced one by one) and "ep_comm"
 (expert-parallel all-to-alls). Backward runs two GEMMs per forward GEMM (input and weight gradients) and
 moves about twice the bytes of each elementwise kernel.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.cost.collectives import collective_time, group_span
+from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
 from loom.cost.hardware import Cluster
 from loom.cost.plan import ParallelPlan
+from loom.cost.traffic import StepCollective, embedding_collectives, head_collectives, layer_collectives
 from loom.cost.transformer import TransformerConfig
 
 __all__ = ["Costs", "PieceCosts", "piece_costs"]
@@ -42,16 +44,24 @@ def _scaled(costs: Costs, factor: float) -> Costs:
     return {name: value * factor for name, value in costs.items()}
 
 
-def _tp_comm(plan: ParallelPlan, cluster: Cluster, nbytes: float, sites: int) -> float:
-    """`sites` all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) of `nbytes`."""
-    span = group_span(plan.tp, 1, cluster.gpus_per_node)
-    if plan.sequence_parallel:
-        one = collective_time("all_gather", nbytes, span, cluster) + collective_time(
-            "reduce_scatter", nbytes, span, cluster
-        )
-    else:
-        one = collective_time("all_reduce", nbytes, span, cluster)
-    return sites * one
+def _span(axis: str, plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
+    """Where a group over `axis` sits (Megatron's rank order: tp innermost, then dp)."""
+    if axis == "tp":
+        return group_span(plan.tp, 1, cluster.gpus_per_node)
+    if axis == "dp":
+        return group_span(plan.dp, plan.tp, cluster.gpus_per_node)
+    return group_span(plan.dp * plan.tp, 1, cluster.gpus_per_node)
+
+
+def _comm(collectives: list[StepCollective], phase: str, plan: ParallelPlan, cluster: Cluster) -> float:
+    """Seconds of the predicted collectives of `phase` ("forward" or "backward"), one after the other (not
+    overlapped, as in Megatron): the times come from the list `loom.cost.traffic` predicts, so the
+    simulator prices exactly the collectives the prediction names."""
+    return sum(
+        c.count * collective_time(c.kind, c.nbytes, _span(c.axis, plan, cluster), cluster)
+        for c in collectives
+        if c.phase == phase
+    )
 
 
 def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
@@ -99,40 +109,44 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
-        "tp_comm": _tp_comm(plan, cluster, e * tokens * h, sites=2),
+        "tp_comm": _comm(layer_collectives(model, plan), "forward", plan, cluster),
         "ep_comm": ep_comm,
     }
     return costs, core["matmul"] + core["elementwise"]
 
 
-def _embedding(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+def _embedding(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, Costs]:
     e, tokens = DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
     replicated = tokens / plan.tp if plan.sequence_parallel else tokens
     moved = 2 * e * tokens * model.hidden + (3 * e + 1) * replicated * model.hidden * model.dropout
-    return {
-        "elementwise": memory_time(cluster.device, moved, kernels=2),
-        "tp_comm": _tp_comm(plan, cluster, e * tokens * model.hidden, sites=1)
-        / (2 if plan.sequence_parallel else 1),
-    }
+    comm = embedding_collectives(model, plan)
+    fwd = {"elementwise": memory_time(cluster.device, moved, kernels=2)}
+    bwd = _backward(fwd)
+    fwd["tp_comm"], bwd["tp_comm"] = (_comm(comm, phase, plan, cluster) for phase in ("forward", "backward"))
+    return fwd, bwd
 
 
-def _head(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+def _head(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, Costs]:
     dev, e, tokens = cluster.device, DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
     replicated = tokens / plan.tp if plan.sequence_parallel else tokens
     logits = tokens * model.vocab / plan.tp
     # final norm; cross entropy upcasts the vocabulary-parallel logits to fp32 and writes fp32 softmax
     moved = 2 * e * replicated * model.hidden + (e + 4 + 4) * logits
-    return {
+    fwd = {
         "matmul": matmul_time(dev, tokens, model.hidden, model.vocab / plan.tp, dtype=plan.dtype),
         "elementwise": memory_time(dev, moved, kernels=3),
-        "tp_comm": _tp_comm(plan, cluster, e * tokens * model.hidden, sites=1)
-        / (2 if plan.sequence_parallel else 1),
     }
+    bwd = _backward(fwd)
+    # Megatron's loss is a plain mean per micro-batch: no count of targets to sum over dp
+    comm = head_collectives(model, plan, counted_loss=False)
+    fwd["tp_comm"], bwd["tp_comm"] = (_comm(comm, phase, plan, cluster) for phase in ("forward", "backward"))
+    return fwd, bwd
 
 
 def _backward(forward: Costs) -> Costs:
+    """Compute of a backward pass from its forward's; its collectives are predicted, not scaled."""
     factors = {"matmul": 2.0, "elementwise": BACKWARD_BYTES}
-    return {name: value * factors.get(name, 1.0) for name, value in forward.items()}
+    return {name: value * factors[name] for name, value in forward.items() if name in factors}
 
 
 def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> PieceCosts:
@@ -148,15 +162,21 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     # Megatron's scatter/gather: each tensor-parallel rank sends 1/t of the activations between stages
     p2p_bytes = e * tokens * model.hidden / plan.tp
     span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
-    embed, head = _embedding(model, plan, cluster), _head(model, plan, cluster)
+    (embed_fwd, embed_bwd), (head_fwd, head_bwd) = (
+        _embedding(model, plan, cluster),
+        _head(model, plan, cluster),
+    )
+    layer_bwd = _backward(fwd)
+    layer_bwd["tp_comm"] = _comm(layer_collectives(model, plan), "backward", plan, cluster)
+    layer_bwd["ep_comm"] = fwd["ep_comm"]  # the all-to-alls' conjugates move the same bytes
     return PieceCosts(
         layer_fwd=fwd,
-        layer_bwd=_backward(fwd),
+        layer_bwd=layer_bwd,
         layer_recompute=recompute,
-        embed_fwd=embed,
-        embed_bwd=_backward(embed),
-        head_fwd=head,
-        head_bwd=_backward(head),
+        embed_fwd=embed_fwd,
+        embed_bwd=embed_bwd,
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
         p2p_s=collective_time("send_recv", p2p_bytes, span, cluster) if plan.pp > 1 else 0.0,
         p2p_bytes=p2p_bytes,
     )

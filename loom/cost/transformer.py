@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from loom.cost.plan import RECOMPUTE, check_choice
 from loom.models.config import NORMS, GPTConfig
@@ -16,6 +17,7 @@ from loom.models.config import NORMS, GPTConfig
 __all__ = [
     "TransformerConfig",
     "transformer_config",
+    "hf_transformer_config",
     "megatron_model_flops",
     "megatron_parameter_count",
     "megatron_recompute_flops",
@@ -41,6 +43,7 @@ class TransformerConfig:
     dropout: bool = True  # dropout masks are stored for backward (GPT); Llama trains without dropout
     learned_positions: int = 0  # rows of a learned position embedding (GPT: the sequence length)
     tied_embeddings: bool = True
+    fused_qkv: bool = False  # one matrix projects query, key and value, its output split (GPT-2's c_attn)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
@@ -180,6 +183,27 @@ def transformer_config(config: GPTConfig, name: str = "gpt") -> TransformerConfi
         dropout=config.dropout > 0,
         learned_positions=config.max_seq_len if config.positions == "learned" else 0,
         tied_embeddings=config.tie_embeddings,
+    )
+
+
+# Hugging Face model types whose attention projects query, key and value with one matrix (GPT-2's Conv1D
+# `c_attn`), and whose every projection has a bias
+FUSED_QKV_TYPES = ("gpt2",)
+
+
+def hf_transformer_config(config: Any, name: str | None = None) -> TransformerConfig:
+    """A Hugging Face model's config as the cost model sees it: the shape `loom.models.hf.model_shape`
+    reads (the `[model]` keys, through loom's GPT's conversion), plus what that shape leaves out: biases
+    (GPT-2's projections, Llama's `attention_bias`) and GPT-2's fused query/key/value matrix."""
+    from loom.models.hf import model_shape
+
+    model_type = getattr(config, "model_type", "")
+    fused = model_type in FUSED_QKV_TYPES
+    base = transformer_config(GPTConfig.from_dict(model_shape(config)), name=name or model_type or "hf")
+    return base.replace(
+        biases=fused or bool(getattr(config, "attention_bias", False)),
+        fused_qkv=fused,
+        dropout=any(getattr(config, key, 0.0) for key in ("resid_pdrop", "attention_dropout")),
     )
 
 

@@ -84,3 +84,25 @@ def without_dispatch_modes():  # noqa: ANN201
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def dispatch_mode_base() -> type:
+    """`TorchDispatchMode`, the base of a mode that sees every operator below autograd (loom's collective
+    recorder: c10d and functional collectives are operators there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def unbox_process_group(boxed):  # noqa: ANN001, ANN201
+    """The `ProcessGroup` a c10d operator received (a TorchScript object in the dispatcher)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroup.unbox(boxed)
+
+
+def group_of_name(name: str):  # noqa: ANN201
+    """The `ProcessGroup` a functional collective names by its registered group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from loom import ops
 from loom.layout import Layout
@@ -281,10 +281,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) ->
     its slice: the max and the sum of exponentials are reduced across tp, and the target's logit is picked
     with a one-hot mask that each rank builds for its own slice.
     """
-    shift = logits.detach().amax(dim=-1, keepdim=True)
-    log_sum_exp = torch.log(torch.exp(logits - shift).sum(dim=-1)) + shift.squeeze(-1)
-    picked = (logits * F.one_hot(targets, logits.shape[-1]).to(logits.dtype)).sum(dim=-1)
+    shift = _whole_rows(logits.detach().amax(dim=-1, keepdim=True), logits)
+    log_sum_exp = torch.log(_whole_rows(torch.exp(logits - shift).sum(dim=-1), logits)) + shift.squeeze(-1)
+    picked = _whole_rows((logits * F.one_hot(targets, logits.shape[-1]).to(logits.dtype)).sum(dim=-1), logits)
     return (log_sum_exp - picked).mean()
+
+
+def _whole_rows(per_row: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A per-row reduction over the vocabulary, summed over the vocabulary cut at once (Megatron's
+    all-reduce). Left pending, DTensor reduce-scatters it over the rows, and the gradient then stays cut
+    along tp through the whole backward pass (a reduce-scatter and an all-gather per all-reduce)."""
+    if not isinstance(logits, DTensor):
+        return per_row
+    vocab = logits.ndim - 1
+    rows = [Replicate() if isinstance(p, Shard) and p.dim == vocab else p for p in logits.placements]
+    return per_row.redistribute(logits.device_mesh, rows)
 
 
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:

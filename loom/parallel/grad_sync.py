@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.dist._torch_private import queue_backward_callback
 from loom.dist.collectives import reduce_scatter_flat
 from loom.parallel.batch_check import BatchRows
@@ -153,7 +154,7 @@ class GradSync:
         self.static: Callable[[nn.Parameter], Route | None] | None = getattr(route, "static", None)
         self.auto_finish = auto_finish
         self.after_sync = after_sync
-        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.bucket_bytes = bucket_bytes(bucket_mb)
         self.enabled = True
         self.reduced_bytes = 0  # bytes reduced by the last backward pass (for tests and benchmarks)
         self.collectives = 0  # bucket collectives issued by the last backward pass
@@ -317,18 +318,15 @@ class GradSync:
         return pending
 
     def _make_buckets(self, items: list[tuple[nn.Parameter, Route, torch.Tensor]]) -> None:
-        """Group (parameter, route, gradient-like) items into buckets: one route, dtype and unit each."""
-        groups: list[list[tuple[nn.Parameter, Route, torch.Tensor]]] = []
-        open_groups: dict[tuple, list] = {}
-        for param, route, like in items:
-            key = (route.key, like.dtype, self.unit_of.get(param))
-            current = open_groups.get(key)
-            if current is None or sum(t.numel() * t.element_size() for *_, t in current) >= self.bucket_bytes:
-                current = open_groups[key] = []
-                groups.append(current)
-            current.append((param, route, like))
+        """Group (parameter, route, gradient-like) items into buckets: one route, dtype and unit each, cut
+        by `loom.cost.buckets.assign_buckets` (the rule the traffic prediction applies too)."""
+        keyed = [
+            ((route.key, like.dtype, self.unit_of.get(param)), like.numel() * like.element_size())
+            for param, route, like in items
+        ]
         self.buckets, self.bucket_of = [], {}
-        for group in groups:
+        for indices in assign_buckets(keyed, self.bucket_bytes):
+            group = [items[i] for i in indices]
             sizes = [_local_numel(t) for *_, t in group]
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
             like = group[0][2]

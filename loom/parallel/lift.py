@@ -205,15 +205,24 @@ def vocab_parallel_cross_entropy(
     mesh = logits.device_mesh
     cuts = [Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in logits.placements]
     vocab = DTensor.from_local(_vocab_ids(logits.shape[1], mesh, cuts), mesh, cuts, run_check=False)
+    # Each per-row number is summed over the vocabulary cut right away (Megatron's all-reduces): left
+    # pending, DTensor reduce-scatters it over the rows instead, and the rows stay cut along the vocabulary
+    # axis through the whole backward pass (a reduce-scatter and an all-gather where one all-reduce does).
+    rows = row_placements(logits.placements)
     valid = labels != ignore_index
-    shift = logits.detach().amax(dim=1, keepdim=True)
-    log_sum_exp = torch.log(torch.exp(logits - shift).sum(dim=1)) + shift.squeeze(1)
-    picked = (logits * (labels.unsqueeze(1) == vocab).to(logits.dtype)).sum(dim=1)
+    shift = logits.detach().amax(dim=1, keepdim=True).redistribute(mesh, rows)
+    sum_exp = torch.exp(logits - shift).sum(dim=1).redistribute(mesh, rows)
+    log_sum_exp = torch.log(sum_exp) + shift.squeeze(1)
+    picked = (logits * (labels.unsqueeze(1) == vocab).to(logits.dtype)).sum(dim=1).redistribute(mesh, rows)
     losses = (log_sum_exp - picked) * valid.to(logits.dtype)
     if reduction == "none":
         return losses
     total = losses.sum()
-    return total if reduction == "sum" else total / valid.to(torch.float32).sum()
+    if reduction == "sum":
+        return total
+    # the count whole on every rank: a pending count would be summed again by the division's backward
+    count = valid.to(torch.float32).sum().redistribute(mesh, [Replicate()] * mesh.ndim)
+    return total / count
 
 
 def _vocab_ids(size: int, mesh: Any, cuts: list[Placement]) -> torch.Tensor:

@@ -30,6 +30,8 @@ from loom.cost.plan import (
     check_schedule,
     check_sizes,
 )
+from loom.cost.traffic import StepCollective, step_collectives
+from loom.cost.transformer import TransformerConfig
 from loom.plan.specs import (
     MESH_AXES,
     OWNER,
@@ -234,6 +236,30 @@ class Plan:
         if self.stages and all(isinstance(n, int) for n in self.stages):
             return tuple(self.stages)
         return ()
+
+    def predicted_collectives(
+        self,
+        model: TransformerConfig,
+        *,
+        global_batch: int,
+        seq: int,
+        bucket_mb: float = 25.0,
+        inputs: int = 2,
+        counted_loss: bool = True,
+    ) -> list[StepCollective]:
+        """The collectives one training step of `model` (a `TransformerConfig`: `transformer_config` for
+        loom's GPT, `hf_transformer_config` for a Hugging Face model) issues on one rank under this plan,
+        with its Megatron layouts (`loom.models.recipes.tensor_plan`): see `loom.cost.traffic`.
+        `global_batch` sequences of `seq` tokens, one micro-batch per replica; `bucket_mb` as given to
+        `loom.parallelize`; `inputs` tensors to the forward; `counted_loss`: a mean over counted targets
+        (Hugging Face's loss) rather than a plain mean (loom's GPT)."""
+        return step_collectives(
+            model,
+            self.parallel_plan(global_batch=global_batch, seq=seq),
+            bucket_mb=bucket_mb,
+            inputs=inputs,
+            counted_loss=counted_loss,
+        )
 
     # ---- plain data and JSON ----
     def replace(self, **changes: Any) -> Plan:
