@@ -1,5 +1,5 @@
 """Shared pieces of the pipeline equivalence tests that follow `equivalence`'s rule (Lipschitz AdamW):
-one device's run of a GPT config, the same run through `PipelineTrainer` on a mesh, and the comparison."""
+one device's run of a GPT config, the same run through the `Trainer` on a mesh, and the comparison."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from test_pipeline_equivalence import STEPS, batches
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.parallel.pipeline import Pipeline, gpt_pipeline, pipeline_optimizer, source_names
+from loom.parallel import make_optimizer
+from loom.parallel.pipeline import Pipeline, gpt_pipeline, source_names
 from loom.train.data import micro_batches
-from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer
 
 
@@ -45,10 +45,10 @@ def build(
 
 
 def train(model: GPT, pipe: Pipeline, rows: list[tuple], *, accum: int, level: int = 0) -> tuple:
-    """`STEPS` steps of `PipelineTrainer` at optimizer `level`: losses, gradient norms, this rank's whole
+    """`STEPS` steps of the `Trainer` at optimizer `level`: losses, gradient norms, this rank's whole
     parameters by the model's names (read inside `full_parameters` at level 3), the evaluation loss."""
-    optimizer = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
-    trainer = PipelineTrainer(pipe, optimizer, grad_accum=accum)
+    optimizer = make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
+    trainer = Trainer(pipe, optimizer, grad_accum=accum)
     metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
     with pipe.full_parameters():
         params = {  # whole parameters (a tensor-parallel stage's shards gathered over its stage mesh)

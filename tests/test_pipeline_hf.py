@@ -24,14 +24,12 @@ from loom.parallel import make_optimizer
 from loom.parallel.pipeline import (
     block_split,
     model_pipeline,
-    pipeline_optimizer,
     source_names,
     split_model,
     whole_model,
 )
 from loom.parallel.zero3 import model_units
-from loom.train.pipeline_trainer import PipelineTrainer
-from loom.train.trainer import global_mean
+from loom.train.trainer import Trainer, global_mean
 
 pytest.importorskip("transformers")
 
@@ -75,14 +73,14 @@ def reference(family: str) -> dict:
 def pipeline_case(
     family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1, tp: int = 1
 ) -> dict:
-    """A worker's run through `PipelineTrainer`: losses, gradient norms, the gradients by the model's names
+    """A worker's run through the `Trainer`: losses, gradient norms, the gradients by the model's names
     (level 0; above, they are sharded), this rank's parameters, the evaluation loss of the first batch, and
     whether the parameters rest sharded."""
     mesh = loom.init({"pp": 2, "dp": dp, "tp": tp})
     with unsharded():
         model = build(family)
     pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split, virtual=virtual)
-    optimizer = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
+    optimizer = make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
     names = {
         id(p): n
         for stage in pipe.modules
@@ -98,7 +96,7 @@ def pipeline_case(
         return step(*args, **kwargs)
 
     optimizer.step = recording_step
-    trainer = PipelineTrainer(pipe, optimizer)
+    trainer = Trainer(pipe, optimizer)
     rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
     metrics = [trainer.train_step([(rows(ids), rows(ids))]) for ids in batches()]
     first = rows(batches()[0])

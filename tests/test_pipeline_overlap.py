@@ -23,11 +23,12 @@ from test_pipeline_equivalence import CONFIG
 
 import loom
 from loom.models.gpt import GPT
+from loom.parallel import make_optimizer
 from loom.parallel.grad_sync import Bucket
-from loom.parallel.pipeline import SCHEDULES, pipeline_optimizer, split_gpt
+from loom.parallel.pipeline import SCHEDULES, split_gpt
 from loom.parallel.pipeline.stages import balanced_partition
 from loom.train.data import micro_batches
-from loom.train.pipeline_trainer import PipelineTrainer
+from loom.train.trainer import Trainer
 
 TIED = dataclasses.replace(CONFIG, tie_embeddings=True)
 ACCUM = 2  # batches a step: only the last one's backward passes reduce
@@ -84,7 +85,7 @@ def overlap_case(schedule: str, virtual: int):
     log: list = []
     _log_events(pipe, log)
     orders = []
-    step = PipelineTrainer.train_step
+    step = Trainer.train_step
     launch = Bucket.launch
 
     def logged_step(trainer, batches):
@@ -97,11 +98,11 @@ def overlap_case(schedule: str, virtual: int):
         log.append(("launch",))
         return launch(bucket, *args, **kwargs)
 
-    PipelineTrainer.train_step, Bucket.launch = logged_step, logged_launch
+    Trainer.train_step, Bucket.launch = logged_step, logged_launch
     try:
         result = train(model, pipe, rows, accum=ACCUM)
     finally:
-        PipelineTrainer.train_step, Bucket.launch = step, launch
+        Trainer.train_step, Bucket.launch = step, launch
     return result, orders, len(pipe.grad_sync.buckets)
 
 
@@ -137,7 +138,7 @@ def _caller() -> str:
 
 def one_path_case(dp: int, tp: int):
     _, pipe, rows = build(TIED, schedule="1f1b", pp=2, dp=dp, tp=tp)
-    trainer = PipelineTrainer(pipe, pipeline_optimizer(pipe, torch.optim.AdamW, 0, **ADAMW), grad_accum=ACCUM)
+    trainer = Trainer(pipe, make_optimizer(pipe, torch.optim.AdamW, 0, **ADAMW), grad_accum=ACCUM)
     trainer.train_step(micro_batches(rows[0], ACCUM))  # DTensor routes are learnt in the first step
     calls: list[str] = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}

@@ -1,6 +1,6 @@
 """Pipelines in the Trainer and in `loom train`.
 
-Tier 2: the reference GPT trained 3 steps by `PipelineTrainer` (every schedule at pp=2, 1f1b at pp=4, dp x pp
+Tier 2: the reference GPT trained 3 steps by the `Trainer` (every schedule at pp=2, 1f1b at pp=4, dp x pp
 on 4 ranks, tied embeddings; clipping on, some cases accumulating; tensor parallelism inside the stages: tp x
 pp on 4 ranks and dp x tp x pp on 8, with sequence parallelism; optimizer levels 1 and 2 over dp x pp and
 dp x tp x pp) gives the single-device Trainer's losses, gradient norms, parameters and evaluation loss; a
@@ -28,11 +28,11 @@ import loom
 from loom.checkpoint.export import read_model_tensors
 from loom.cli.main import main
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.parallel.pipeline import gpt_pipeline, pipeline_optimizer, source_names
+from loom.parallel import make_optimizer
+from loom.parallel.pipeline import gpt_pipeline, source_names
 from loom.train.config import TrainConfig
 from loom.train.data import micro_batches
 from loom.train.job import check_pipeline, run
-from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.trainer import Trainer
 
 CLIP = 0.1  # below every step's gradient norm (about 0.3 to 0.5 here), so that clipping acts
@@ -61,8 +61,8 @@ def pipeline_trainer_case(
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
         model = GPT(_gpt_config(tied), Strategies(dp, tp, sequence_parallel))
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
-    optim = pipeline_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
-    trainer = PipelineTrainer(pipe, optim, grad_accum=accum, clip_grad_norm=CLIP)
+    optim = make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
+    trainer = Trainer(pipe, optim, grad_accum=accum, clip_grad_norm=CLIP)
     rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
     metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
     if level:  # each replica keeps states for its chunk of the stage's elements only
@@ -155,7 +155,7 @@ def nonfinite_case():
     with torch.device("meta"):
         model = GPT(CONFIG)
     pipe = gpt_pipeline(model, mesh, schedule="1f1b", microbatches=2)
-    trainer = PipelineTrainer(pipe, optimizer(pipe.parameters()), clip_grad_norm=CLIP)
+    trainer = Trainer(pipe, optimizer(pipe.parameters()), clip_grad_norm=CLIP)
     if pipe.has_first:  # poison one entry of the first stage: the loss on the last stage is NaN
         with torch.no_grad():
             model.embedding[0, 0] = float("nan")

@@ -14,6 +14,7 @@ whole, by a second optimizer of the same kind.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.zero3 import ParameterSharding, model_units
 from loom.plan import OPTIMIZER_LEVELS as LEVELS
+
+if TYPE_CHECKING:
+    from loom.parallel.pipeline.schedule import Pipeline
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -226,20 +230,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 def make_optimizer(
-    model: nn.Module,
+    model: nn.Module | Pipeline,
     optimizer_class: Callable[..., torch.optim.Optimizer],
     level: int = 0,
     *,
     units: list[nn.Module] | None = None,
     **hyper,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `model` at optimizer level `level` (0: `optimizer_class` itself; 1, 2: sharded
-    states and gradients; 3: also parameters, gathered around each of `units`, by default
-    `loom.parallel.zero3.model_units(model)`)."""
-    if units is not None and level != 3:
-        raise ValueError(f"make_optimizer: units are the modules level 3 gathers; level {level} has none")
+    """The optimizer of a run's model parts at optimizer level `level`, the one builder for every run.
+
+    `model`: one module (0: `optimizer_class` itself; 1, 2: sharded states and gradients; 3: also
+    parameters, gathered around each of `units`, by default `loom.parallel.zero3.model_units(model)`), or
+    this rank's pipeline stages, a `loom.parallel.pipeline.Pipeline` (states sharded over the ranks that run
+    the same stages, on the buckets in which the pipeline reduces their gradients; level 3 gathers each stage
+    inside the schedule; see `loom.parallel.pipeline.optimizer`)."""
     if level not in LEVELS:
         raise ValueError(f"optimizer level {level}; loom supports {LEVELS}")
+    # imported here: the pipeline modules build on this one
+    from loom.parallel.pipeline.optimizer import stages_optimizer
+    from loom.parallel.pipeline.schedule import Pipeline
+
+    if isinstance(model, Pipeline):
+        if units is not None:
+            raise ValueError("make_optimizer: a pipeline's level 3 gathers its stages; give no units")
+        return stages_optimizer(model, optimizer_class, level, **hyper)
+    if units is not None and level != 3:
+        raise ValueError(f"make_optimizer: units are the modules level 3 gathers; level {level} has none")
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     return (
         optimizer_class(params, **hyper)

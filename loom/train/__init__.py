@@ -1,7 +1,6 @@
-"""The training engine: `Trainer` (and `PipelineTrainer` for pipeline stages), mixed precision, gradient arithmetic, learning-rate schedules."""
+"""The training engine: `Trainer` (a model or pipeline stages), mixed precision, gradient arithmetic, learning-rate schedules."""
 
 from loom.train.metrics import Callback, LossMonitor, MetricsCallback, MetricsLogger, StepMetrics
-from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.precision import DynamicLossScaler, autocast
 from loom.train.schedules import lr_multiplier
 from loom.train.trainer import Trainer
@@ -12,7 +11,6 @@ __all__ = [
     "LossMonitor",
     "MetricsCallback",
     "MetricsLogger",
-    "PipelineTrainer",
     "StepMetrics",
     "Trainer",
     "autocast",

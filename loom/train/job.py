@@ -6,7 +6,7 @@ set recomputation, the optimizer at its optimizer level, the learning-rate sched
 this data-parallel rank's rows of every global batch; resume from the newest intact checkpoint; train,
 log, evaluate, checkpoint (and save the final step); finally sample from the model and, on the arithmetic
 task, measure its accuracy. With `parallel.pp > 1` the GPT is instead cut into pipeline stages balanced by
-blocks, each rank materialises only its own stages, and a `PipelineTrainer` runs the schedule; its
+blocks, each rank materialises only its own stages, and the `Trainer` runs the schedule; its
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
 samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
 still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
@@ -46,7 +46,6 @@ from loom.parallel.pipeline import (
     balanced_partition,
     gpt_pipeline,
     model_pipeline,
-    pipeline_optimizer,
     split_gpt,
     split_model,
     stage_indices,
@@ -66,7 +65,6 @@ from loom.train.data import (
 )
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
-from loom.train.pipeline_trainer import PipelineTrainer
 from loom.train.precision import DTYPES, DynamicLossScaler
 from loom.train.report import ReportedCheckpointer, group_layouts, main_rank_warnings
 from loom.train.schedules import lr_multiplier
@@ -225,8 +223,8 @@ def build_trainer(
     config: TrainConfig, model: nn.Module, callbacks: list, pipeline: Pipeline | None = None
 ) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
-    throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), a
-    `PipelineTrainer` whose optimizer holds the stages' parameters."""
+    throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), the
+    optimizer holds the stages' parameters and the Trainer runs the schedule."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = (
@@ -236,11 +234,9 @@ def build_trainer(
     else:
         optimizer_class, hyper = torch.optim.SGD, {"momentum": t.momentum, "weight_decay": t.weight_decay}
     level = config.parallel.optimizer_level
-    optimizer = (  # a pipeline: over this rank's stages, sharded over the ranks that run them
-        make_optimizer(model, optimizer_class, level, lr=t.lr, **hyper)
-        if pipeline is None
-        else pipeline_optimizer(pipeline, optimizer_class, level, lr=t.lr, **hyper)
-    )
+    # a pipeline's optimizer: over this rank's stages, sharded over the ranks that run them
+    parts = model if pipeline is None else pipeline
+    optimizer = make_optimizer(parts, optimizer_class, level, lr=t.lr, **hyper)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
@@ -258,12 +254,8 @@ def build_trainer(
         seed=t.seed, mesh=loom.current_mesh(),  # generators per step and rank on the whole mesh (pp included)
     )  # fmt: skip
     if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
-        return PipelineTrainer(
-            pipeline,
-            optimizer,
-            model=stage_parameters(model, pipeline.modules, pipeline.full_parameters),
-            **options,
-        )
+        named = stage_parameters(model, pipeline.modules, pipeline.full_parameters)
+        return Trainer(pipeline, optimizer, named_as=named, **options)
     return Trainer(model, optimizer, **options)
 
 

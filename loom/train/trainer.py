@@ -2,38 +2,44 @@
 
 One step: seed the random generators for the step (with a `seed`: see `loom.dist.rng`); split the rank's
 batch into micro-batches; for each, forward under autocast and backward of the
-(scaled) loss, letting gradients synchronise only on the last one (`_forward_backward`); then, on the whole
-step's gradients (`_update`): check finiteness (fp16), unscale, skip a step whose loss or gradient norm is
-not finite, clip to a global norm taken across every shard and rank, update (unless skipped), adjust the loss
-scale and the learning rate, and tell the callbacks. `loom.train.pipeline_trainer.PipelineTrainer` replaces
-the first half with a pipeline schedule and keeps the second.
+(scaled) loss, letting gradients synchronise only on the last one; then, on the whole step's gradients
+(`_update`): check finiteness (fp16), unscale, skip a step whose loss or gradient norm is not finite, clip to
+a global norm taken across every shard and rank, update (unless skipped), adjust the loss scale and the
+learning rate, and tell the callbacks. A run is a list of model parts: one module, or this rank's pipeline
+stages (a `Pipeline`, whose schedule runs the first half); `loom.train.steps` holds the first half for each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from loom.dist import env
 from loom.dist.context import current_mesh
 from loom.dist.mesh import Mesh
 from loom.dist.rng import StepSeeds
-from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, grad_views, scale_grads_
+from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, scale_grads_
+from loom.parallel.pipeline import Pipeline
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
+from loom.train.steps import global_mean, steps_for
+
+__all__ = ["Trainer", "global_mean"]
 
 
 class Trainer:
-    """Trains a model made parallel by `loom.parallelize` (or a plain one) with an optimizer.
+    """Trains a model made parallel by `loom.parallelize` (or a plain one), or this rank's pipeline stages
+    (a `loom.parallel.pipeline.Pipeline`), with an optimizer (`loom.parallel.make_optimizer` builds it for
+    either).
 
-    The model's forward takes one micro-batch (a tuple of tensors) and returns the mean loss over it.
+    A model's forward takes one micro-batch (a tuple of tensors) and returns the mean loss over it; a
+    pipeline's micro-batches are `(inputs, targets)` pairs that it cuts again into its own. `named_as` is
+    what `trainer.model` shows (checkpoints save its `state_dict`), by default the model or the stages;
+    `loom.parallel.pipeline.stage_parameters` gives stages the whole model's names.
     `grad_accum` micro-batches make a step; `clip_grad_norm` clips the global gradient norm; `precision`
     is "fp32", "bf16" or "fp16" (with dynamic loss scaling). Each step returns `StepMetrics`; with
     `tokens_per_step` (the global batch's tokens) they include throughput, and with `flops_per_token` and
@@ -49,9 +55,10 @@ class Trainer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Pipeline,
         optimizer: torch.optim.Optimizer,
         *,
+        named_as: nn.Module | None = None,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         grad_accum: int = 1,
         clip_grad_norm: float | None = None,
@@ -69,18 +76,20 @@ class Trainer:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm {clip_grad_norm} must be > 0 (or None for no clipping)")
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.steps = steps_for(model)  # how this kind of model parts runs a step's forward and backward
+        self.model = named_as or self.steps.module
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.grad_accum, self.clip_grad_norm, self.precision = grad_accum, clip_grad_norm, precision
         self.scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else None)
         self.callbacks = list(callbacks)
-        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.params = [p for p in dict.fromkeys(self.model.parameters()) if p.requires_grad]
         self.tokens_per_step, self.flops_per_token, self.peak_flops = (
             tokens_per_step,
             flops_per_token,
             peak_flops,
         )
         self.skip_nonfinite = skip_nonfinite
-        self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(model))
+        self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(self.model))
         self.step = 0
         self.is_main = env.rank() == 0
         autocast(precision)  # validates the name now rather than at the first step
@@ -95,17 +104,7 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: Sequence[tuple]) -> float:
         """Accumulate the (scaled) gradients of the step's mean loss; returns that loss, global."""
-        count = len(micro_batches)
-        losses = []
-        scale = self.scaler.scale if self.scaler else 1.0
-        for index, batch in enumerate(micro_batches):
-            # gradients accumulate locally and are reduced once, in the last micro-batch's backward
-            with self._sync_gradients(index == count - 1):
-                with autocast(self.precision, env.device_type()):
-                    loss = self.model(*batch)
-                (loss * (scale / count)).backward()
-            losses.append(loss.detach())
-        return global_mean(losses)
+        return self.steps.forward_backward(self, micro_batches)
 
     def _update(self, loss: float, start: float) -> StepMetrics:
         """The rest of a step, on the accumulated gradients: unscale, check, clip, update (or skip), adjust
@@ -172,22 +171,11 @@ class Trainer:
         return loss
 
     def _eval_loss(self, batches: Iterable[tuple]) -> float:
-        losses = []
-        for batch in batches:
-            with autocast(self.precision, env.device_type()):
-                losses.append(self.model(*batch))
-        return global_mean(losses)
+        return self.steps.eval_loss(self, batches)
 
     def _grad_views(self) -> list[GradView]:
-        """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""
-        own = getattr(self.optimizer, "grad_views", None)
-        return own() if own is not None else grad_views(self.params)
-
-    def _sync_gradients(self, last: bool):
-        state = getattr(self.model, "loom", None)
-        if last or state is None:
-            return contextlib.nullcontext()
-        return state.no_sync()
+        """The step's gradients as this rank holds them."""
+        return self.steps.grad_views(self)
 
     def _call(self, hook: str, *args: object) -> None:
         for callback in self.callbacks:
@@ -200,17 +188,3 @@ def _mesh_of(model: nn.Module) -> Mesh | None:
     """The mesh `model` is laid out on, else the current one (None outside `loom.init`)."""
     state = getattr(model, "loom", None)
     return state.mesh if state is not None else current_mesh()
-
-
-def global_mean(losses: Sequence[torch.Tensor]) -> float:
-    """The mean of per-micro-batch losses as one global number: DTensor losses are global already; plain
-    (data-parallel) losses are local and averaged over the ranks."""
-    if not losses:
-        return float("nan")
-    if isinstance(losses[0], DTensor):
-        return torch.stack([loss.full_tensor() for loss in losses]).float().mean().item()
-    mean = torch.stack(losses).float().mean()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(mean)
-        mean /= dist.get_world_size()
-    return mean.item()

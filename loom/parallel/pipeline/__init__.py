@@ -24,7 +24,6 @@ from loom.parallel.pipeline.gpt import (
     whole_gpt,
 )
 from loom.parallel.pipeline.memory import SavedActivations
-from loom.parallel.pipeline.optimizer import pipeline_optimizer
 from loom.parallel.pipeline.reduction import stage_grad_sync
 from loom.parallel.pipeline.schedule import (
     SCHEDULES,
@@ -61,7 +60,6 @@ __all__ = [
     "split_model",
     "tied_parameters",
     "whole_model",
-    "pipeline_optimizer",
     "stage_grad_sync",
     "SCHEDULES",
     "Event",

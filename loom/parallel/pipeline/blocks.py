@@ -220,7 +220,7 @@ def model_pipeline(
     Every rank builds the whole model; the parameters of the stages other ranks run are then moved to the
     meta device (no memory here): `model` is not runnable whole afterwards (`whole_model` gives it back).
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
-    (`loom.dist.context.unsharded`, as `PipelineTrainer` does). With one, each stage is laid out on its
+    (`loom.dist.context.unsharded`, as the `Trainer` does for a pipeline). With one, each stage is laid out on its
     stage mesh (the dp x tp ranks of its pipeline index) by `module_plan` (default: the recipe's
     `tensor_plan`; patterns over the whole model's paths): see `loom.parallel.pipeline.tensor_stages`."""
     pp = mesh.axis_size("pp")

@@ -170,7 +170,7 @@ def gpt_pipeline(
     this rank's stages materialised (see `materialize_stages`).
 
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
-    (`loom.dist.context.unsharded`, as `PipelineTrainer` does), so that their operators' strategies are
+    (`loom.dist.context.unsharded`, as the `Trainer` does for a pipeline), so that their operators' strategies are
     ignored. With one, `model` must be on the meta device, built with `Strategies` for the mesh's dp and
     tp; its stages are laid out on the stage mesh (`shard_stages`), which `Pipeline` makes current while
     they run."""

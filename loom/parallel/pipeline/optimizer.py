@@ -17,20 +17,19 @@ import torch
 from torch import nn
 
 from loom.parallel.pipeline.schedule import Pipeline
-from loom.parallel.zero import LEVELS, ZeroOptimizer
+from loom.parallel.zero import ZeroOptimizer
 
 
-def pipeline_optimizer(
+def stages_optimizer(
     pipeline: Pipeline,
     optimizer_class: Callable[..., torch.optim.Optimizer],
     level: int = 0,
     **hyper,
 ) -> torch.optim.Optimizer:
-    """The optimizer of `pipeline`'s parameters at optimizer level `level`: 0 (or a stage run by one rank
-    alone, where there is nothing to shard over) a plain `optimizer_class`; 1-3 a `ZeroOptimizer` over this
-    rank's stages, on the buckets in which the pipeline reduces their gradients."""
-    if level not in LEVELS:
-        raise ValueError(f"optimizer level {level}; loom supports {LEVELS}")
+    """The optimizer of `pipeline`'s parameters at optimizer level `level` (`loom.parallel.make_optimizer`
+    calls it for a pipeline): 0 (or a stage run by one rank alone, where there is nothing to shard over) a
+    plain `optimizer_class`; 1-3 a `ZeroOptimizer` over this rank's stages, on the buckets in which the
+    pipeline reduces their gradients."""
     if level == 0 or pipeline.stage_ranks() == 1:
         return optimizer_class(pipeline.parameters(), **hyper)
     assert pipeline.grad_sync is not None, "stages run by several ranks reduce their gradients"
