@@ -105,16 +105,23 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(trained, tm
     assert main(["checkpoint", "export", str(root / "ckpt"), str(tmp_path / "model.safetensors")]) == 0
 
 
-@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
-def test_hf_pretrained_starts_from_the_saved_weights(dist_run, tmp_path, family):
+PRETRAINED = [
+    ("gpt2", PARALLEL["gpt2"]),
+    pytest.param("llama", PARALLEL["llama"], marks=pytest.mark.slow),
+    pytest.param("gpt2", {"dp": 1, "pp": 2, "microbatches": 2}, marks=pytest.mark.slow, id="gpt2-pp2"),
+]
+
+
+@pytest.mark.parametrize(("family", "parallel"), PRETRAINED)
+def test_hf_pretrained_starts_from_the_saved_weights(dist_run, tmp_path, family, parallel):
     """GPT-2 (its tied embedding stored once) saved in several safetensors shards and trained on tp=2, where
-    each rank reads its slices; Llama in one file on dp=2: the first loss is the saved model's on the same
-    batch."""
+    each rank reads its slices, and on pp=2, where each rank reads the whole model and keeps its stages;
+    Llama in one file on dp=2: the first loss is the saved model's on the same batch."""
     saved = hf.build_model(hf_config(family), seed=3)
     saved.save_pretrained(tmp_path / "pretrained", max_shard_size="100KB" if family == "gpt2" else "10MB")
     assert (tmp_path / "pretrained" / hf.WEIGHTS_INDEX).is_file() == (family == "gpt2")
     config = hf_job(
-        tmp_path, family, model={"hf_pretrained": str(tmp_path / "pretrained")}, parallel=PARALLEL[family],
+        tmp_path, family, model={"hf_pretrained": str(tmp_path / "pretrained")}, parallel=parallel,
         train={"steps": 1},
     )  # fmt: skip
     losses = dist_run(2, run, config)[0]["losses"]

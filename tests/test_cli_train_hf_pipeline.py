@@ -196,24 +196,6 @@ def test_mixtral_with_tensor_parallel_stages_matches_data_parallel(dist_run, tmp
     assert first["text_samples"][0][0] == second["text_samples"][0][0] and first["text_samples"][0][1]
 
 
-@SLOW
-def test_hf_pretrained_pipeline_starts_from_the_saved_weights(dist_run, tmp_path):
-    """GPT-2 saved by save_pretrained, trained on pp=2: each rank reads the whole model, keeps its stages;
-    the first loss is the saved model's on the same batch."""
-    saved = hf.build_model(hf_config("gpt2"), seed=3)
-    saved.save_pretrained(tmp_path / "pretrained")
-    config = hf_job(
-        tmp_path, "gpt2", model={"hf_pretrained": str(tmp_path / "pretrained")},
-        parallel={"dp": 1, "pp": 2, "microbatches": 2}, train={"steps": 1},
-    )  # fmt: skip
-    losses = dist_run(2, run, config)[0]["losses"]
-    inputs, targets = first_batch(config)
-    with torch.no_grad():
-        logits = saved(input_ids=inputs).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-    assert losses[0] == pytest.approx(expected, rel=RTOL)
-
-
 # ---- config errors (no workers) ------------------------------------------------------------------------
 
 

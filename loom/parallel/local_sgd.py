@@ -91,7 +91,12 @@ class _Replicated:
     """What LocalSGD and DiLoCo share: the inner optimizer, the step count, the parameter list."""
 
     def __init__(
-        self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, sync_every: int, group: Any
+        self,
+        params: Iterable[torch.Tensor],
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.params = [p for p in params]
         if not self.params:
@@ -120,16 +125,6 @@ class _Replicated:
 class LocalSGD(_Replicated):
     """Replicas step alone with `inner` and average their parameters every `sync_every` steps (see the
     module docstring)."""
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor],
-        inner: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        super().__init__(params, inner, sync_every, group)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -181,7 +176,7 @@ class DiLoCo(_Replicated):
         mix: float = 0.5,
         outer_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(params, inner, sync_every, group)
+        super().__init__(params, inner, sync_every=sync_every, group=group)
         if fragments > sync_every:
             raise ValueError(
                 f"fragments = {fragments} is more than sync_every = {sync_every}: each fragment syncs once "
