@@ -110,7 +110,7 @@ def run_fedavg(split: str, rounds: int) -> list[float]:
     x, y = gaussian_mixture(2000, seed=0)
     test_x, test_y = gaussian_mixture(1000, seed=1)
     parts = iid_split(len(y), 50) if split == "iid" else dirichlet_split(y.tolist(), 50, alpha=0.1)
-    clients = [(x[p], y[p]) for p in parts if p]
+    clients = [(x[p], y[p]) for p in parts]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
 

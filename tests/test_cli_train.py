@@ -5,7 +5,9 @@ import json
 from loom.cli.main import main
 
 
-def test_train_runs_and_writes_metrics(tmp_path, capfd):
+def test_train_runs_and_writes_metrics(tmp_path, capfd, monkeypatch):
+    # workers started as users' runs start them (the suite forks its other throwaway workers)
+    monkeypatch.setenv("LOOM_START_METHOD", "spawn")
     metrics = tmp_path / "metrics.jsonl"
     code = main(
         ["train", "configs/demo.toml", "--train.steps", "6", "--train.workers", "2", "--parallel.dp", "1",

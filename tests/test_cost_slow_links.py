@@ -40,6 +40,17 @@ def test_synchronous_against_diloco_and_streaming():
         outer_bytes_per_value=2,
     )  # fmt: skip
     assert hidden.diloco_step_s == 2.0 and hidden.diloco_bytes_per_step == 2e9 / 50
+    # ten fragments each hidden behind 9 steps still need the link for 48 s of every 10 steps
+    busy = compare_sync(
+        replica_step_s=1.0,
+        parameters=10**9,
+        replicas=4,
+        link=WAN,
+        sync_every=10,
+        fragments=10,
+        fragment_delay=9,
+    )
+    assert busy.diloco_step_s == pytest.approx(10 * (0.06 + 4e8 * 1.5 / 125e6) / 10)
     alone = compare_sync(replica_step_s=2.0, parameters=10**9, replicas=1, link=WAN, sync_every=50)
     assert alone.synchronous_step_s == alone.diloco_step_s == 2.0 and alone.byte_reduction == 1.0
 

@@ -119,6 +119,7 @@ def test_splits_cover_every_example_once():
         dirichlet_split(labels, 8, alpha=100.0, seed=0),
     )
     assert _covers_once(narrow, 200) and _covers_once(wide, 200)
+    assert min(map(len, narrow)) >= 1  # drawn again until no client is empty
     assert dirichlet_split(labels, 8, alpha=0.1, seed=0) == narrow  # seeded
     kinds = lambda parts: sum(len({labels[i] for i in part}) for part in parts)  # noqa: E731
     assert kinds(narrow) < kinds(wide)
@@ -133,6 +134,7 @@ def test_splits_cover_every_example_once():
             "labels_per_client = 3 must be in \\[1, 2\\]",
         ),
         (lambda: dirichlet_split([0, 1], 2, alpha=0), "alpha = 0 must be > 0"),
+        (lambda: label_split(_labels(), 2, labels_per_client=1), "hold fewer labels than the 5 there are"),
         (lambda: run(per_round=5), "per_round = 5 must be an integer in \\[1, 4\\]"),
         (lambda: run(per_round=2, local_epochs=0), "local_epochs = 0 must be a positive integer"),
     ],
@@ -164,3 +166,26 @@ def test_updates_are_weighted_by_each_clients_examples():
             p -= 0.2 * p.grad
     for a, b in zip(net.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
+def test_running_statistics_are_averaged_and_counters_kept():
+    """A BatchNorm's running mean after a round is the clients' running means averaged by examples, each
+    client starting from the round's global statistics (lr 0: only the statistics move)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
+    generator = torch.Generator().manual_seed(6)
+    sizes = [4, 12]
+    data = [(torch.randn(n, 5, generator=generator) + i, torch.randn(n, 4, generator=generator))
+            for i, n in enumerate(sizes)]  # fmt: skip
+    expected = []
+    for x, _ in data:
+        client = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
+        client.load_state_dict(net.state_dict())
+        client(x)  # one batch: the whole client
+        expected.append(client[1].running_mean * len(x))
+    fedavg(
+        net, data, rounds=1, per_round=2, local_epochs=1, batch_size=16,
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss_fn=F.mse_loss,
+    )  # fmt: skip
+    torch.testing.assert_close(net[1].running_mean, sum(expected) / sum(sizes), rtol=TOL, atol=TOL)
+    assert net[1].num_batches_tracked.item() == 0  # a counter keeps the round's global value

@@ -138,6 +138,9 @@ def simulated_diloco(replicas, sync_every, lr, momentum, fragments=1, delay=0, m
                     landing.setdefault(step + delay, []).append((f, averaged))
                 else:
                     apply(nets, global_weights, momenta, part, averaged, lr, momentum, 0, mix)
+    for step in sorted(landing):  # finish(): what is still in flight lands after the last step
+        for fragment, averaged in landing[step]:
+            apply(nets, global_weights, momenta, parts[fragment], averaged, lr, momentum, delay, mix)
     return [params(n) for n in nets]
 
 
@@ -155,7 +158,9 @@ def apply(nets, global_weights, momenta, part, averaged, lr, momentum, delay, mi
 # ---- worker bodies --------------------------------------------------------------------------------------------
 def run_case(make, steps=STEPS):
     result = train(make, steps)
-    return {"params": result["params"], "comm": result["comm"]}
+    in_flight = bool(getattr(result["optimizer"], "_pending", {}))
+    result["optimizer"].finish()
+    return {"params": params(result["net"]), "comm": result["comm"], "in_flight": in_flight}
 
 
 def equivalences_case():
@@ -166,13 +171,14 @@ def equivalences_case():
     }
 
 
-def resume_case(make):
+def resume_case(make, split):
     whole = train(make)["params"]
-    first = train(make, steps=3)
+    first = train(make, steps=split)
+    in_flight = bool(getattr(first["optimizer"], "_pending", {}))
     start = (copy.deepcopy(first["net"].state_dict()), copy.deepcopy(first["optimizer"].state_dict()))
     torch.manual_seed(99)  # the resumed process draws nothing from the old generator states
-    resumed = train(make, steps=STEPS - 3, start=start)["params"]
-    return all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+    resumed = train(make, steps=STEPS - split, start=start)["params"]
+    return in_flight, all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
 
 
 # ---- tests -------------------------------------------------------------------------------------------------
@@ -216,6 +222,8 @@ def test_every_option_equals_the_algorithm_simulated_in_one_process(dist_run, na
     results = dist_run(2, run_case, make)
     for rank, result in enumerate(results):
         close(result["params"], expected[rank])
+        # the last fragment started at step 8: in flight when training ended, landed by finish()
+        assert result["in_flight"] == (o["delay"] > 0)
 
 
 def test_collectives_only_at_syncs_with_the_parameters_bytes(dist_run):
@@ -239,8 +247,18 @@ def test_collectives_only_at_syncs_with_the_parameters_bytes(dist_run):
 
 @pytest.mark.parametrize("kind", ["local_sgd", "diloco-delayed"])
 def test_a_resumed_run_is_bitwise_the_uninterrupted_one(dist_run, kind):
+    # stopped after step 2: DiLoCo's fragment 0 started its average there and lands at step 3
     make = local_sgd(2) if kind == "local_sgd" else diloco(4, fragments=2, fragment_delay=1)
-    assert all(dist_run(2, resume_case, make))
+    for in_flight, same in dist_run(2, resume_case, make, 2):
+        assert same and in_flight == (kind != "local_sgd")
+
+
+def test_resuming_under_other_settings_is_refused():
+    net = model()
+    saved = diloco(4, fragments=2)(net).state_dict()
+    other = diloco(8, fragments=2)(model())
+    with pytest.raises(ValueError, match="sync_every = 4 saved, 8 now"):
+        other.load_state_dict(saved)
 
 
 def test_fragments_cut_by_bytes_in_order():

@@ -199,8 +199,10 @@ def _config(args: argparse.Namespace) -> TrainConfig | None:
         )
     try:
         parse_overrides(overrides)
-    except ValueError as exc:  # `--parallel.tp 4 CONFIG.toml` took 4 for CONFIG.toml
-        raise ValueError(f"{exc} (the overrides go after CONFIG.toml)") from None
+    except ValueError as exc:
+        misplaced = not args.config.endswith(".toml") or any(o.endswith(".toml") for o in overrides)
+        hint = " (the overrides go after CONFIG.toml)" if misplaced else ""  # `--parallel.tp 4 CONFIG.toml`
+        raise ValueError(f"{exc}{hint}") from None
     return load_config(args.config, overrides) if args.config else None
 
 

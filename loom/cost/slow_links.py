@@ -10,7 +10,8 @@ shards together are the replica's parameters). Synchronising `nbytes` over it is
 - **DiLoCo / local SGD** all-reduce the parameters (pseudo-gradients) once every `sync_every` steps, in
   `outer_bytes_per_value` bytes a value (4: fp32, 2: bf16). Unstreamed, the replicas wait for it. Streamed
   in `fragments` with a `fragment_delay` of d inner steps, each fragment's all-reduce (1/F of the bytes)
-  overlaps the next d inner steps and only its excess is exposed, F times per `sync_every` steps.
+  overlaps the next d inner steps and only its excess is exposed, F times per `sync_every` steps; and the
+  fragments share the link, so a step never takes less than the link's busy time per step.
 
 What this leaves out: DiLoCo needs somewhat more tokens than synchronous training to reach the same loss
 (measure it: benchmarks/diloco.py); the step time of a replica comes from the simulator.
@@ -88,7 +89,8 @@ def compare_sync(
     outer_bytes = parameters * outer_bytes_per_value
     fragment_s = ring_all_reduce_s(outer_bytes / fragments, replicas, link)
     exposed = max(0.0, fragment_s - fragment_delay * replica_step_s)  # hidden behind d inner steps
-    diloco = replica_step_s + fragments * exposed / sync_every
+    # the fragments share the link: per step it is busy fragments * fragment_s / sync_every on average
+    diloco = max(replica_step_s + fragments * exposed / sync_every, fragments * fragment_s / sync_every)
     return SlowLinkComparison(
         replica_step_s=replica_step_s,
         synchronous_step_s=synchronous,

@@ -6,6 +6,10 @@
         model(*batch).backward()
         optimizer.step()                    # an inner step; every 50th also an outer step over `group`
         optimizer.zero_grad()
+    optimizer.finish()                      # averages still in flight (fragment_delay > 0) land now
+
+They are not `torch.optim.Optimizer`s: schedule the inner learning rate on `optimizer.inner`
+(`LambdaLR(optimizer.inner, ...)`).
 
 - **LocalSGD**: every `sync_every` inner steps the replicas replace their parameters by the average (one
   all-reduce of the parameters' bytes).
@@ -15,8 +19,9 @@
   outer SGD at lr 1 and no momentum this is LocalSGD; with `sync_every = 1`, inner SGD and that outer step
   it is synchronous data parallelism.
 - **Streaming** (`fragments = F`): the parameters are cut into F fragments of about equal bytes, in
-  parameter order; fragment f meets at inner steps `f * sync_every / F + k * sync_every`, so each fragment
-  still syncs once per `sync_every` steps and a sync moves 1/F of the bytes. With `fragment_delay = d > 0`
+  parameter order; fragment f meets at the inner steps `s` with `s % sync_every == (f + 1) * sync_every // F
+  % sync_every`, so each fragment still syncs once per `sync_every` steps (the last one at the multiples of
+  `sync_every`) and a sync moves 1/F of the bytes. With `fragment_delay = d > 0`
   the average is started asynchronously and applied `d` inner steps later, overlapped with them; the
   replica then mixes: `local = mix * local_now + (1 - mix) * global_new` (Streaming DiLoCo's alpha).
 - `outer_dtype = torch.bfloat16` sends pseudo-gradients in bf16 (half the bytes); the outer step and the
@@ -68,6 +73,17 @@ def fragments_of(params: list[torch.Tensor], count: int) -> list[list[int]]:
     return out
 
 
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer of `tensors` (one collective for all of them)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` cut back into tensors shaped as `like`."""
+    pieces = torch.split(flat, [t.numel() for t in like])
+    return [piece.view(t.shape) for piece, t in zip(pieces, like, strict=True)]
+
+
 def _check_every(sync_every: object) -> int:
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(
@@ -114,8 +130,11 @@ class _Replicated:
 
     @property
     def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (a learning-rate schedule adjusts the inner steps)."""
+        """The inner optimizer's groups (schedule the learning rate on `self.inner`)."""
         return self.inner.param_groups
+
+    def finish(self) -> None:
+        """Land what is still in flight at the end of training (nothing for LocalSGD)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the inner optimizer's)."""
@@ -138,12 +157,10 @@ class LocalSGD(_Replicated):
     def average(self) -> None:
         """Replace every parameter by its mean over the replicas (one all-reduce)."""
         locals_ = [_local(p) for p in self.params]
-        flat = torch._utils._flatten_dense_tensors(locals_)
+        flat = _flatten(locals_)
         _all_reduce_mean(flat, self.group)
         flat /= _replicas(self.group)
-        for local, averaged in zip(
-            locals_, torch._utils._unflatten_dense_tensors(flat, locals_), strict=True
-        ):
+        for local, averaged in zip(locals_, _unflatten(flat, locals_), strict=True):
             local.copy_(averaged)
 
     def state_dict(self) -> dict[str, Any]:
@@ -225,7 +242,7 @@ class DiLoCo(_Replicated):
         """Average the fragment's pseudo-gradients: at once, or asynchronously with a delay."""
         indices = self.fragments[fragment]
         pseudo = [self.global_weights[i] - _local(self.params[i]).float() for i in indices]
-        flat = torch._utils._flatten_dense_tensors(pseudo).to(self.outer_dtype)
+        flat = _flatten(pseudo).to(self.outer_dtype)
         delayed = self.fragment_delay > 0
         work = _all_reduce_mean(flat, self.group, async_op=delayed)
         if delayed:
@@ -241,9 +258,7 @@ class DiLoCo(_Replicated):
         indices = self.fragments[fragment]
         averaged = flat.float() / _replicas(self.group)
         weights = [self.global_weights[i] for i in indices]
-        for weight, grad in zip(
-            weights, torch._utils._unflatten_dense_tensors(averaged, weights), strict=True
-        ):
+        for weight, grad in zip(weights, _unflatten(averaged, weights), strict=True):
             weight.grad = grad
         self._outer_step(weights)
         for i, weight in zip(indices, weights, strict=True):
@@ -262,6 +277,18 @@ class DiLoCo(_Replicated):
         for weight in weights:
             weight.grad = None
 
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for and apply every average still in flight (with `fragment_delay > 0`, those started in the
+        last steps): call it once training ends, before the weights are read or the process group goes."""
+        for fragment, (_, work, flat) in sorted(self._pending.items()):
+            self._finish(fragment, work, flat)
+
+    def _settings(self) -> dict[str, Any]:
+        fragments = len(self.fragments)
+        return {"sync_every": self.sync_every, "fragments": fragments, "fragment_delay": self.fragment_delay,
+                "mix": self.mix, "outer_dtype": str(self.outer_dtype)}  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         """Inner and outer optimizer states, the global weights, the step count, and the averages still in
         flight (waited for, kept with the step they land at: a resumed run applies them when the
@@ -278,10 +305,22 @@ class DiLoCo(_Replicated):
             "global_weights": [w.clone() for w in self.global_weights],
             "inner_steps": self.inner_steps,
             "pending": pending,
+            "settings": self._settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`."""
+        """Resume from `state_dict()`, under the settings it was saved with."""
+        changed = {
+            k: (v, state["settings"][k]) for k, v in self._settings().items() if state["settings"][k] != v
+        }
+        if changed:
+            described = ", ".join(
+                f"{k} = {saved!r} saved, {now!r} now" for k, (now, saved) in changed.items()
+            )
+            raise ValueError(
+                f"DiLoCo.load_state_dict: {described}: resume with the settings of the saved run (the fragments "
+                "and the averages in flight depend on them)"
+            )
         saved = state["global_weights"]
         if len(saved) != len(self.global_weights):
             raise ValueError(

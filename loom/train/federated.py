@@ -47,6 +47,11 @@ def label_split(
         raise ValueError(
             f"labels_per_client = {labels_per_client} must be in [1, {len(classes)}] (the labels)"
         )
+    if clients * labels_per_client < len(classes):
+        raise ValueError(
+            f"{clients} clients x labels_per_client = {labels_per_client} hold fewer labels than the "
+            f"{len(classes)} there are: raise labels_per_client to {-(-len(classes) // clients)} or use more clients"
+        )
     rng = random.Random(f"loom-labels:{seed}")
     held = [[classes[(c * labels_per_client + k) % len(classes)] for k in range(labels_per_client)]
             for c in range(clients)]  # fmt: skip
@@ -55,19 +60,38 @@ def label_split(
     for label in classes:
         examples = [i for i, y in enumerate(labels) if y == label]
         rng.shuffle(examples)
-        owners = holders[label] or [rng.randrange(clients)]  # a label nobody holds goes to one client
+        owners = holders[label]
         for k, owner in enumerate(owners):
             out[owner] += examples[k :: len(owners)]
     return [sorted(part) for part in out]
 
 
-def dirichlet_split(labels: Sequence[int], clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
+def dirichlet_split(
+    labels: Sequence[int], clients: int, alpha: float, seed: int = 0, min_size: int = 1
+) -> list[list[int]]:
     """Non-IID by Dirichlet allocation (Hsu et al. 2019): each label's examples are shared among the
-    clients in proportions drawn from Dirichlet(alpha); small alpha = each client sees few labels."""
+    clients in proportions drawn from Dirichlet(alpha); small alpha = each client sees few labels. The
+    allocation is drawn again until every client holds at least `min_size` examples."""
     _check_clients(clients, len(labels))
     if not alpha > 0:
         raise ValueError(f"alpha = {alpha} must be > 0 (small: very non-IID; large: close to IID)")
+    if not 1 <= min_size * clients <= len(labels):
+        raise ValueError(f"min_size = {min_size} for {clients} clients needs at most {len(labels)} examples")
     rng = np.random.default_rng(seed)
+    for _ in range(1000):
+        parts = _dirichlet_draw(labels, clients, alpha, rng)
+        if min(map(len, parts)) >= min_size:
+            return parts
+    raise ValueError(
+        f"dirichlet_split: 1000 draws with alpha = {alpha} left a client with fewer than {min_size} examples: "
+        "use fewer clients, a larger alpha or a smaller min_size"
+    )
+
+
+def _dirichlet_draw(
+    labels: Sequence[int], clients: int, alpha: float, rng: np.random.Generator
+) -> list[list[int]]:
+    """One Dirichlet allocation of every label's examples among the clients."""
     out: list[list[int]] = [[] for _ in range(clients)]
     for label in sorted(set(labels)):
         examples = [i for i, y in enumerate(labels) if y == label]
@@ -120,46 +144,47 @@ def fedavg(
     _check_fedavg(clients, rounds, per_round, local_epochs, batch_size)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
-    params = list(model.parameters())
+    # what a client changes: parameters and floating buffers (a norm's running statistics) are averaged;
+    # other buffers (counters) restart from the round's global value for every client and keep it
+    averaged = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    kept = [b for b in model.buffers() if not b.is_floating_point()]
     reports = []
     for round_index in range(rounds):
         sampled = sorted(
             random.Random(f"loom-fedavg:{seed}:{round_index}").sample(range(len(clients)), per_round)
         )
-        global_weights = [p.detach().clone() for p in params]
-        update = torch.zeros(sum(p.numel() for p in params) + 1)  # fp32; the last entry counts examples
+        start = [t.detach().clone() for t in averaged + kept]
+        # the clients' weighted updates and, last, their examples (fp32, on the model's device)
+        update = torch.zeros(sum(t.numel() for t in averaged) + 1, device=averaged[0].device)
         for client in sampled[rank::ranks]:
-            _load(params, global_weights)
+            _load(averaged + kept, start)
             _train_client(model, clients[client], local_epochs, batch_size, make_optimizer, loss_fn,
                           seed=(seed, round_index, client))  # fmt: skip
             examples = len(clients[client][0])
-            deltas = [
-                (p.detach() - g).double().flatten() for p, g in zip(params, global_weights, strict=True)
-            ]
+            deltas = [(t.detach() - g).float().flatten() for t, g in zip(averaged, start, strict=False)]
             update[:-1] += torch.cat(deltas) * examples
             update[-1] += examples
         if ranks > 1:
             dist.all_reduce(update, group=group)
-        _load(params, global_weights)
+        _load(averaged + kept, start)
         with torch.no_grad():
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.add_((update[offset : offset + n] / update[-1]).view_as(p).to(p.dtype))
+            for t in averaged:
+                n = t.numel()
+                t.add_((update[offset : offset + n] / update[-1]).view_as(t).to(t.dtype))
                 offset += n
-        report = RoundReport(
-            round_index, sampled, int(update[-1].item()), update.numel() * update.element_size()
-        )
+        sent = update.numel() * update.element_size() if ranks > 1 else 0
+        report = RoundReport(round_index, sampled, int(update[-1].item()), sent)
         if on_round is not None:
             report.extra = on_round(report, model) or {}
         reports.append(report)
     return reports
 
 
-def _load(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+def _load(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for p, v in zip(params, values, strict=True):
-            p.copy_(v)
+        for t, v in zip(tensors, values, strict=True):
+            t.copy_(v)
 
 
 def _train_client(model, data, epochs, batch_size, make_optimizer, loss_fn, seed) -> None:

@@ -292,11 +292,9 @@ def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count:
     `data.tokenizer`, else as bytes); token files without a tokenizer show ids."""
     prompt_len = max(1, min(8, config.data.seq_len // 2))
     decode = _decoder(config)
-    samples = []
-    for index in range(min(count, len(dataset))):
-        prompt = dataset[index][0][:prompt_len].tolist()
-        continuation = generate_ids(model, prompt, prompt_len)
-        samples.append((decode(prompt), decode(continuation)))
+    prompts = [dataset[index][0][:prompt_len].tolist() for index in range(min(count, len(dataset)))]
+    continuations = generate_batch(model, prompts, prompt_len)
+    samples = [(decode(p), decode(c)) for p, c in zip(prompts, continuations, strict=True)]
     return {"text_samples": samples}
 
 

@@ -77,7 +77,7 @@ class Trainer:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm {clip_grad_norm} must be > 0 (or None for no clipping)")
         self.steps = steps_for(model)  # how this kind of model parts runs a step's forward and backward
-        self.model = named_as or self.steps.module
+        self.model = named_as if named_as is not None else self.steps.module
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.grad_accum, self.clip_grad_norm, self.precision = grad_accum, clip_grad_norm, precision
         self.scaler = loss_scaler or (DynamicLossScaler() if precision == "fp16" else None)
