@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -35,6 +34,7 @@ class _Derived:
     ops: tuple[BackwardOp, ...] | None
     saved_inputs: tuple[int, ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    error: str | None = None
 
 
 def derive(graph: Graph) -> Graph:
@@ -49,7 +49,9 @@ def derive(graph: Graph) -> Graph:
             if node.requires_grad:
                 carries.add(node.name)
         nodes.append(node)
-    return dataclasses.replace(graph, nodes=tuple(nodes))
+    failed = sorted({derived.error for derived in cache.values() if derived.error})
+    notes = tuple(f"backward not traced, counted as nothing: {text}" for text in failed)
+    return dataclasses.replace(graph, nodes=tuple(nodes), notes=graph.notes + notes)
 
 
 def _with_backward(graph: Graph, node: Node, carries: set[str], cache: dict[str, _Derived]) -> Node:
@@ -62,9 +64,13 @@ def _with_backward(graph: Graph, node: Node, carries: set[str], cache: dict[str,
     gives = tuple(i for i in sorted(read) if node.outputs[i] is not None and node.outputs[i].floating)
     if not wants or not gives:
         return dataclasses.replace(node, requires_grad=False)
-    key = repr((node.target, _skeleton(node), infos, wants, gives))
+    key = repr((node.target, node.skeleton(), infos, wants, gives))
     if key not in cache:
-        cache[key] = _trace_backward(node, infos, wants, gives)
+        try:
+            cache[key] = _trace_backward(node, infos, wants, gives)
+        except Exception as error:  # an operator without a derivative formula (a custom op): say so
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            cache[key] = _Derived(ops=(), error=f"{node.target} ({type(error).__name__}: {first})")
     derived = cache[key]
     if derived.ops is None:
         return dataclasses.replace(node, requires_grad=False)
@@ -76,17 +82,6 @@ def _with_backward(graph: Graph, node: Node, carries: set[str], cache: dict[str,
     )
 
 
-def _skeleton(node: Node) -> Any:
-    """The node's arguments with tensors blanked: what, besides shapes, decides its backward."""
-    return pytree.tree_map_only(Ref, lambda _: "tensor", (node.args, node.kwargs))
-
-
-def _call_args(node: Node, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
-    """The node's arguments with its `Ref`s replaced, in order, by `tensors`."""
-    supply = iter(tensors)
-    return pytree.tree_map_only(Ref, lambda _: next(supply), (node.args, node.kwargs))
-
-
 def _trace_backward(
     node: Node, infos: list[TensorInfo], wants: tuple[int, ...], gives: tuple[int, ...]
 ) -> _Derived:
@@ -96,7 +91,7 @@ def _trace_backward(
 
     def forward_and_backward(*flat: torch.Tensor) -> tuple:
         inputs, grads = list(flat[:count]), flat[count:]
-        args, kwargs = _call_args(node, inputs)
+        args, kwargs = node.call_args(inputs)
         out = node.op(*args, **kwargs)
         outs = out if isinstance(out, list | tuple) else (out,)
         pairs = [(outs[i], g) for i, g in zip(gives, grads, strict=True) if outs[i].requires_grad]
@@ -131,8 +126,8 @@ def _split(gm: torch.fx.GraphModule, node: Node, count: int) -> _Derived:
                 saved_in.add(placeholders.index(source))
             elif source in outputs:
                 saved_out.add(outputs[source])
-        if fx_node.target is operator.getitem:
-            continue
+        if fx_node.target is operator.getitem or fx_node.target is torch.ops.aten.detach.default:
+            continue  # autograd's detaches of saved tensors alias, they compute nothing
         ops.append(_backward_op(fx_node))
     return _Derived(
         ops=tuple(ops), saved_inputs=tuple(sorted(saved_in)), saved_outputs=tuple(sorted(saved_out))

@@ -30,6 +30,7 @@ A model that cannot be traced raises `CaptureError`, naming the module and the e
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from collections.abc import Mapping, Sequence
@@ -122,6 +123,8 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphM
             gm = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake")(*values)
     except Exception as error:
         raise _capture_error(model, error, "the dispatcher-level trace") from error
+    # Autograd's `detach`es of saved tensors and other unread results are not work to plan.
+    gm.graph.eliminate_dead_code()
     return gm, kinds
 
 
@@ -187,12 +190,21 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, kinds: list[tuple[str, st
         if fx_node.op == "call_function" and fx_node.target is operator.getitem:
             parent, index = fx_node.args
             refs[fx_node] = refs[parent][index]
-        elif fx_node.op == "call_function" and str(fx_node.target) not in _SKIPPED:
+        elif fx_node.op == "call_function" and not _skipped(fx_node):
             nodes.append(_op_node(fx_node, _unique(fx_node.name, taken), refs))
         elif fx_node.op == "output":
             outputs = tuple(_ref_or_none(item, refs) for item in pytree.tree_leaves(fx_node.args[0]))
     graph = Graph(model=type(model).__name__, nodes=tuple(nodes), params={}, outputs=outputs)
     return _with_params(graph, model)
+
+
+def _skipped(fx_node: torch.fx.Node) -> bool:
+    """Checks, and the copies functionalisation appends to write updated buffers back (a batch norm's
+    running statistics): bookkeeping, not work to plan."""
+    if str(fx_node.target) in _SKIPPED:
+        return True
+    first = fx_node.args[0] if fx_node.args else None
+    return fx_node.target is torch.ops.aten.copy_.default and getattr(first, "op", "") == "placeholder"
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -280,9 +292,7 @@ def _with_params(graph: Graph, model: nn.Module) -> Graph:
             users=graph.users(node.name),
             consumers=_consumers(graph, node.name),
         )
-    return Graph(
-        model=graph.model, nodes=graph.nodes, params=params, outputs=graph.outputs, device=graph.device
-    )
+    return dataclasses.replace(graph, params=params)
 
 
 def _consumers(graph: Graph, name: str) -> tuple[str, ...]:

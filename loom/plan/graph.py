@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch.utils import _pytree as pytree
 
 __all__ = ["SOURCE_KINDS", "BackwardOp", "Blocks", "Graph", "Node", "Param", "Ref", "TensorInfo"]
 
@@ -120,6 +122,16 @@ class Node:
     def backward_bytes(self) -> int:
         return sum(op.bytes for op in self.backward)
 
+    def skeleton(self) -> Any:
+        """The arguments with every tensor blanked: what, besides input shapes, decides what the operator
+        does (a key for caches shared by identical operators)."""
+        return pytree.tree_map_only(Ref, lambda _: "tensor", (self.args, self.kwargs))
+
+    def call_args(self, tensors: Sequence[Any]) -> tuple[tuple, dict[str, Any]]:
+        """The arguments with the `Ref`s replaced, in order, by `tensors` (to call `op` on stand-ins)."""
+        supply = iter(tensors)
+        return pytree.tree_map_only(Ref, lambda _: next(supply), (self.args, self.kwargs))
+
     def output(self, index: int = 0) -> TensorInfo:
         """Output `index`, which must be a tensor."""
         info = self.outputs[index]
@@ -173,15 +185,16 @@ class Blocks:
 
 @dataclass(frozen=True, kw_only=True)
 class Graph:
-    """A captured model: nodes in execution order, the parameters and buffers they read, the outputs, and
-    the repeated blocks (None when the model has none, or they differ)."""
+    """A captured model: nodes in execution order, the parameters and buffers they read, the outputs, the
+    repeated blocks (None when the model has none, or they differ), and `notes` on what capture could not
+    do (an operator whose backward could not be traced)."""
 
     model: str
     nodes: tuple[Node, ...]
     params: dict[str, Param]
     outputs: tuple[Ref | None, ...]
     blocks: Blocks | None = None
-    device: str = "cpu"
+    notes: tuple[str, ...] = ()
     _index: dict[str, Node] = field(init=False, repr=False, compare=False)
     _users: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 

@@ -34,6 +34,10 @@ _BORROWED = {
 }
 
 
+# Operators whose first input is a table they read only some rows of.
+_LOOKUPS = {"aten.embedding.default", "aten.index_select.default"}
+
+
 def tensor_info(value: torch.Tensor) -> TensorInfo:
     """The `TensorInfo` of a tensor (real, fake or meta)."""
     return TensorInfo(
@@ -66,10 +70,15 @@ def op_flops(op: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> 
 
 
 def op_bytes(op: Any, inputs: Sequence[TensorInfo | None], outputs: Sequence[TensorInfo | None]) -> int:
-    """Bytes read and written: every tensor input once and every output once; 0 for a view."""
+    """Bytes read and written: every tensor input once and every output once; 0 for a view. A lookup
+    (`embedding`, `index_select`) reads only the rows it gathers: as many bytes as it writes."""
     if getattr(op, "is_view", False):
         return 0
-    return sum(info.nbytes for info in (*inputs, *outputs) if info is not None)
+    written = sum(info.nbytes for info in outputs if info is not None)
+    if str(op) in _LOOKUPS and inputs and inputs[0] is not None:
+        inputs = [None, *inputs[1:]]
+        written *= 2
+    return written + sum(info.nbytes for info in inputs if info is not None)
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
