@@ -296,7 +296,8 @@ def _combine(
         )
         valid = all(_fits(info, ps, sizes) for info, ps in zip(infos, inputs, strict=True))
         valid = valid and all(_fits(info, ps, sizes) for info, ps in zip(outputs, outs, strict=True) if info)
-        source = "replicate" if any(c.source == "replicate" for c in choice) else "dtensor"
+        sources = {c.source for c in choice}
+        source = sources.pop() if len(sources) == 1 else "replicate" if "replicate" in sources else "dtensor"
         share = {axis: c.share[axis] for axis, c in zip(per_axis, choice, strict=True)}
         yield Candidate(inputs=inputs, outputs=outs, share=share, source=source) if valid else None
 
