@@ -201,6 +201,10 @@ def test_ninety_six_blocks_trace_two():
     assert (graph.blocks.count, graph.blocks.traced) == (96, 2)
     assert {node.block for node in graph.ops()} == {None, 0, 1}
     assert len(model.transformer.h) == 96
+    # every matmul's backward computes two products (the head's weight is tied to the embedding and on
+    # the meta device lifted under both names, each trainable)
+    assert graph.params["lm_head.weight"].trainable
+    assert graph.total("flops", backward=True) == 2 * graph.total("flops")
 
 
 class _Gate(nn.Module):

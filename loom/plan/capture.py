@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,13 +85,6 @@ def capture(
             graph = _capture_forward(model, tuple(args), kwargs, found, found.count)
             graph, _ = blocks_mod.assign_blocks(graph, found, found.count)
     return backward_mod.derive(graph)
-
-
-def timed_capture(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Graph, float]:
-    """`capture` and the seconds it took (for reports and benchmarks)."""
-    start = time.perf_counter()
-    graph = capture(model, *args, **kwargs)
-    return graph, time.perf_counter() - start
 
 
 # ---- tracing ----
@@ -273,8 +265,9 @@ def _with_params(graph: Graph, model: nn.Module) -> Graph:
     by_id: dict[int, list[str]] = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
         by_id.setdefault(id(tensor), []).append(name)
-    aliases = {names[0]: tuple(names[1:]) for names in by_id.values()}
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    aliases = {name: tuple(n for n in names if n != name) for names in by_id.values() for name in names}
+    # every name of a tied parameter: export may lift each name as its own input
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     params = {}
     for node in graph.nodes:
         if node.kind not in ("parameter", "buffer"):

@@ -165,8 +165,9 @@ class Blocks:
     """The model's repeated blocks: `count` blocks at `path` (an `nn.ModuleList`), of which the graph holds
     `traced` (all of them for a small model; the first two for a deep one, the others being the same
     operators on the same shapes). Every traced block has the op sequence of block 0 (`signature`, a short
-    hash of operators, relative module paths and shapes). `before` / `after`: the op nodes outside the
-    blocks that run before them (embeddings, masks, positions) and after them (final norm, head, loss).
+    hash of operators, relative module paths and shapes). `before`: the op nodes outside the blocks that
+    run before block 0 (embeddings, masks, positions); `after`: the other op nodes outside the blocks (final
+    norm, head, loss; an operator between two blocks, were there one, would be counted once, here).
     """
 
     path: str
