@@ -185,3 +185,16 @@ def test_source_layouts_and_mesh_checks(mlp):
             strategy_space(mlp, bad)
     with pytest.raises(ValueError, match="not an operator"):
         op_space(mlp, "0.weight", {"tp": 2})
+
+
+def test_the_adapter_asks_cpu_attention_with_a_two_dim_mask_as_efficient_attention():
+    query = torch.empty(2, 4, 16, 8, device="meta")
+    mask = torch.empty(16, 16, device="meta")  # (seq, seq), broadcast over batch and heads
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    ask = lambda placements: _dtensor_rules.propose(
+        op, (query, query, query, 0.0, False), {"attn_mask": mask, "scale": None}, placements, 2
+    )
+    heads = ask((S1, S1, S1, R))
+    assert heads.inputs == (S1, S1, S1, R) and heads.outputs == (S1, S1)
+    rows = ask((S0, S0, S0, R))
+    assert rows.inputs == (S0, S0, S0, R) and rows.outputs == (S0, S0)

@@ -76,7 +76,7 @@ def propose(
     or has no rule for the operator."""
     alias = _alias(op, args, kwargs)
     if alias is not None:
-        op, args, kwargs = alias.op, alias.args, alias.kwargs
+        op, args, kwargs, placements = alias.op, alias.args, alias.kwargs, alias.to_alias(placements)
     mesh = axis_mesh(size)
     supply = iter(placements)
     to_spec = lambda t: _spec(t, next(supply), mesh)
@@ -129,20 +129,33 @@ def _placement(spec: Any) -> Placement:
 @dataclass(frozen=True)
 class _Alias:
     """An operator asked as another one with the same sharding semantics: its call, how many of its
-    outputs are the original's, and the original input's shape for each input (to map placements back)."""
+    outputs are the original's, and each original input's shape and its dims' offset in the other
+    operator's input (a mask broadcast to more dims)."""
 
     op: Any
     args: tuple
     kwargs: dict
     outputs: int
     shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
 
-    def back(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        """Placements of the original inputs: a cut of a dim the original broadcasts (size 1) is none."""
+    def to_alias(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
+        """The original inputs' placements, as the other operator's inputs."""
         return tuple(
-            Replicate() if isinstance(p, Shard) and shape[p.dim] == 1 else p
-            for p, shape in zip(placements, self.shapes, strict=True)
+            Shard(p.dim + offset) if isinstance(p, Shard) else p
+            for p, offset in zip(placements, self.offsets, strict=True)
         )
+
+    def back(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
+        """The other operator's input placements, as the original inputs': a cut of a dim the original
+        broadcasts (absent, or of size 1) is no cut."""
+        found = []
+        for p, shape, offset in zip(placements, self.shapes, self.offsets, strict=True):
+            if isinstance(p, Shard):
+                dim = p.dim - offset
+                p = Shard(dim) if dim >= 0 and shape[dim] > 1 else Replicate()
+            found.append(p)
+        return tuple(found)
 
 
 def _alias(op: Any, args: tuple, kwargs: dict) -> _Alias | None:
@@ -157,11 +170,13 @@ def _alias(op: Any, args: tuple, kwargs: dict) -> _Alias | None:
     shapes = tuple(tuple(t.shape) for t in (query, key, value))
     if mask is None:
         call = (query, key, value, dropout, causal, False)
-        return _Alias(aten._scaled_dot_product_flash_attention.default, call, {"scale": scale}, 2, shapes)
+        flash = aten._scaled_dot_product_flash_attention.default
+        return _Alias(flash, call, {"scale": scale}, 2, shapes, (0, 0, 0))
     bias = mask.expand(*query.shape[:-1], key.shape[-2])
     call = (query, key, value, bias, True, dropout, causal)
-    shapes += (tuple(mask.shape),)
-    return _Alias(aten._scaled_dot_product_efficient_attention.default, call, {"scale": scale}, 2, shapes)
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    offsets = (0, 0, 0, bias.ndim - mask.ndim)
+    return _Alias(efficient, call, {"scale": scale}, 2, (*shapes, tuple(mask.shape)), offsets)
 
 
 def check() -> list[str]:
