@@ -207,6 +207,48 @@ def test_ninety_six_blocks_trace_two():
     assert graph.total("flops", backward=True) == 2 * graph.total("flops")
 
 
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    """Blocks at a path no recipe names (`stack`), found as a list of identical modules."""
+
+    def __init__(self, alternate: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.stack = nn.ModuleList(_Residual(8) for _ in range(5))
+        self.alternate = alternate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for i, block in enumerate(self.stack):
+            x = block(x)
+            if self.alternate and i % 2 == 0:  # work between some blocks, outside them
+                x = torch.relu(x)
+        return x.sum()
+
+
+def test_identical_modules_at_any_path_are_blocks():
+    graph = capture(_Stack(), (torch.randn(3, 4),))
+    assert (graph.blocks.path, graph.blocks.count, graph.blocks.traced) == ("stack", 5, 2)
+    assert [graph[name].module for name in graph.blocks.before] == ["stem"] * 2  # t, addmm
+    assert graph.total() == 2 * 3 * 4 * 8 + 5 * 2 * (2 * 3 * 8 * 16)
+
+
+def test_work_between_blocks_is_traced_with_every_block():
+    graph = capture(_Stack(alternate=True), (torch.randn(3, 4),))
+    assert (graph.blocks.count, graph.blocks.traced) == (5, 5)  # the shortened trace was redone whole
+    assert [graph[name].target for name in graph.blocks.between] == ["aten.relu.default"] * 2
+    assert [graph[name].target for name in graph.blocks.after] == ["aten.relu.default", "aten.sum.default"]
+    assert graph.total("bytes") == sum(node.bytes for node in graph.ops())
+
+
 class _Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.sum() > 0 else -x  # control flow on a value: no graph can hold it

@@ -128,6 +128,7 @@ def test_an_operator_without_a_rule_is_replicated():
 def test_llama_space_covers_one_block_and_its_boundaries(llama):
     space = strategy_space(llama, {"tp": 2})
     blocks = llama.blocks
+    assert not blocks.between
     assert set(space.ops) == {*blocks.representative, *blocks.before, *blocks.after}
     assert not set(space.ops) & set(blocks.nodes[1])
     assert space.fallbacks() == []

@@ -12,7 +12,11 @@ list of identical blocks.
 A list of identical blocks is traced with its first `trace_blocks` blocks only (`shortened`). After the
 trace every op node is assigned to the block whose module path it runs under, and each traced block's op
 sequence is hashed (operators, module paths relative to the block, shapes, non-tensor arguments, and where
-each input comes from): blocks whose hashes agree are one repeated block.
+each input comes from): blocks whose hashes agree are one repeated block. Operators between the blocks
+(outside every block, after the first and before the last) may run between some blocks only, so a
+shortened trace that finds any is redone with every block. Work that runs only after later blocks (after
+every second block, from the second on) is not seen by a two-block trace: it counts once, as work after
+the blocks; `capture(..., trace_blocks=n)` traces more.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from torch.utils import _pytree as pytree
 from loom.models.recipes import BLOCK_PATHS, find_blocks, known_recipe
 from loom.plan.graph import Blocks, Graph, Node, Ref
 
-__all__ = ["BlockList", "assign_blocks", "find_block_list", "module_signature", "normalise_path", "shortened"]
+__all__ = [
+    "BlockList", "assign_blocks", "find_block_list", "module_signature", "normalise_path", "repeats", "shortened",
+]  # fmt: skip
 
 # Per-layer numbers that differ between otherwise identical blocks (Hugging Face's `layer_idx`).
 _INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|id|layer_number|layer_num)$")
@@ -138,23 +144,23 @@ def normalise_path(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
 
 
-def assign_blocks(graph: Graph, found: BlockList, traced: int) -> tuple[Graph, bool]:
+def assign_blocks(graph: Graph, found: BlockList, traced: int) -> Graph:
     """The graph with each op node's `block` set and, when every traced block runs the same operators on
-    the same shapes, its `Blocks`; the flag says whether they did."""
+    the same shapes, its `Blocks`."""
     prefixes = [f"{found.path}.{i}" for i in range(traced)] if found.path else [str(i) for i in range(traced)]
     nodes = []
     for node in graph.nodes:
         block = _block_of(node, prefixes)
         nodes.append(dataclasses.replace(node, block=block) if block is not None else node)
-    graph = dataclasses.replace(graph, nodes=tuple(nodes))
+    graph = dataclasses.replace(graph, nodes=tuple(nodes), blocks=None)
     members = [tuple(n.name for n in graph.ops() if n.block == i) for i in range(traced)]
     if not all(members):
-        return graph, False
+        return graph
     signatures = {_block_signature(graph, names, prefixes[i]) for i, names in enumerate(members)}
     if len(signatures) != 1:
-        return graph, False
+        return graph
     order = {node.name: i for i, node in enumerate(graph.nodes)}
-    first = order[members[0][0]]
+    first, last = order[members[0][0]], order[members[-1][-1]]
     outside = [n.name for n in graph.ops() if n.block is None]
     blocks = Blocks(
         path=found.path,
@@ -163,9 +169,16 @@ def assign_blocks(graph: Graph, found: BlockList, traced: int) -> tuple[Graph, b
         signature=signatures.pop(),
         nodes=tuple(members),
         before=tuple(name for name in outside if order[name] < first),
-        after=tuple(name for name in outside if order[name] > first),
+        between=tuple(name for name in outside if first < order[name] < last),
+        after=tuple(name for name in outside if order[name] > last),
     )
-    return dataclasses.replace(graph, blocks=blocks), True
+    return dataclasses.replace(graph, blocks=blocks)
+
+
+def repeats(graph: Graph) -> bool:
+    """Whether the traced blocks stand for all of them: they are identical and nothing runs between them
+    (work between blocks, on some of them only, is known only from a trace of every block)."""
+    return graph.blocks is not None and not graph.blocks.between
 
 
 def _block_of(node: Node, prefixes: list[str]) -> int | None:

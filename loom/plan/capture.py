@@ -71,19 +71,21 @@ def capture(
 ) -> Graph:
     """Trace `model(*args, **kwargs)` into a `Graph` of ATen operators, without allocating parameters.
 
+    `args` and `kwargs` are example inputs (real tensors, or meta ones: only their shapes and dtypes matter).
     `blocks`: the path of the model's block list when neither its recipe nor the usual paths find it.
-    `trace_blocks`: how many
-    blocks of a list of identical blocks are traced (the others are the same operators on the same shapes).
+    `trace_blocks`: how many blocks of a list of identical blocks are traced (the others run the same
+    operators on the same shapes). Raises `CaptureError` for a model that cannot be traced.
     """
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     kwargs = dict(kwargs or {})
     found = blocks_mod.find_block_list(model, blocks)
     traced = found.traced_count(trace_blocks) if found is not None else 0
-    graph = _capture_forward(model, tuple(args), kwargs, found, traced)
+    graph = _capture_forward(model, args, kwargs, found, traced)
     if found is not None:
-        graph, same = blocks_mod.assign_blocks(graph, found, traced)
-        if not same and traced < found.count:  # the first blocks differ: the others may too, trace them all
-            graph = _capture_forward(model, tuple(args), kwargs, found, found.count)
-            graph, _ = blocks_mod.assign_blocks(graph, found, found.count)
+        graph = blocks_mod.assign_blocks(graph, found, traced)
+        if traced < found.count and not blocks_mod.repeats(graph):  # the first blocks do not stand for all
+            graph = _capture_forward(model, args, kwargs, found, found.count)
+            graph = blocks_mod.assign_blocks(graph, found, found.count)
     return backward_mod.derive(graph)
 
 

@@ -165,9 +165,9 @@ class Blocks:
     """The model's repeated blocks: `count` blocks at `path` (an `nn.ModuleList`), of which the graph holds
     `traced` (all of them for a small model; the first two for a deep one, the others being the same
     operators on the same shapes). Every traced block has the op sequence of block 0 (`signature`, a short
-    hash of operators, relative module paths and shapes). `before`: the op nodes outside the blocks that
-    run before block 0 (embeddings, masks, positions); `after`: the other op nodes outside the blocks (final
-    norm, head, loss; an operator between two blocks, were there one, would be counted once, here).
+    hash of operators, relative module paths and shapes). The op nodes outside the blocks: `before` them
+    (embeddings, masks, positions), `between` two of them (only in a trace of every block: work between
+    blocks may differ from gap to gap), and `after` them (final norm, head, loss).
     """
 
     path: str
@@ -176,6 +176,7 @@ class Blocks:
     signature: str
     nodes: tuple[tuple[str, ...], ...]  # op node names of each traced block
     before: tuple[str, ...]
+    between: tuple[str, ...]
     after: tuple[str, ...]
 
     @property

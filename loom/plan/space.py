@@ -333,7 +333,8 @@ def _checked_mesh(mesh: Mapping[str, int]) -> dict[str, int]:
 def _standing_nodes(graph: Graph) -> list[str]:
     if graph.blocks is None:
         return [node.name for node in graph.ops()]
-    keep = set(graph.blocks.representative) | set(graph.blocks.before) | set(graph.blocks.after)
+    blocks = graph.blocks
+    keep = {*blocks.representative, *blocks.before, *blocks.between, *blocks.after}
     return [node.name for node in graph.ops() if node.name in keep]
 
 
