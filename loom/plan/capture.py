@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,19 +146,30 @@ def _placeholder_kinds(program: torch.export.ExportedProgram) -> list[tuple[str,
 
 def _capture_error(model: nn.Module, error: Exception, stage: str) -> CaptureError:
     """A `CaptureError` naming the innermost module of `model` whose forward was running when `error` was
-    raised, the first line of the error, and the fallbacks."""
+    raised, the model's line of code that raised it, the first line of the error, and the fallbacks."""
     paths = {id(module): path for path, module in model.named_modules()}
-    where = None
+    torch_dir = os.path.dirname(torch.__file__)
+    where, line = None, None
     trace = error.__traceback__
     while trace is not None:
-        owner = trace.tb_frame.f_locals.get("self")
+        frame = trace.tb_frame
+        owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in paths:
-            where = paths[id(owner)] or "the model itself"
+            where = paths[id(owner)]
+        if not frame.f_code.co_filename.startswith((torch_dir, os.path.dirname(__file__))):
+            line = f"{frame.f_code.co_filename}:{trace.tb_lineno}"
         trace = trace.tb_next
+    place = ""
+    if where is not None:
+        owner = model.get_submodule(where)
+        place = (
+            f" in module {where!r} ({type(owner).__name__})"
+            if where
+            else f" in {type(model).__name__}.forward"
+        )
+    if line is not None:
+        place += f" at {line}"
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    place = f" in module {where!r} ({type(model.get_submodule(where)).__name__})" if where else ""
-    if where == "the model itself":
-        place = f" in {type(model).__name__}.forward"
     return CaptureError(
         f"cannot capture {type(model).__name__} for the automatic planner: {stage} failed{place}: "
         f"{type(error).__name__}: {first}. {FALLBACKS}."
