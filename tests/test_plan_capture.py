@@ -269,3 +269,19 @@ def test_an_untraceable_model_names_its_module_and_the_fallbacks():
     message = str(caught.value)
     assert "module 'inner.1' (_Gate) at " in message and "test_plan_capture.py:" in message
     assert "semi_auto" in message and "data_parallel" in message
+
+
+def test_the_planner_imports_no_layer_above_it():
+    import ast
+    from pathlib import Path
+
+    import loom.plan
+
+    above = ("loom.parallel", "loom.train", "loom.cli", "loom.checkpoint", "loom.fault", "loom.viz")
+    for path in Path(loom.plan.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        ]
+        names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert not [name for name in names if name.startswith(above)], path.name
