@@ -1,0 +1,210 @@
+"""The one door to DTensor's private sharding rules: ask DTensor what an operator does with given input
+placements, on a mesh that needs no processes.
+
+DTensor keeps a sharding rule for about 1,200 ATen operators in its `ShardingPropagator`
+(`torch.distributed.tensor._sharding_prop`, reached as `DTensor._op_dispatcher.sharding_propagator`), all
+private API. Everything loom uses of it lives here, listed in `PRIVATE_API`; `check()` reports what moved
+and `tests/test_plan_space.py` fails loudly on it, naming the missing piece.
+
+The entry used is the propagator's own `propagate_op_sharding_non_cached(OpSchema)`, the function DTensor's
+dispatcher calls for every operator: given the placements of the inputs, it answers the output placements
+and the input placements the operator needs (when they differ, DTensor would redistribute first). Going
+through the same entry as a real run means the answers are DTensor's, whatever mechanism holds an
+operator's rule (strategy functions, single-mesh-dim strategies, propagation rules, decompositions).
+
+Meshes are one-dimensional and built without process groups (`DeviceMesh(..., _init_backend=False)`):
+rules read only the mesh's shape. CPU flash attention has no rule of its own; it computes what the GPU
+attention kernels compute, so it is asked as `_scaled_dot_product_flash_attention` (without a mask) or as
+`_scaled_dot_product_efficient_attention` (with one: its bias takes the mask expanded to every head, and a
+cut of a dim the mask broadcasts is reported as no cut).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+__all__ = ["PRIVATE_API", "Proposal", "axis_mesh", "check", "propose"]
+
+PRIVATE_API = (
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
+    "ShardingPropagator.propagate_op_sharding_non_cached",
+    "ShardingPropagator.op_to_schema_info",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._op_schema.OpSchema",
+    "torch.distributed.tensor._op_schema.OutputSharding.output_spec / .redistribute_schema",
+    "DeviceMesh(..., _init_backend=False, _rank=0)",
+)
+"""The private pieces of torch this module relies on (what `check` verifies)."""
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """DTensor's answer for one operator call on a one-axis mesh: the placement each tensor input must have
+    (flattened argument order) and the placement of each output (None for an output that is not a tensor)."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement | None, ...]
+
+
+def _propagator() -> Any:
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+@functools.cache
+def axis_mesh(size: int) -> DeviceMesh:
+    """A one-dimensional CPU mesh of `size` devices, without process groups (nothing is communicated)."""
+    return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=0)
+
+
+def propose(
+    op: Any, args: tuple, kwargs: dict, placements: Sequence[Placement], size: int
+) -> Proposal | None:
+    """What DTensor does with `op(*args, **kwargs)` when its tensor arguments (meta tensors, in flattened
+    order) have `placements` on a mesh axis of `size` devices; None when DTensor refuses those placements
+    or has no rule for the operator."""
+    alias = _alias(op, args, kwargs)
+    if alias is not None:
+        op, args, kwargs, placements = alias.op, alias.args, alias.kwargs, alias.to_alias(placements)
+    mesh = axis_mesh(size)
+    supply = iter(placements)
+    to_spec = lambda t: _spec(t, next(supply), mesh)
+    args_schema, kwargs_schema = pytree.tree_map_only(torch.Tensor, to_spec, (tuple(args), dict(kwargs)))
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    propagator = _propagator()
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_schema_info(propagator, op))
+    try:
+        result = propagator.propagate_op_sharding_non_cached(schema)
+    except Exception:  # a refusal takes many forms (NotImplementedError, AssertionError, ...)
+        return None
+    required = result.redistribute_schema or schema
+    inputs = tuple(_placement(s) for s in _specs((required.args_schema, required.kwargs_schema)))
+    outputs = result.output_spec if isinstance(result.output_spec, tuple | list) else (result.output_spec,)
+    outputs = tuple(_placement(s) if s is not None else None for s in outputs)
+    if alias is not None:
+        inputs, outputs = alias.back(inputs), outputs[: alias.outputs]
+    if len(inputs) != len(placements) or (outputs and all(p is None for p in outputs)):
+        return None
+    return Proposal(inputs=inputs, outputs=outputs)
+
+
+def _schema_info(propagator: Any, op: Any) -> Any:
+    """The runtime schema info DTensor's dispatcher attaches to `op` (which arguments its rule reads)."""
+    info = propagator.op_to_schema_info.get(op)
+    if info is None:  # torch 2.13 files single-mesh-dim strategies separately
+        info = getattr(propagator, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
+    return info
+
+
+def _spec(tensor: torch.Tensor, placement: Placement, mesh: DeviceMesh) -> Any:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
+    return DTensorSpec(mesh, (placement,), tensor_meta=meta)
+
+
+def _specs(tree: Any) -> list[Any]:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, DTensorSpec)]
+
+
+def _placement(spec: Any) -> Placement:
+    (placement,) = spec.placements
+    return placement
+
+
+@dataclass(frozen=True)
+class _Alias:
+    """An operator asked as another one with the same sharding semantics: its call, how many of its
+    outputs are the original's, and each original input's shape and its dims' offset in the other
+    operator's input (a mask broadcast to more dims)."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    outputs: int
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+
+    def to_alias(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
+        """The original inputs' placements, as the other operator's inputs."""
+        return tuple(
+            Shard(p.dim + offset) if isinstance(p, Shard) else p
+            for p, offset in zip(placements, self.offsets, strict=True)
+        )
+
+    def back(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
+        """The other operator's input placements, as the original inputs': a cut of a dim the original
+        broadcasts (absent, or of size 1) is no cut."""
+        found = []
+        for p, shape, offset in zip(placements, self.shapes, self.offsets, strict=True):
+            if isinstance(p, Shard):
+                dim = p.dim - offset
+                p = Shard(dim) if dim >= 0 and shape[dim] > 1 else Replicate()
+            found.append(p)
+        return tuple(found)
+
+
+def _alias(op: Any, args: tuple, kwargs: dict) -> _Alias | None:
+    """CPU flash attention as flash attention (no mask) or as memory-efficient attention (a mask, expanded
+    to every head as that operator's bias is)."""
+    if op is not aten._scaled_dot_product_flash_attention_for_cpu.default:
+        return None
+    query, key, value, *rest = args
+    dropout = rest[0] if rest else 0.0
+    causal = rest[1] if len(rest) > 1 else False
+    mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    shapes = tuple(tuple(t.shape) for t in (query, key, value))
+    if mask is None:
+        call = (query, key, value, dropout, causal, False)
+        flash = aten._scaled_dot_product_flash_attention.default
+        return _Alias(flash, call, {"scale": scale}, 2, shapes, (0, 0, 0))
+    bias = mask.expand(*query.shape[:-1], key.shape[-2])
+    call = (query, key, value, bias, True, dropout, causal)
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    offsets = (0, 0, 0, bias.ndim - mask.ndim)
+    return _Alias(efficient, call, {"scale": scale}, 2, (*shapes, tuple(mask.shape)), offsets)
+
+
+def check() -> list[str]:
+    """What of `PRIVATE_API` is missing or behaves differently in this torch (empty when all is well): a
+    matmul with a row-parallel cut must come back as a pending sum."""
+    problems = []
+    try:
+        propagator = _propagator()
+    except AttributeError as error:
+        return [f"DTensor._op_dispatcher.sharding_propagator is gone ({error})"]
+    for name in ("propagate_op_sharding_non_cached", "op_to_schema_info"):
+        if not hasattr(propagator, name):
+            problems.append(f"ShardingPropagator.{name} is gone")
+    try:
+        axis_mesh(2)
+    except Exception as error:
+        problems.append(f"DeviceMesh(..., _init_backend=False, _rank=0) fails: {error!r}")
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+        from torch.distributed.tensor._op_schema import OpSchema, OutputSharding  # noqa: F401
+    except ImportError as error:
+        problems.append(f"DTensor's spec classes moved: {error}")
+    if problems:
+        return problems
+    from torch.distributed.tensor import Partial, Shard
+
+    x, w = torch.empty(8, 4, device="meta"), torch.empty(4, 6, device="meta")
+    answer = propose(aten.mm.default, (x, w), {}, (Shard(1), Shard(0)), 2)
+    if answer is None or not isinstance(answer.outputs[0], Partial):
+        problems.append(f"mm(Shard(1), Shard(0)) should give a Partial output, DTensor answered {answer}")
+    return problems
