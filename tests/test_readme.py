@@ -89,7 +89,7 @@ def test_every_readme_command_is_run_or_excluded_for_a_reason():
         assert command.startswith("loom ") or command in NOT_RUN, f"add {command!r} to the test or NOT_RUN"
     for command in NOT_RUN:
         assert command in commands, f"NOT_RUN lists {command!r}, which the README no longer has"
-    assert len(python_blocks()) == 2  # the tour and the any-model snippet; a new one needs its own test
+    assert len(python_blocks()) == 3  # the tour, the any-model and DiLoCo snippets; a new one needs its own test
 
 
 def test_every_readme_command_parses(workdir):
@@ -137,6 +137,12 @@ def test_readme_any_model_snippet_trains_like_one_device(tmp_path):
     done = _run_script(tmp_path / "any_model.py", python_blocks()[1])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "q_proj.weight: (2, 1) [tp, -]" in done.stdout, done.stdout
+
+
+def test_readme_diloco_snippet_runs_as_written(tmp_path):
+    done = _run_script(tmp_path / "diloco.py", python_blocks()[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "both replicas hold the same global weights" in done.stdout
 
 
 def test_readme_simulate_and_checkpoint_commands_run(workdir, capfd):
