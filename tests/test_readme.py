@@ -89,7 +89,9 @@ def test_every_readme_command_is_run_or_excluded_for_a_reason():
         assert command.startswith("loom ") or command in NOT_RUN, f"add {command!r} to the test or NOT_RUN"
     for command in NOT_RUN:
         assert command in commands, f"NOT_RUN lists {command!r}, which the README no longer has"
-    assert len(python_blocks()) == 3  # the tour, the any-model and DiLoCo snippets; a new one needs its own test
+    assert (
+        len(python_blocks()) == 3
+    )  # the tour, the any-model and DiLoCo snippets; a new one needs its own test
 
 
 def test_every_readme_command_parses(workdir):
