@@ -126,6 +126,11 @@ class Mesh:
     _without: dict[str, Mesh] = field(default_factory=dict, repr=False)
     _groups: dict[tuple, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        # a mesh is a handle on process groups every rank built together: copies of a model (the dry run's
+        # meta copy, a gathered whole model) share it
+        return self
+
     @classmethod
     def build(cls, shape: MeshShape, device_type: str = "cpu") -> Mesh:
         """Create the canonical mesh (a collective call: every rank builds the same mesh together)."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Self
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.dist import consistency
@@ -31,6 +32,9 @@ class Primitive:
     def __init__(self) -> None:
         self.in_strategy: tuple | None = None
         self.out_strategy: tuple | None = None
+        # the mesh of the model this primitive belongs to, set when `loom.parallelize` lays the model out
+        # (`bind_primitives`); unbound, it computes on the current mesh (`loom.init`'s, the API surface)
+        self.mesh: Mesh | None = None
         self._check = consistency.FirstCall()
 
     @property
@@ -83,7 +87,7 @@ class Primitive:
                 f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first, then its "
                 f"other arguments; got {got}: pass tensors (torch.tensor(...) for numbers or lists)"
             )
-        mesh = current_mesh()
+        mesh = self.mesh if self.mesh is not None else current_mesh()
         recording = active_recording()
         dry_run = recording is not None and any(t.is_meta for t in tensors)
         sharded = self.in_strategy is not None or dry_run or any(isinstance(t, DTensor) for t in tensors)
@@ -161,3 +165,12 @@ class Primitive:
         if self.in_strategy is not None:
             text += f".shard({self.in_strategy}" + (f", {self.out_strategy})" if self.out_strategy else ")")
         return text
+
+
+def bind_primitives(model: nn.Module, mesh: Mesh) -> None:
+    """Make every primitive held by `model`'s modules compute on `mesh` (the mesh the model is laid out on),
+    whatever mesh is current when it runs: a pipeline stage on its stage mesh, the whole model elsewhere."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, Primitive):
+                value.mesh = mesh

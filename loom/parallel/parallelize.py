@@ -33,6 +33,7 @@ from loom.layout.named import on_mesh_axes
 from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
+from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.grad_sync import GradSync
@@ -170,19 +171,22 @@ def parallelize_part(
     part: nn.Module,
     mesh: Mesh,
     *,
-    module_plan: dict[str, Any],
-    root: nn.Module,
+    module_plan: dict[str, Any] | None = None,
+    root: nn.Module | None = None,
+    example_inputs: Sequence[Any] | None = None,
     bucket_mb: float = 25.0,
     batch_axes: str | Sequence[str] | None = None,
 ) -> nn.Module:
-    """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica), on `mesh` in semi_auto mode
-    by `module_plan`, whose patterns are matched against `root`'s module paths (modules outside `part` are
-    skipped). `batch_axes` as in `parallelize` (`()`: every rank of `mesh` brings the same batch, as the
-    tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing reads
-    the current mesh."""
+    """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica; default: `part` itself), on
+    `mesh` in semi_auto mode: by `module_plan`, whose patterns are matched against `root`'s module paths
+    (modules outside `part` are skipped), and by its primitives' strategies seen in a dry run on
+    `example_inputs`. `batch_axes` as in `parallelize` (`()`: every rank of `mesh` brings the same batch, as
+    the tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing
+    reads the current mesh (the part's primitives compute on `mesh` from now on)."""
     return _parallelize(
-        part, mesh, "semi_auto", None, False, None, bucket_mb, None, batch_axes, module_plan, plan_root=root
-    )
+        part, mesh, "semi_auto", example_inputs, False, None, bucket_mb, None, batch_axes, module_plan,
+        plan_root=root,
+    )  # fmt: skip
 
 
 def _parallelize(
@@ -229,6 +233,7 @@ def _parallelize(
         )
     batch_dims = _batch_dims(mesh, batch_axes, full_batch)
     batch_factor = math.prod(mesh.canonical_shape[d] for d in batch_dims)
+    bind_primitives(model, mesh)  # the model's loom.ops compute on `mesh`, whichever mesh is current
     recording, meta_names = Recording(), {}
     if example_inputs is not None:
         recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)

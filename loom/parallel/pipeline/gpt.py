@@ -7,7 +7,7 @@ and its parameters keep the model's names through `source_names`.
 `gpt_pipeline` builds one rank's part of a pipeline on a mesh's pp axis; from a GPT on the meta device it
 allocates and initialises only that rank's stages.
 
-With a "tp" axis (tp x pp, dp x tp x pp), each stage is laid out by `loom.parallelize` on its own stage
+With a "tp" axis (tp x pp, dp x tp x pp), each stage is laid out by `parallelize_part` on its own stage
 mesh, the dp x tp ranks that share its pp index (`Mesh.without("pp")`), so that no collective of a stage
 ever spans pipeline ranks (which hold other stages). torch's schedules move plain tensors between stages:
 a stage's input is this rank's piece of the residual stream (its rows of the batch; with sequence
@@ -25,13 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.layout.parameters import materialize
 from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.models.recipes import gpt_recipe
-from loom.parallel.parallelize import parallelize
+from loom.parallel.parallelize import parallelize_part
 from loom.parallel.pipeline.blocks import BlockStage, rank_pipeline, source_names
 from loom.parallel.pipeline.schedule import Pipeline, stage_indices
 from loom.parallel.pipeline.stages import balanced_partition, group_blocks
@@ -111,7 +110,7 @@ def shard_stages(
     model: GPT, stages: Sequence[BlockStage], mesh: Mesh, *, seed: int = 0, device: torch.device | str = "cpu"
 ) -> list[BlockStage]:
     """`stages` of a GPT built on the meta device with its tensor-parallel `Strategies`, each laid out on
-    the stage mesh `mesh` by `loom.parallelize` (semi_auto: a dry run decides every parameter's layout),
+    the stage mesh `mesh` by `parallelize_part` (semi_auto: a dry run decides every parameter's layout),
     with only this rank's shards allocated and initialised by `GPT.init_weights(seed)` (the values of the
     whole model on one device). Gradients are left pending: the pipeline's one `GradSync` reduces them (see
     `loom.parallel.pipeline.reduction`)."""
@@ -124,14 +123,13 @@ def shard_stages(
     _materialize_buffers(model, device)
     stages = [gpt_stage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
     names = [source_names(model, stage) for stage in stages]
-    with use_mesh(mesh):
-        for stage in stages:
-            parallelize(stage, mode="semi_auto", example_inputs=(_example_input(model, stage),))
-            stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
-            materialize(stage, device)
-            stage.boundary = stream_placements(mesh, s.sequence_parallel)
-            if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
-                stage.register_forward_pre_hook(enter_stream(mesh, stage.boundary), prepend=True)
+    for stage in stages:  # each laid out on the stage mesh, given explicitly
+        parallelize_part(stage, mesh, example_inputs=(_example_input(model, stage),))
+        stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
+        materialize(stage, device)
+        stage.boundary = stream_placements(mesh, s.sequence_parallel)
+        if not stage.first:  # before parallelize's hook, which would replicate the sequence over tp
+            stage.register_forward_pre_hook(enter_stream(mesh, stage.boundary), prepend=True)
     for stage, stage_names in zip(stages, names, strict=True):  # the model (init_weights) sees the shards
         for (path, param), name in zip(list(stage.named_parameters()), stage_names, strict=True):
             if not isinstance(model.get_parameter(name), DTensor):
@@ -208,7 +206,7 @@ def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virt
         for stage in pipeline.modules
         for name, param in zip(source_names(model, stage), stage.parameters(), strict=True)
     }
-    with use_mesh(None), torch.device("meta"):
+    with torch.device("meta"):
         whole = GPT(model.config)
     whole.to_empty(device="cpu")
     whole.init_weights()  # its constant tables; every parameter is overwritten below

@@ -37,7 +37,6 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from loom.dist.context import use_mesh
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync
 from loom.parallel.pipeline.reduction import stage_grad_sync
@@ -312,8 +311,8 @@ class Pipeline:
     def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
+        # stages laid out on a stage mesh compute on it: their primitives are bound to it (no current mesh)
+        call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
         if not self.has_last:
             return torch.zeros(())
         # the schedule keeps the weighted losses: unweight their mean (fp32, as the other ranks receive it)
