@@ -170,8 +170,8 @@ def gpt_pipeline(
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as the `Trainer` does for a pipeline), so that their operators' strategies are
     ignored. With one, `model` must be on the meta device, built with `Strategies` for the mesh's dp and
-    tp; its stages are laid out on the stage mesh (`shard_stages`), which `Pipeline` makes current while
-    they run."""
+    tp; its stages are laid out on the stage mesh (`shard_stages`), on which their primitives then compute
+    (`parallelize_part` binds them to it)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")

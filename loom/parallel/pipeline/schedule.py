@@ -16,7 +16,8 @@ batches calls it once per step); gradients are those of that mean.
 
 Gradients are reduced by the stages' one `GradSync` (`loom.parallel.pipeline.reduction`), bucket by bucket while
 each stage's last backward pass of the step runs, and finished after the schedule. Stages laid out on a
-stage mesh (tensor parallelism inside stages; `mesh`) run with that mesh current.
+stage mesh (tensor parallelism inside stages; `mesh`) compute on it: their primitives and DTensors carry it,
+so no mesh is made current.
 """
 
 from __future__ import annotations
