@@ -1,4 +1,6 @@
-"""The simulator against published runs: every row of Korthikanti et al. Table 5 and Narayanan et al. Table 1.
+"""The simulator against published runs: every row of Korthikanti et al. Table 5 and Narayanan et al. Table 1
+(the rows its efficiency constants were fitted on), then, held out, MosaicML llm-foundry's FSDP throughput
+rows (`loom.sim.validation.fsdp_cases`), summarised per GPU.
 
 One set of hardware constants (the built-in "a100-80gb" profile), no per-row tuning. Prints predicted
 against published per row with the relative error, then the mean and maximum absolute error (acceptance:
@@ -20,7 +22,7 @@ from loom.cost.hardware import get_cluster
 from loom.cost.plan import ParallelPlan
 from loom.sim.presets import get_model
 from loom.sim.simulator import simulate
-from loom.sim.validation import cases
+from loom.sim.validation import cases, fsdp_cases
 
 
 def validate(console: Console) -> list[float]:
@@ -50,6 +52,35 @@ def validate(console: Console) -> list[float]:
     return errors
 
 
+def validate_fsdp(console: Console) -> list[float]:
+    """The MosaicML FSDP rows (never fitted): tokens/s predicted against published, summarised per GPU."""
+    by_gpu: dict[str, list[tuple[float, bool]]] = {}
+    for case in fsdp_cases():
+        result = simulate(case.model, case.plan, case.cluster)
+        error = result.tokens_per_s / case.published - 1
+        by_gpu.setdefault(case.cluster.device.name, []).append((error, result.fits))
+    table = Table(
+        title="held out: MosaicML llm-foundry, MPT 125M-70B, FSDP (levels 2-3), 8-512 GPUs, tokens/s"
+    )
+    for column in ("GPU", "rows", "mean error", "mean |error|", "max |error|", "predicted not to fit"):
+        table.add_column(column, justify="left" if column == "GPU" else "right")
+    errors = []
+    for gpu, rows in sorted(by_gpu.items()):
+        values = [e for e, _ in rows]
+        errors += values
+        table.add_row(
+            gpu, str(len(rows)), f"{statistics.mean(values):+.1%}",
+            f"{statistics.mean(abs(e) for e in values):.1%}", f"{max(abs(e) for e in values):.1%}",
+            str(sum(not fits for _, fits in rows)),
+        )  # fmt: skip
+    console.print(table)
+    absolute = [abs(e) for e in errors]
+    console.print(
+        f"rows: {len(errors)}  mean |error|: {statistics.mean(absolute):.1%}  max: {max(absolute):.1%}"
+    )
+    return errors
+
+
 def time_gpt3_on_h100(console: Console, repeats: int = 5) -> float:
     """Seconds to simulate GPT-3 175B on 1024 H100s (tp 8, pp 8, interleave 3, dp 16, batch 1536)."""
     model = get_model("gpt3-175b")
@@ -73,6 +104,7 @@ def time_gpt3_on_h100(console: Console, repeats: int = 5) -> float:
 def main() -> int:
     console = Console(width=150)
     errors = validate(console)
+    validate_fsdp(console)
     time_gpt3_on_h100(console)
     absolute = [abs(e) for e in errors]
     return 0 if statistics.mean(absolute) <= 0.10 and max(absolute) <= 0.20 else 1

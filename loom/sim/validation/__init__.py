@@ -20,16 +20,22 @@ from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["Case", "cases", "gpt", "narayanan_interleave", "read_rows"]
+__all__ = ["Case", "cases", "fsdp_cases", "gpt", "narayanan_interleave", "read_rows"]
 
 HERE = Path(__file__).parent
-TABLES = {"korthikanti2022": "korthikanti2022_table5.csv", "narayanan2021": "narayanan2021_table1.csv"}
+TABLES = {
+    "korthikanti2022": "korthikanti2022_table5.csv",
+    "narayanan2021": "narayanan2021_table1.csv",
+    "mosaicml2024": "mosaicml2024_llmfoundry_benchmarks.csv",
+}
+# the GPUs the MosaicML rows name, as loom's hardware profiles
+_PROFILE_OF = {"a100-40gb": "a100-40gb", "a100-80gb": "a100-80gb", "h100-80gb": "h100-sxm"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Case:
-    """One published run: what to simulate and the value to compare (`metric`: "iteration_s" or
-    "tflops_per_device")."""
+    """One published run: what to simulate and the value to compare (`metric`: "iteration_s",
+    "tflops_per_device" or "tokens_per_s")."""
 
     source: str
     label: str
@@ -41,7 +47,7 @@ class Case:
 
 
 def read_rows(table: str) -> list[dict[str, str]]:
-    """The rows of one table ("korthikanti2022" or "narayanan2021") as dicts of strings."""
+    """The rows of one table (a key of `TABLES`) as dicts of strings."""
     with open(HERE / TABLES[table], newline="") as handle:
         return list(csv.DictReader(handle))
 
@@ -119,3 +125,38 @@ def _narayanan() -> list[Case]:
 def cases() -> list[Case]:
     """Every row of both tables as a simulator case (Korthikanti first)."""
     return _korthikanti() + _narayanan()
+
+
+def fsdp_cases() -> list[Case]:
+    """MosaicML llm-foundry's published throughput of MPT models (125M to 70B) trained by PyTorch FSDP on 8
+    to 512 A100s and H100s: every row with full sharding (ZeRO-3: optimizer level 3) or gradient and
+    optimizer sharding (level 2), bf16, no CPU offload. These rows were never used to fit the simulator's
+    constants. MPT: ALiBi (no position table), no biases, no dropout, a tied head, LayerNorm; MosaicML's
+    runs use fused (flash) attention. Compared on tokens/s over all devices (tokens/s per GPU as
+    published, times the GPUs), a number free of any FLOP-counting convention."""
+    out = []
+    for row in read_rows("mosaicml2024"):
+        if row["activation_cpu_offload"] == "True" or row["zero_stage"] not in ("2", "3"):
+            continue
+        gpus = int(row["gpus"])
+        plan = ParallelPlan(
+            dp=gpus, micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
+            seq=int(row["seq"]), recompute="full" if row["recompute"] == "full" else "none",
+            optimizer_level=int(row["zero_stage"]), dtype="bf16", flash_attention=True,
+        )  # fmt: skip
+        model = TransformerConfig(
+            name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
+            vocab=int(row["vocab"]), ffn_hidden=int(row["ffn_hidden"]), biases=False, dropout=False,
+        )  # fmt: skip
+        out.append(
+            Case(
+                source="mosaicml2024",
+                label=f"{row['model']} {row['gpu']} x{gpus}",
+                model=model,
+                plan=plan,
+                cluster=PROFILES[_PROFILE_OF[row["gpu"]]].with_size(gpus),
+                metric="tokens_per_s",
+                published=float(row["tokens_per_s_per_gpu"]) * gpus,
+            )  # fmt: skip
+        )
+    return out

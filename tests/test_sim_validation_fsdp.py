@@ -1,0 +1,21 @@
+"""The held-out FSDP rows (MosaicML llm-foundry) load as simulator cases and every one of them simulates."""
+
+from collections import Counter
+
+from loom.sim import simulate
+from loom.sim.validation import fsdp_cases, read_rows
+
+
+def test_every_fsdp_row_is_a_case_that_simulates():
+    rows = read_rows("mosaicml2024")
+    cases = fsdp_cases()
+    assert len(cases) == sum(r["activation_cpu_offload"] != "True" for r in rows) == 209
+    assert Counter(c.plan.optimizer_level for c in cases) == {3: 203, 2: 6}
+    first, row = cases[0], rows[0]
+    assert first.plan.dp == first.cluster.gpus == int(row["gpus"]) and first.plan.tp == first.plan.pp == 1
+    assert first.published == float(row["tokens_per_s_per_gpu"]) * int(row["gpus"])
+    # MPT as described (no biases, tied head, ALiBi) has the published parameter count within 0.1%
+    assert abs(first.model.parameter_count() / int(row["num_params"]) - 1) < 1e-3
+    for case in cases:
+        result = simulate(case.model, case.plan, case.cluster)
+        assert result.tokens_per_s > 0 and result.fits, case.label
