@@ -13,6 +13,7 @@ equals one device's and resumes on one device; a run with a pipeline learns (tie
 import dataclasses
 import functools
 import json
+import re
 import shutil
 
 import numpy as np
@@ -30,9 +31,9 @@ from loom.cli.main import main
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import gpt_pipeline, source_names
-from loom.train.config import TrainConfig
+from loom.train.config import TrainConfig, load_config
 from loom.train.data import micro_batches
-from loom.train.job import check_pipeline, run
+from loom.train.job import all_stages, check_pipeline, run
 from loom.train.trainer import Trainer
 
 CLIP = 0.1  # below every step's gradient norm (about 0.3 to 0.5 here), so that clipping acts
@@ -309,3 +310,46 @@ def test_loom_train_with_a_pipeline_learns(tmp_path, capfd):
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert len(losses) == 4 and len(evals) == 2
     assert all(np.isfinite(losses + evals)) and losses[-1] < losses[0] and evals[-1] < evals[0]
+
+
+def test_uneven_stages_from_the_config_train_like_even_ones(dist_run, tmp_path):
+    """`[parallel] stages = [1, 3]`: 1 block on the first stage, 3 on the second; the losses are the even
+    split's (the stages cut the same model), the plan text shows the blocks per stage, and the simulator
+    prices the same uneven stages."""
+    model, parallel = {"n_layers": 4}, {"dp": 1, "pp": 2, "microbatches": 2}
+    even = job_config(tmp_path, model=model, parallel=parallel)
+    uneven = job_config(tmp_path, model=model, parallel={**parallel, "stages": [1, 3]})
+    assert uneven.plan(2).stages == [1, 3] and uneven.cost_model(2)[1].stage_layers == (1, 3)
+    expected = dist_run(2, run, even)[0]["losses"]
+    torch.testing.assert_close(
+        torch.tensor(dist_run(2, run, uneven)[0]["losses"]), torch.tensor(expected), rtol=RTOL, atol=0
+    )
+    stages = all_stages(uneven, GPT(uneven.model.gpt_config()))
+    assert [len(stage.blocks) for stage in stages] == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([1, 2], "parallel.stages = [1, 2] holds 3 blocks but the model has 4 layers"),
+        ([4], "parallel.stages"),
+        ([0, 4], "parallel.stages"),
+    ],
+)
+def test_bad_stages_name_the_key(tmp_path, stages, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        job_config(
+            tmp_path, model={"n_layers": 4}, parallel={"pp": 2, "microbatches": 2, "stages": stages}
+        ).validate(2)
+
+
+def test_stages_on_the_command_line(tmp_path):
+    overrides = [
+        "--parallel.pp=2",
+        "--parallel.microbatches=2",
+        "--parallel.stages",
+        "1,3",
+        "--model.n_layers=4",
+    ]
+    config = load_config(None, overrides)
+    assert config.parallel.stages == (1, 3)

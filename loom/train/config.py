@@ -60,6 +60,8 @@ def _describe_type(hint: Any) -> str:
         return f"one of {get_args(hint)}"
     if get_origin(hint) is tuple:
         plural = {int: "integers", float: "numbers", str: "strings"}[get_args(hint)[0]]
+        if get_args(hint)[-1] is Ellipsis:
+            return f"comma-separated {plural}"
         return f"{len(get_args(hint))} comma-separated {plural}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
 
@@ -78,6 +80,8 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
         return value
     if origin is tuple:
         items = get_args(hint)
+        if items[-1] is Ellipsis and isinstance(value, list | tuple):
+            items = (items[0],) * len(value)
         if not isinstance(value, list | tuple) or len(value) != len(items):
             raise ValueError(f"{where} = {value!r}: expected {_describe_type(hint)}, e.g. [0.9, 0.95]")
         return tuple(_coerce(where, v, h) for v, h in zip(value, items, strict=True))
@@ -98,9 +102,12 @@ def _parse_text(where: str, text: str, hint: Any) -> Any:
         return _parse_text(where, text, next(a for a in get_args(hint) if a is not type(None)))
     if origin is tuple:
         parts = [p for p in text.strip("()[] ").split(",") if p.strip()]
-        if len(parts) != len(get_args(hint)):
+        items = get_args(hint)
+        if items[-1] is Ellipsis:
+            items = (items[0],) * len(parts)
+        if len(parts) != len(items):
             raise ValueError(f"{where} = {text!r}: expected {_describe_type(hint)}, e.g. 0.9,0.95")
-        return tuple(_parse_text(where, p, h) for p, h in zip(parts, get_args(hint), strict=True))
+        return tuple(_parse_text(where, p, h) for p, h in zip(parts, items, strict=True))
     try:
         if hint is bool:
             if lowered not in _TRUE + _FALSE:
@@ -312,6 +319,9 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
     optimizer_level: int = _key(0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters")
     recompute: Literal[RECOMPUTE] = _key("none", "activation recomputation per block")
+    stages: tuple[int, ...] | None = _key(
+        None, "blocks per pipeline stage, in model order, one count per stage (uneven allowed); none: even"
+    )
 
     def check(self) -> None:
         self.plan()
@@ -331,6 +341,7 @@ class ParallelConfig(_Section):
                 optimizer_level=self.optimizer_level,
                 recompute=self.recompute,
                 precision=precision,
+                stages=list(self.stages) if self.stages is not None else None,
             )
             return plan if world_size is None else plan.resolve(world_size)
         except FieldError as error:
@@ -632,6 +643,11 @@ class TrainConfig:
         if par.pp == 1:
             return
         virtual = par.plan().virtual_stages  # micro-batches against pp: a rule of the Plan
+        if par.stages is not None and sum(par.stages) != model.n_layers:
+            raise ValueError(
+                f"parallel.stages = {list(par.stages)} holds {sum(par.stages)} blocks but the model has "
+                f"{model.n_layers} layers; give counts that add up to {model.n_layers}"
+            )
         if model.n_layers < par.pp * virtual:
             raise ValueError(
                 f"parallel.pp = {par.pp}: schedule {par.schedule!r} puts {virtual} stages on each of {par.pp} "

@@ -43,10 +43,9 @@ from loom.parallel.pipeline import (
     SCHEDULES,
     BlockStage,
     Pipeline,
-    balanced_partition,
     gpt_pipeline,
+    gpt_stages,
     model_pipeline,
-    split_gpt,
     split_model,
     stage_indices,
     stage_parameters,
@@ -143,8 +142,8 @@ def check_faults(config: TrainConfig, faults: Sequence[Fault]) -> None:
 
 
 def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pipeline]:
-    """The model of `[model]` cut into `pp x virtual` stages balanced by blocks, and this rank's part of the
-    pipeline. loom's GPT is built on the meta device and only this rank's stages are materialised
+    """The model of `[model]` cut into `pp x virtual` stages (`parallel.stages` blocks each, else balanced by
+    blocks), and this rank's part of the pipeline. loom's GPT is built on the meta device and only this rank's stages are materialised
     (initialised as the whole model would be; `gpt_pipeline`). A Hugging Face model is built whole on every
     rank (`whole_hf_model`), then cut by its family's recipe (`model_pipeline`): the other ranks' stages go
     to the meta device, and the last stage's loss is the model's own on targets already shifted. With
@@ -156,14 +155,14 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
         model = whole_hf_model(config)
         pipeline = model_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
-            loss_fn=hf.shifted_causal_lm_loss,
+            loss_fn=hf.shifted_causal_lm_loss, split=_split(par),
         )  # fmt: skip
     else:
         with torch.device("meta"):
             model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
         pipeline = gpt_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
-            seed=config.train.seed,
+            seed=config.train.seed, split=_split(par),
         )  # fmt: skip
     for stage in pipeline.modules:
         for block in stage.blocks:
@@ -173,12 +172,18 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
 
 def all_stages(config: TrainConfig, model: nn.Module) -> list[BlockStage]:
     """Every stage of the pipeline `build_pipeline` builds from `model`, in stage order (the plan's text
-    lists them by pipeline rank): the blocks cut evenly into `pp x virtual` stages."""
+    lists them by pipeline rank): the blocks cut into `pp x virtual` stages as `parallel.stages` says, or
+    evenly."""
     par = config.parallel
     count = par.pp * SCHEDULES[par.schedule].min_virtual
     if isinstance(model, GPT):
-        return split_gpt(model, balanced_partition([1.0] * len(model.blocks), count))
-    return split_model(model, count)
+        return gpt_stages(model, count, _split(par))
+    return split_model(model, count, split=_split(par))
+
+
+def _split(par: object) -> list[int] | None:
+    """`parallel.stages`: blocks per stage, or None for even stages."""
+    return list(par.stages) if par.stages is not None else None
 
 
 # What `run` does before its first step, in order; each phase begins with a heartbeat, so each must take less

@@ -80,16 +80,30 @@ def sharded_gpt_loss(mesh: Mesh):
     return loss
 
 
-def rank_stages(model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1) -> list[BlockStage]:
+def rank_stages(
+    model: GPT, schedule: str, pp: int, pp_rank: int, virtual: int = 1, split: Sequence[int] | None = None
+) -> list[BlockStage]:
     """The stages that pipeline rank `pp_rank` holds, in `Pipeline`'s order: the blocks cut into
-    `pp * virtual` stages balanced by block count (the blocks are alike)."""
-    if pp * virtual > len(model.blocks):
-        raise ValueError(
-            f"{pp * virtual} pipeline stages ({pp} ranks x {virtual} per rank) for {len(model.blocks)} "
-            f"blocks: every stage needs a block; lower pp or add layers"
-        )
-    stages = split_gpt(model, balanced_partition([1.0] * len(model.blocks), pp * virtual))
+    `pp * virtual` stages, `split[k]` blocks in stage k (uneven allowed), or balanced by block count."""
+    stages = gpt_stages(model, pp * virtual, split)
     return [stages[k] for k in stage_indices(schedule, pp_rank, pp, virtual)]
+
+
+def gpt_stages(model: GPT, count: int, split: Sequence[int] | None = None) -> list[BlockStage]:
+    """All `count` stages of `model` in model order: `split[k]` blocks in stage k, or balanced."""
+    blocks = len(model.blocks)
+    if count > blocks:
+        raise ValueError(
+            f"{count} pipeline stages for {blocks} blocks: every stage needs a block; lower pp or add layers"
+        )
+    if split is None:
+        return split_gpt(model, balanced_partition([1.0] * blocks, count))
+    if len(split) != count or sum(split) != blocks or min(split) < 1:
+        raise ValueError(
+            f"stages {list(split)}: give {count} block counts (pp x stages per rank), each >= 1, that add up "
+            f"to the model's {blocks} blocks"
+        )
+    return split_gpt(model, [k for k, n in enumerate(split) for _ in range(n)])
 
 
 def materialize_stages(
@@ -161,10 +175,11 @@ def _materialize_buffers(model: GPT, device: torch.device | str) -> None:
 
 def gpt_pipeline(
     model: GPT, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int = 1, seed: int = 0,
-    bucket_mb: float = 25.0,
+    bucket_mb: float = 25.0, split: Sequence[int] | None = None,
 ) -> Pipeline:  # fmt: skip
     """This rank's part of `model` as a pipeline over `mesh`'s `"pp"` axis, its stages' gradients averaged
-    over the `"dp"` axis in buckets of about `bucket_mb` megabytes. A model on the meta device gets only
+    over the `"dp"` axis in buckets of about `bucket_mb` megabytes; `split`: blocks per stage (uneven
+    allowed), else balanced. A model on the meta device gets only
     this rank's stages materialised (see `materialize_stages`).
 
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
@@ -175,7 +190,7 @@ def gpt_pipeline(
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
-    stages = rank_stages(model, schedule, pp, mesh.axis_rank("pp"), virtual)
+    stages = rank_stages(model, schedule, pp, mesh.axis_rank("pp"), virtual, split)
     stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
     if stage_mesh is not None:
         if not all(p.is_meta for p in model.parameters()):
@@ -197,9 +212,10 @@ def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virt
     memory for one whole model per rank."""
     pp, here = mesh.axis_size("pp"), mesh.axis_rank("pp")
     owner: dict[str, int] = {}
+    every = split_gpt(model)  # the stages `gpt_pipeline` cut: the blocks keep their stage marks
     for pp_rank in range(pp):
-        for stage in rank_stages(model, schedule, pp, pp_rank, virtual):
-            for name in source_names(model, stage):
+        for k in stage_indices(schedule, pp_rank, pp, virtual):
+            for name in source_names(model, every[k]):
                 owner.setdefault(name, pp_rank)  # a tied table: its first holder's copy
     mine = {
         name: param
