@@ -17,41 +17,28 @@ def test_ring_all_reduce():
     assert ring_all_reduce_s(4e9, 1, WAN) == 0.0
 
 
+def _compare(**changes):
+    """A billion-parameter model, 4 replicas of 2 s steps over the WAN, syncing every 50 steps (fp32)."""
+    return compare_sync(**{"replica_step_s": 2.0, "parameters": 10**9, "replicas": 4, "link": WAN,
+                           "sync_every": 50, **changes})  # fmt: skip
+
+
 def test_synchronous_against_diloco_and_streaming():
-    plain = compare_sync(replica_step_s=2.0, parameters=10**9, replicas=4, link=WAN, sync_every=50)
+    plain = _compare()
     assert plain.synchronous_step_s == pytest.approx(2.0 + 48.06 - 2.0 * 2 / 3)  # the backward hides 4/3 s
     assert plain.diloco_step_s == pytest.approx(2.0 + 48.06 / 50)
     assert plain.synchronous_bytes_per_step == 4e9 and plain.diloco_bytes_per_step == 4e9 / 50
     assert plain.byte_reduction == pytest.approx(50)
-    streamed = compare_sync(
-        replica_step_s=2.0,
-        parameters=10**9,
-        replicas=4,
-        link=WAN,
-        sync_every=50,
-        fragments=5,
-        fragment_delay=4,
-    )
+    streamed = _compare(fragments=5, fragment_delay=4)
     assert streamed.diloco_step_s == pytest.approx(
         2.0 + 5 * (9.66 - 8.0) / 50
     )  # 8 s of inner steps hide most
-    hidden = compare_sync(
-        replica_step_s=2.0, parameters=10**9, replicas=4, link=WAN, sync_every=50, fragments=10, fragment_delay=4,
-        outer_bytes_per_value=2,
-    )  # fmt: skip
+    hidden = _compare(fragments=10, fragment_delay=4, outer_bytes_per_value=2)
     assert hidden.diloco_step_s == 2.0 and hidden.diloco_bytes_per_step == 2e9 / 50
     # ten fragments each hidden behind 9 steps still need the link for 48 s of every 10 steps
-    busy = compare_sync(
-        replica_step_s=1.0,
-        parameters=10**9,
-        replicas=4,
-        link=WAN,
-        sync_every=10,
-        fragments=10,
-        fragment_delay=9,
-    )
+    busy = _compare(replica_step_s=1.0, sync_every=10, fragments=10, fragment_delay=9)
     assert busy.diloco_step_s == pytest.approx(10 * (0.06 + 4e8 * 1.5 / 125e6) / 10)
-    alone = compare_sync(replica_step_s=2.0, parameters=10**9, replicas=1, link=WAN, sync_every=50)
+    alone = _compare(replicas=1)
     assert alone.synchronous_step_s == alone.diloco_step_s == 2.0 and alone.byte_reduction == 1.0
 
 

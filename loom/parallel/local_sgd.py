@@ -92,7 +92,7 @@ def _check_every(sync_every: object) -> int:
     return sync_every
 
 
-def _all_reduce_mean(flat: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
+def _all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
     """Sum `flat` over `group` in place (the caller divides); returns the work handle when `async_op`."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
@@ -158,7 +158,7 @@ class LocalSGD(_Replicated):
         """Replace every parameter by its mean over the replicas (one all-reduce)."""
         locals_ = [_local(p) for p in self.params]
         flat = _flatten(locals_)
-        _all_reduce_mean(flat, self.group)
+        _all_reduce_sum(flat, self.group)
         flat /= _replicas(self.group)
         for local, averaged in zip(locals_, _unflatten(flat, locals_), strict=True):
             local.copy_(averaged)
@@ -244,7 +244,7 @@ class DiLoCo(_Replicated):
         pseudo = [self.global_weights[i] - _local(self.params[i]).float() for i in indices]
         flat = _flatten(pseudo).to(self.outer_dtype)
         delayed = self.fragment_delay > 0
-        work = _all_reduce_mean(flat, self.group, async_op=delayed)
+        work = _all_reduce_sum(flat, self.group, async_op=delayed)
         if delayed:
             self._pending[fragment] = (self.inner_steps + self.fragment_delay, work, flat)
         else:

@@ -273,11 +273,6 @@ def generate(model: nn.Module, prompts: list[str], max_new_tokens: int) -> list[
     return [tokenizer.decode(ids) for ids in generate_batch(model, encoded, max_new_tokens)]
 
 
-def generate_ids(model: nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after `ids`."""
-    return generate_batch(model, [ids], max_new_tokens)[0]
-
-
 @torch.no_grad()
 def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after each of `prompts`, as
