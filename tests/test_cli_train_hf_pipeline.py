@@ -18,7 +18,7 @@ from loom.checkpoint import read_model_tensors
 from loom.cli.main import main
 from loom.models import hf
 from loom.train.data import build_dataset, load_tokenizer
-from loom.train.job import run
+from loom.train.job import all_stages, run
 
 pytest.importorskip("transformers")
 
@@ -221,3 +221,24 @@ def test_pipeline_settings_that_cannot_run_are_config_errors(tmp_path):
     router.to_json_file(tmp_path / "router.json")
     with pytest.raises(ValueError, match=r'auxiliary router loss .*"output_router_logits": false there'):
         hf_job(tmp_path, "mixtral", model={"hf_config": str(tmp_path / "router.json")}, parallel=two)
+
+
+def test_uneven_stages_of_a_hugging_face_model(dist_run, tmp_path):
+    """`[parallel] stages = [1, 3]` on an unedited 4-layer Llama: the losses are the even split's."""
+    config_file = tmp_path / "llama4.json"
+    hf_config("llama").__class__(**{**hf_config("llama").to_dict(), "num_hidden_layers": 4}).to_json_file(
+        config_file
+    )
+    parallel = {"dp": 1, "pp": 2, "microbatches": 2}
+    even = hf_job(
+        tmp_path, "llama", model={"hf_config": str(config_file)}, parallel=parallel, train={"steps": 3}
+    )
+    uneven = hf_job(
+        tmp_path, "llama", model={"hf_config": str(config_file)}, parallel={**parallel, "stages": [1, 3]},
+        train={"steps": 3},
+    )  # fmt: skip
+    stages = all_stages(uneven, hf.build_model(uneven.model.hf_model_config(), seed=0))
+    assert [len(stage.blocks) for stage in stages] == [1, 3]
+    expected = dist_run(2, run, even)[0]["losses"]
+    got = dist_run(2, run, uneven)[0]["losses"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL, atol=0)
