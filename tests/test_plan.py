@@ -10,7 +10,7 @@ import torch
 
 from loom.checkpoint import save_checkpoint
 from loom.checkpoint.export import saved_plan
-from loom.cli.main import main
+from loom.cli.main import build_parser, main, parse_arguments
 from loom.cost.hardware import get_cluster
 from loom.cost.transformer import transformer_config
 from loom.models.config import GPTConfig
@@ -183,12 +183,15 @@ def test_simulate_a_config_takes_loom_trains_overrides(capsys):
     assert data["plan"] == priced.to_dict() and (priced.dp, priced.tp, priced.optimizer_level) == (2, 4, 2)
     assert main(["simulate", DEMO, "--parallel.tpp", "4"]) == 2
     assert "did you mean 'parallel.tp'" in capsys.readouterr().err
-    assert main(["simulate", "--parallel.tp", "4", DEMO]) == 2  # 4 was taken for CONFIG.toml
-    assert "the overrides go after CONFIG.toml" in capsys.readouterr().err
+    for command in ("simulate", "train"):  # one parser of overrides for both: 4 was taken for CONFIG.toml
+        assert main([command, "--parallel.tp", "4", DEMO]) == 2
+        assert "overrides go after CONFIG.toml" in capsys.readouterr().err
     assert main(["simulate", "--model", "gpt3-175b", "--parallel.tp=4"]) == 2
     assert "give CONFIG.toml first" in capsys.readouterr().err
     assert main(["checkpoint", "ls", "runs", "--parallel.tp=4"]) == 2  # only simulate takes them
     assert "unrecognized arguments: --parallel.tp=4" in capsys.readouterr().err
+    args = parse_arguments(build_parser(), ["train", DEMO, "--train.steps", "3", "-v", "--parallel.tp=1"])
+    assert args.verbose and args.overrides == ["--train.steps", "3", "--parallel.tp=1"]  # -v among them
 
 
 # ---- checkpoints store the Plan ----

@@ -55,9 +55,10 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     gets the `--section.key value` pairs argparse does not know as `args.overrides`; any other command
     exits with argparse's usage error for them."""
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(_module(args.command), "TAKES_CONFIG_OVERRIDES", False):
+    takes_overrides = getattr(_module(args.command), "TAKES_CONFIG_OVERRIDES", False)
+    if extra and not takes_overrides:
         parser.parse_args(argv)  # argparse's own error: unrecognized arguments
-    if extra:
+    if takes_overrides:
         args.overrides = extra
     return args
 

@@ -25,7 +25,7 @@ from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDUL
 from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
-from loom.train.config import TrainConfig, load_config, parse_overrides
+from loom.train.config import TrainConfig, load_config
 
 NAME = "simulate"
 TAKES_CONFIG_OVERRIDES = True  # `loom simulate CONFIG.toml --parallel.tp 4`, as `loom train` takes them
@@ -191,18 +191,12 @@ def _check_sources(args: argparse.Namespace) -> None:
 
 def _config(args: argparse.Namespace) -> TrainConfig | None:
     """The training config CONFIG.toml with its `--section.key value` overrides (None without CONFIG)."""
-    overrides = getattr(args, "overrides", [])
+    overrides = args.overrides
     if overrides and not args.config:
         raise ValueError(
             f"{' '.join(overrides)}: not a loom simulate option; --section.key overrides change a training "
             "config, so give CONFIG.toml first (loom simulate CONFIG.toml --parallel.tp 4)"
         )
-    try:
-        parse_overrides(overrides)
-    except ValueError as exc:
-        misplaced = not args.config.endswith(".toml") or any(o.endswith(".toml") for o in overrides)
-        hint = " (the overrides go after CONFIG.toml)" if misplaced else ""  # `--parallel.tp 4 CONFIG.toml`
-        raise ValueError(f"{exc}{hint}") from None
     return load_config(args.config, overrides) if args.config else None
 
 

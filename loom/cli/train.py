@@ -17,6 +17,8 @@ from loom.train.job import check_faults, run
 from loom.train.report import steps_summary
 
 NAME = "train"
+TAKES_CONFIG_OVERRIDES = True  # the `--section.key value` pairs after CONFIG.toml (see loom/cli/main.py)
+USAGE = "loom train [-h] [-v] CONFIG.toml [--section.key value ...]"
 HELP = "train a GPT or a Hugging Face causal LM from a TOML config on local worker processes"
 DESCRIPTION = """\
 Train the reference GPT, or a Hugging Face causal LM ([model] hf_config or hf_pretrained), as CONFIG.toml
@@ -68,21 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print every parameter's layout, not one line per pattern",
     )
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key value pairs")
+    parser.usage = USAGE
     parser.epilog = epilog()
 
 
-def _split_flags(overrides: list[str]) -> tuple[list[str], bool]:
-    """The overrides without --verbose / -v (which may come after CONFIG, among them), and whether it was
-    there."""
-    flags = ("--verbose", "-v")
-    return [arg for arg in overrides if arg not in flags], any(arg in flags for arg in overrides)
-
-
 def execute(args: argparse.Namespace) -> int:
-    overrides, verbose = _split_flags(args.overrides)
+    verbose = args.verbose
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, args.overrides)
         # under torchrun the ranks are its processes; locally, the workers loom starts
         config.preflight(int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers)
         faults = faults_from_env()

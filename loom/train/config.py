@@ -787,16 +787,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     """Read a TOML config (None: all defaults), apply command-line `overrides`, and validate the result."""
     data: dict[str, Any] = {}
     where = "the config"
+    # `loom train --parallel.tp 4 CONFIG.toml`: the command line took `4` for the file
+    misplaced = any(str(o).endswith(".toml") for o in overrides)
+    hint = " (the --section.key overrides go after CONFIG.toml)" if misplaced else ""
     if path is not None:
         where = str(path)
         try:
             with open(path, "rb") as file:
                 data = tomllib.load(file)
         except FileNotFoundError:
-            raise ValueError(f"config file {where!r} does not exist") from None
+            raise ValueError(f"config file {where!r} does not exist{hint}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {where!r} is not valid TOML: {exc}") from None
-    for section, values in parse_overrides(overrides).items():
+    try:
+        parsed = parse_overrides(overrides)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{hint}") from None
+    for section, values in parsed.items():
         table = data.setdefault(section, {})
         if isinstance(table, dict):
             table.update(values)
