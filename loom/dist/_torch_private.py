@@ -106,3 +106,11 @@ def group_of_name(name: str):  # noqa: ANN201
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+def all_to_all_autograd(rows, output_splits: list[int], input_splits: list[int], group):  # noqa: ANN001, ANN201
+    """`all_to_all_single` of `rows` on dim 0 that autograd differentiates (its backward is the reverse
+    exchange): the functional collective, private in torch 2.11-2.13."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(rows, output_splits, input_splits, group)

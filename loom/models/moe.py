@@ -152,11 +152,17 @@ class GroupedExperts(nn.Module):
         for weight in self.weights():
             nn.init.normal_(weight, std=self.config.init_std)
 
+    def weight_names(self) -> tuple[str, ...]:
+        """Names of the stacked weights, in a fixed order."""
+        return (
+            ("gate_proj", "up_proj", "down_proj")
+            if self.config.activation == "swiglu"
+            else ("up_proj", "down_proj")
+        )
+
     def weights(self) -> list[nn.Parameter]:
-        """The stacked weights, in a fixed order."""
-        names = ("gate_proj", "up_proj", "down_proj") if self.config.activation == "swiglu" else ("up_proj",
-                                                                                                 "down_proj")  # fmt: skip
-        return [getattr(self, name) for name in names]
+        """The stacked weights, in the order of `weight_names`."""
+        return [getattr(self, name) for name in self.weight_names()]
 
     @property
     def num_experts(self) -> int:
