@@ -56,7 +56,8 @@ def shard_range(experts: int, ep: int, ep_rank: int) -> range:
 class ExpertParallelExperts(GroupedExperts):
     """The local slice of a `GroupedExperts` on one rank of `group`; `forward(rows, counts)` takes this
     rank's rows sorted by global expert and `counts` per global expert, and returns their outputs in the
-    same order, the exchanges done (see the module's docstring)."""
+    same order, the exchanges done (see the module's docstring). After a call, `sent_rows` and
+    `received_rows` say how many rows it sent and received (what `loom.cost.moe.moe_collectives` takes)."""
 
     def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup) -> None:
         nn.Module.__init__(self)
@@ -65,6 +66,7 @@ class ExpertParallelExperts(GroupedExperts):
         self.ep = dist.get_world_size(group)
         self.global_experts = experts.num_experts
         self.local = shard_range(self.global_experts, self.ep, dist.get_rank(group))
+        self.sent_rows = self.received_rows = 0
         for name, weight in zip(experts.weight_names(), experts.weights(), strict=True):
             piece = weight.detach()[self.local.start : self.local.stop].clone()
             setattr(self, name, nn.Parameter(piece, requires_grad=weight.requires_grad))
@@ -81,6 +83,7 @@ class ExpertParallelExperts(GroupedExperts):
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
+        self.sent_rows, self.received_rows = sum(send), sum(recv)
         arrived = all_to_all_autograd(rows, recv, send, self.group)
         order = _by_local_expert(recv_counts)
         local = expert_mlp(arrived[order], recv_counts.sum(0), self.weights(), self.config)

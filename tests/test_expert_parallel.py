@@ -1,0 +1,129 @@
+"""Tier 2: expert parallelism (`loom.parallel.experts`) on 4 gloo ranks against one device.
+
+Each rank routes its own tokens; the single-device reference runs the whole layer on each rank's tokens in
+turn (so capacity drops the same pairs). Compared, fp32, rtol/atol 1e-5 (outputs and gradients are
+Lipschitz in the inputs): the output, the input gradient, the auxiliary loss and the router gradient of this
+rank's tokens, and each rank's expert-shard gradients against the matching slice of the reference's
+gradient summed over the ep group's tokens. Cases at ep = 4 (the world) and ep = 2 (two groups): dropless
+SwiGLU through the grouped matmul and GELU through the loop, a capacity factor that drops pairs, an expert
+that receives no token, every token routed to one expert. The collectives of a call are counted against
+`loom.cost.moe.moe_collectives`. Then 5 steps of a tiny embedding -> MoE -> head model at ep 2 x dp 4
+against one device: losses, parameters, shards equal within an expert-dp group and different across it.
+"""
+
+import torch
+import torch.distributed as dist
+
+from loom.cost.moe import moe_collectives
+from loom.dist.comm import Collective, CollectiveRecorder, summarize
+from loom.models.moe import MoE, MoEConfig
+from loom.parallel.experts import (
+    expert_groups,
+    expert_parallel,
+    new_expert_groups,
+    shard_range,
+)
+
+WORLD, TOL, TOKENS, HIDDEN = 4, 1e-5, 6, 8
+BASE = {"hidden": HIDDEN, "ffn_hidden": 12, "experts": 4, "top_k": 2, "z_loss_coef": 1e-3, "init_std": 0.5}
+CASES = {
+    "dropless swiglu grouped": {},
+    "dropless gelu loop": {"activation": "gelu", "grouped_mm": False, "experts": 8},
+    "capacity by probability": {"capacity_factor": 0.75},
+    "capacity by position": {"capacity_factor": 0.75, "drop_policy": "position", "score": "sigmoid"},
+    "an idle expert": {"expert_bias": True, "bias": {3: -100.0}},
+    "one expert takes all": {"expert_bias": True, "top_k": 1, "normalize_weights": False, "bias": {0: 100.0}},
+}
+
+
+def build(case: dict) -> MoE:
+    fields = {k: v for k, v in {**BASE, **case}.items() if k != "bias"}
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(**fields))
+    for expert, value in case.get("bias", {}).items():  # steers the choice only: forces the routing
+        moe.expert_bias[expert] = value
+    return moe
+
+
+def data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s tokens [2, 3, hidden] and the output gradient its loss sends back."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(2, TOKENS // 2, HIDDEN, generator=generator), torch.randn(2, TOKENS // 2, HIDDEN,
+                                                                                 generator=generator)  # fmt: skip
+
+
+def run(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Forward and backward of `(moe(x) * g).sum() + aux_loss`; what the comparison needs."""
+    moe.zero_grad()
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    aux = moe.aux_loss
+    ((y * g).sum() + aux).backward()
+    grads = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    return {"y": y.detach(), "x_grad": x.grad, "aux": aux.detach(), "dropped": moe.dropped, "grads": grads}
+
+
+def reference(case: dict, ranks: tuple[int, ...]) -> dict[int, dict]:
+    """The single-device layer on each of `ranks`' tokens in turn."""
+    moe = build(case)
+    return {r: run(moe, *data(r)) for r in ranks}
+
+
+def compare(case: dict, group: dist.ProcessGroup, ranks: tuple[int, ...]) -> list[str]:
+    """Errors of the expert-parallel layer on `group` (global ranks `ranks`) against the reference."""
+    me = dist.get_rank()
+    moe = expert_parallel(build(case), group)
+    x, g = data(me)
+    with CollectiveRecorder() as recorder:
+        got = run(moe, x, g)
+    want = reference(case, ranks)
+    errors = []
+
+    def check(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if not torch.allclose(a, b, rtol=TOL, atol=TOL):
+            errors.append(f"{what}: max error {(a - b).abs().max().item():.3g}")
+
+    mine = want[me]
+    for key in ("y", "x_grad", "aux"):
+        check(key, got[key], mine[key])
+    if got["dropped"] != mine["dropped"]:
+        errors.append(f"dropped {got['dropped']} != {mine['dropped']}")
+    local = shard_range(moe.config.experts, len(ranks), ranks.index(me))
+    for name, grad in got["grads"].items():
+        if name.startswith("experts."):  # the shard's gradient sums every ep peer's tokens
+            expected = sum(want[r]["grads"][name] for r in ranks)[local.start : local.stop]
+        else:
+            expected = mine["grads"][name]
+        check(f"grad {name}", grad, expected)
+    errors += check_collectives(moe, recorder, ranks)
+    return errors
+
+
+def check_collectives(moe: MoE, recorder: CollectiveRecorder, ranks: tuple[int, ...]) -> list[str]:
+    """The recorded exchanges against the cost model's formula, for the rows this call moved."""
+    experts = moe.experts
+    expected = moe_collectives(
+        experts=moe.config.experts, hidden=HIDDEN, sent_rows=experts.sent_rows,
+        received_rows=experts.received_rows, element_bytes=4, ep=len(ranks),
+    )  # fmt: skip
+    want = summarize(Collective(c.kind, ranks, c.nbytes) for c in expected for _ in range(c.count))
+    got = recorder.summary()
+    return [] if got == want else [f"collectives {dict(got)} != {dict(want)}"]
+
+
+def ep_case() -> dict[str, list[str]]:
+    """Every case at ep = 4 and ep = 2; the errors of each."""
+    world = tuple(range(WORLD))
+    ep2, _ = new_expert_groups(2)
+    pair = expert_groups(WORLD, 2)[0][dist.get_rank() // 2]
+    results = {}
+    for name, case in CASES.items():
+        results[f"{name}, ep 4"] = compare(case, dist.group.WORLD, world)
+        results[f"{name}, ep 2"] = compare(case, ep2, pair)
+    return results
+
+
+def test_expert_parallel_layer_matches_one_device_and_issues_the_predicted_all_to_alls(dist_run):
+    for rank, results in enumerate(dist_run(WORLD, ep_case)):
+        failed = {name: errors for name, errors in results.items() if errors}
+        assert not failed, f"rank {rank}: {failed}"
