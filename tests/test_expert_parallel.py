@@ -11,8 +11,11 @@ that receives no token, every token routed to one expert. The collectives of a c
 against one device: losses, parameters, shards equal within an expert-dp group and different across it.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from loom.cost.moe import moe_collectives
 from loom.dist.comm import Collective, CollectiveRecorder, summarize
@@ -22,6 +25,7 @@ from loom.parallel.experts import (
     expert_parallel,
     new_expert_groups,
     shard_range,
+    sync_gradients,
 )
 
 WORLD, TOL, TOKENS, HIDDEN = 4, 1e-5, 6, 8
@@ -127,3 +131,109 @@ def test_expert_parallel_layer_matches_one_device_and_issues_the_predicted_all_t
     for rank, results in enumerate(dist_run(WORLD, ep_case)):
         failed = {name: errors for name, errors in results.items() if errors}
         assert not failed, f"rank {rank}: {failed}"
+
+
+def test_group_arithmetic_and_uneven_splits_are_clear():
+    assert expert_groups(8, 2) == ([(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2, 4, 6), (1, 3, 5, 7)])
+    assert expert_groups(4, 4) == ([(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)])
+    assert expert_groups(4, 1) == ([(0,), (1,), (2,), (3,)], [(0, 1, 2, 3)])
+    for world, ep in ((8, 2), (8, 4), (6, 3)):
+        ep_groups, edp_groups = expert_groups(world, ep)
+        for groups in (ep_groups, edp_groups):  # each a partition of the world
+            assert sorted(r for g in groups for r in g) == list(range(world))
+        # an ep group and an expert-dp group meet in exactly one rank; expert-dp peers hold the same experts
+        assert all(len(set(a) & set(b)) == 1 for a in ep_groups for b in edp_groups)
+        assert all(len({shard_range(ep * 2, ep, r % ep) for r in g}) == 1 for g in edp_groups)
+    assert list(shard_range(8, 4, 2)) == [4, 5]
+    with pytest.raises(ValueError, match="6 experts do not split over ep = 4"):
+        shard_range(6, 4, 0)
+    with pytest.raises(ValueError, match="ep = 3 must divide"):
+        expert_groups(8, 3)
+
+
+VOCAB, STEPS, LR = 16, 5, 0.1
+
+
+class TinyMoEModel(nn.Module):
+    """embedding -> MoE -> head, a residual around the MoE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.moe = MoE(MoEConfig(**{**BASE, "expert_bias": True, "aux_loss_coef": 0.1}))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        logits = self.head(x + self.moe(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + self.moe.aux_loss
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(VOCAB, (2, 4), generator=generator), torch.randint(
+        VOCAB, (2, 4), generator=generator
+    )
+
+
+def reference_training() -> tuple[list[float], TinyMoEModel]:
+    """One device: each step the mean of the ranks' losses, each on its own batch; SGD; bias update."""
+    model = TinyMoEModel()
+    losses = []
+    for step in range(STEPS):
+        model.zero_grad()
+        total = sum(model(*batch(r, step)) for r in range(WORLD)) / WORLD
+        total.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        model.moe.update_bias(0.01)
+        losses.append(total.item())
+    return losses, model
+
+
+def training_case() -> list[str]:
+    """ep 2 x dp 4: losses and parameters against one device; shards alike within expert-dp groups."""
+    me, errors = dist.get_rank(), []
+    ep_group, edp_group = new_expert_groups(2)
+    model = TinyMoEModel()
+    expert_parallel(model.moe, ep_group)
+    losses = []
+    for step in range(STEPS):
+        model.zero_grad()
+        loss = model(*batch(me, step))
+        loss.backward()
+        sync_gradients(model, None, edp_group)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        model.moe.update_bias(0.01, group=dist.group.WORLD)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    want_losses, want = reference_training()
+    if not torch.allclose(torch.tensor(losses), torch.tensor(want_losses), rtol=TOL, atol=TOL):
+        errors.append(f"losses {losses} != {want_losses}")
+    local = shard_range(BASE["experts"], 2, me % 2)
+    wanted = dict(want.named_parameters())
+    for name, p in model.named_parameters():
+        expected = wanted[name][local.start : local.stop] if name.startswith("moe.experts.") else wanted[name]
+        if not torch.allclose(p, expected, rtol=TOL, atol=TOL):
+            errors.append(f"{name}: max error {(p - expected).abs().max().item():.3g}")
+    if not torch.equal(model.moe.expert_bias, want.moe.expert_bias):
+        errors.append("expert bias differs")
+    shard = model.moe.experts.down_proj.detach()
+    peers = [torch.empty_like(shard) for _ in range(2)]
+    dist.all_gather(peers, shard, group=edp_group)  # the rank holding the same experts in the other group
+    if not torch.equal(peers[0], peers[1]):
+        errors.append("expert shards differ within an expert-dp group")
+    dist.all_gather(peers, shard, group=ep_group)  # the other experts of my group
+    if torch.equal(peers[0], peers[1]):
+        errors.append("expert shards equal across ep ranks")
+    return errors
+
+
+def test_five_steps_of_a_tiny_model_at_ep_2_by_dp_4_match_one_device(dist_run):
+    for rank, errors in enumerate(dist_run(WORLD, training_case)):
+        assert not errors, f"rank {rank}: {errors}"
