@@ -6,7 +6,7 @@ Lipschitz in the inputs): the output, the input gradient, the auxiliary loss and
 rank's tokens, and each rank's expert-shard gradients against the matching slice of the reference's
 gradient summed over the ep group's tokens. Cases at ep = 4 (the world) and ep = 2 (two groups): dropless
 SwiGLU through the grouped matmul and GELU through the loop, a capacity factor that drops pairs, an expert
-that receives no token, every token routed to one expert. The collectives of a call are counted against
+that receives no token, every token routed to one expert, a rank without tokens. The collectives of a call are counted against
 `loom.cost.moe.moe_collectives`. Then 5 steps of a tiny embedding -> MoE -> head model at ep 2 x dp 4
 against one device: losses, parameters, shards equal within an expert-dp group and different across it.
 """
@@ -37,11 +37,13 @@ CASES = {
     "capacity by position": {"capacity_factor": 0.75, "drop_policy": "position", "score": "sigmoid"},
     "an idle expert": {"expert_bias": True, "bias": {3: -100.0}},
     "one expert takes all": {"expert_bias": True, "top_k": 1, "normalize_weights": False, "bias": {0: 100.0}},
+    "a rank without tokens": {"no_tokens_on": 1},
 }
+NOT_CONFIG = ("bias", "no_tokens_on")  # case keys that set up the run, not the layer
 
 
 def build(case: dict) -> MoE:
-    fields = {k: v for k, v in {**BASE, **case}.items() if k != "bias"}
+    fields = {k: v for k, v in {**BASE, **case}.items() if k not in NOT_CONFIG}
     torch.manual_seed(0)
     moe = MoE(MoEConfig(**fields))
     for expert, value in case.get("bias", {}).items():  # steers the choice only: forces the routing
@@ -49,9 +51,12 @@ def build(case: dict) -> MoE:
     return moe
 
 
-def data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s tokens [2, 3, hidden] and the output gradient its loss sends back."""
+def data(rank: int, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s tokens [2, 3, hidden] (none on the case's `no_tokens_on`) and the output gradient its
+    loss sends back."""
     generator = torch.Generator().manual_seed(100 + rank)
+    if case.get("no_tokens_on") == rank:
+        return torch.zeros(0, TOKENS // 2, HIDDEN), torch.zeros(0, TOKENS // 2, HIDDEN)
     return torch.randn(2, TOKENS // 2, HIDDEN, generator=generator), torch.randn(2, TOKENS // 2, HIDDEN,
                                                                                  generator=generator)  # fmt: skip
 
@@ -70,14 +75,14 @@ def run(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
 def reference(case: dict, ranks: tuple[int, ...]) -> dict[int, dict]:
     """The single-device layer on each of `ranks`' tokens in turn."""
     moe = build(case)
-    return {r: run(moe, *data(r)) for r in ranks}
+    return {r: run(moe, *data(r, case)) for r in ranks}
 
 
 def compare(case: dict, group: dist.ProcessGroup, ranks: tuple[int, ...]) -> list[str]:
     """Errors of the expert-parallel layer on `group` (global ranks `ranks`) against the reference."""
     me = dist.get_rank()
     moe = expert_parallel(build(case), group)
-    x, g = data(me)
+    x, g = data(me, case)
     with CollectiveRecorder() as recorder:
         got = run(moe, x, g)
     want = reference(case, ranks)

@@ -201,7 +201,7 @@ def test_update_bias_moves_towards_underloaded_experts_and_steers_only_the_choic
     assert load.sum() == 40
     used = moe.update_bias(0.01)
     assert torch.equal(used, load)
-    assert torch.equal(moe.expert_bias, 0.01 * torch.sign(load.mean() - load))
+    assert torch.equal(moe.expert_bias, 0.01 * torch.sign(load.double().mean() - load).float())
     assert moe.load_total.sum() == 0
     # a large bias takes every token to expert 2, whose weight stays its unbiased score
     moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
@@ -231,6 +231,15 @@ def test_update_bias_moves_towards_underloaded_experts_and_steers_only_the_choic
 def test_config_errors_name_the_field_and_the_fix(changes, field):
     with pytest.raises(ValueError, match=rf"MoEConfig\.{field} = .*: "):
         MoEConfig(**{**BASE, **changes})
+
+
+def test_no_tokens_give_an_empty_output_and_a_zero_loss():
+    moe = layer(capacity_factor=1.0, z_loss_coef=0.1)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = moe(x)
+    (y.sum() + moe.aux_loss).backward()
+    assert y.shape == (0, 8) and moe.aux_loss.item() == 0.0 and moe.dropped == 0
+    assert moe.router.weight.grad.abs().sum() == 0
 
 
 def test_wrong_hidden_size_is_a_clear_error():

@@ -237,7 +237,9 @@ def grouped_mm_usable(device_type: str, dtype: torch.dtype, hidden: int, ffn_hid
 class MoE(nn.Module):
     """A mixture-of-experts MLP (see the module's docstring). After each forward: `aux_loss` (weighted
     load-balancing plus z-loss, fp32, in the graph), `load` (pairs routed to each expert, before dropping)
-    and `dropped` (pairs dropped for capacity). `load_total` accumulates `load` for `update_bias`."""
+    and `dropped` (pairs dropped for capacity). In training mode, `load_total` (int64) accumulates `load`
+    for `update_bias`; a recomputed forward counts again, which scales every expert's load alike and so
+    leaves the update unchanged."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -252,27 +254,34 @@ class MoE(nn.Module):
             shared = MoEConfig(**{**_fields(config), **fields, "shared_experts": 0, "expert_bias": False})
             self.shared = GroupedExperts(shared)
         self.register_buffer("expert_bias", torch.zeros(config.experts), persistent=config.expert_bias)
-        self.register_buffer("load_total", torch.zeros(config.experts), persistent=False)
+        # int64: a model cast to bf16 keeps exact counts
+        self.register_buffer("load_total", torch.zeros(config.experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
-        self.dropped = 0
+        self._kept: torch.Tensor | None = None
+
+    @property
+    def dropped(self) -> int:
+        """Token-expert pairs the last forward dropped for capacity (reading it waits for the device)."""
+        return 0 if self._kept is None else int(self._kept.numel() - self._kept.sum())
 
     def route(self, x: torch.Tensor) -> Routing:
         """Choose experts for the rows of `x` `[tokens, hidden]`; sets `aux_loss`, `load` and `dropped`."""
         config = self.config
         logits = F.linear(x.float(), self.router.weight.float())  # router math in fp32
         scores = torch.softmax(logits, -1) if config.score == "softmax" else torch.sigmoid(logits)
-        pick = scores + self.expert_bias if config.expert_bias else scores  # the bias steers choice only
+        # the bias steers the choice only; the weights stay the unbiased scores
+        pick = scores + self.expert_bias.float() if config.expert_bias else scores
         chosen = torch.topk(pick.detach(), config.top_k, dim=-1).indices
         weight = scores.gather(1, chosen)
         if config.normalize_weights:
             weight = weight / weight.sum(-1, keepdim=True)
         load = torch.bincount(chosen.reshape(-1), minlength=config.experts)
         self.load = load
-        self.load_total += load.to(self.load_total.dtype)
+        if self.training:
+            self.load_total += load
         self.aux_loss = self._aux_loss(logits, scores, load)
-        kept = _kept(scores, chosen, config)
-        self.dropped = int(kept.numel() - kept.sum())
+        kept = self._kept = _kept(scores, chosen, config)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(config.top_k)[kept]
         expert, weight = chosen.reshape(-1)[kept], weight.reshape(-1)[kept]
         order = torch.argsort(expert, stable=True)
@@ -281,7 +290,9 @@ class MoE(nn.Module):
 
     def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
         config = self.config
-        loss = logits.new_zeros(())
+        loss = logits.sum() * 0.0  # zero, yet in the graph: the router gets a gradient even from no tokens
+        if logits.shape[0] == 0:  # the means below would be 0/0
+            return loss
         if config.aux_loss_coef:
             # sigmoid scores are normalised per token so that P_i is a share, as with softmax
             probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
@@ -318,7 +329,8 @@ class MoE(nn.Module):
         load = self.load_total.clone()
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
-        self.expert_bias += rate * torch.sign(load.mean() - load)
+        share = load.double()
+        self.expert_bias += (rate * torch.sign(share.mean() - share)).to(self.expert_bias.dtype)
         self.load_total.zero_()
         return load
 
