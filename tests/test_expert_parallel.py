@@ -120,6 +120,20 @@ def check_collectives(moe: MoE, recorder: CollectiveRecorder, ranks: tuple[int, 
     return [] if got == want else [f"collectives {dict(got)} != {dict(want)}"]
 
 
+def materialised_case() -> bool:
+    """A layer sharded on the meta device, then materialised and reset, equals the sharded initialised one."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = MoE(MoEConfig(**BASE))
+    expert_parallel(meta, dist.group.WORLD)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    meta.reset_parameters()
+    built = expert_parallel(build({}), dist.group.WORLD)
+    pairs = zip([*meta.parameters(), *meta.buffers()], [*built.parameters(), *built.buffers()], strict=True)
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
 def ep_case() -> dict[str, list[str]]:
     """Every case at ep = 4 and ep = 2; the errors of each."""
     world = tuple(range(WORLD))
@@ -129,6 +143,7 @@ def ep_case() -> dict[str, list[str]]:
     for name, case in CASES.items():
         results[f"{name}, ep 4"] = compare(case, dist.group.WORLD, world)
         results[f"{name}, ep 2"] = compare(case, ep2, pair)
+    results["materialised from the meta device"] = [] if materialised_case() else ["parameters differ"]
     return results
 
 

@@ -136,16 +136,16 @@ class GroupedExperts(nn.Module):
     ffn]` (SwiGLU; `up_proj` alone for GELU) and `down_proj` `[E, ffn, hidden]`. `forward(rows, counts)`
     takes rows sorted by expert, `counts[e]` of them for expert `e`."""
 
-    def __init__(self, config: MoEConfig, experts: int | None = None) -> None:
+    def __init__(self, config: MoEConfig, *, init: bool = True) -> None:
         super().__init__()
         self.config = config
-        e = config.experts if experts is None else experts
-        h, f = config.hidden, config.ffn_hidden
+        e, h, f = config.experts, config.hidden, config.ffn_hidden
         if config.activation == "swiglu":
             self.gate_proj = nn.Parameter(torch.empty(e, h, f))
         self.up_proj = nn.Parameter(torch.empty(e, h, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, h))
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, drawn for the whole stack at once (one draw per tensor)."""
@@ -244,21 +244,38 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
-        self.router = nn.Linear(config.hidden, config.experts, bias=False)
-        nn.init.normal_(self.router.weight, std=config.init_std)
-        self.experts = GroupedExperts(config)
+        # made without nn.Linear's own draw: every draw happens in reset_parameters, in one order
+        here = torch.empty(0).device  # the default device, a `with torch.device(...)` block's included
+        self.router = nn.Linear(config.hidden, config.experts, bias=False, device="meta").to_empty(
+            device=here
+        )
+        self.experts = GroupedExperts(config, init=False)
         self.shared = None
         if config.shared_experts:
             width = config.shared_experts * config.ffn_hidden
             fields = {"experts": 1, "top_k": 1, "normalize_weights": False, "ffn_hidden": width}
             shared = MoEConfig(**{**_fields(config), **fields, "shared_experts": 0, "expert_bias": False})
-            self.shared = GroupedExperts(shared)
+            self.shared = GroupedExperts(shared, init=False)
         self.register_buffer("expert_bias", torch.zeros(config.experts), persistent=config.expert_bias)
         # int64: a model cast to bf16 keeps exact counts
         self.register_buffer("load_total", torch.zeros(config.experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights drawn in one fixed order (router, expert stacks, shared experts), so
+        that a seed gives one layer whether it is made whole, sharded over experts afterwards
+        (`loom.parallel.experts`) or made on the meta device and reset once materialised; a zero bias and
+        zero load counts."""
+        nn.init.normal_(self.router.weight, std=self.config.init_std)
+        self.experts.reset_parameters()
+        if self.shared is not None:
+            self.shared.reset_parameters()
+        with torch.no_grad():  # the balancing state too (a meta-device buffer materialises as garbage)
+            self.expert_bias.zero_()
+            self.load_total.zero_()
 
     @property
     def dropped(self) -> int:

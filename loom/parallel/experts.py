@@ -72,10 +72,15 @@ class ExpertParallelExperts(GroupedExperts):
             setattr(self, name, nn.Parameter(piece, requires_grad=weight.requires_grad))
 
     def reset_parameters(self) -> None:
-        raise RuntimeError(
-            "ExpertParallelExperts.reset_parameters: initialise the whole layer before expert_parallel, so "
-            "that every ep gives the same model"
-        )
+        """Draw the whole stack as `GroupedExperts` does and keep this rank's slice: the same RNG state gives
+        the same model at any ep (for layers made on the meta device and materialised after sharding)."""
+        for weight in self.weights():
+            full = torch.empty(
+                (self.global_experts, *weight.shape[1:]), dtype=weight.dtype, device=weight.device
+            )
+            nn.init.normal_(full, std=self.config.init_std)
+            with torch.no_grad():
+                weight.copy_(full[self.local.start : self.local.stop])
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         send_counts = counts.reshape(self.ep, -1)  # [destination rank, its local expert]
