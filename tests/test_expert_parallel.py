@@ -6,8 +6,9 @@ Lipschitz in the inputs): the output, the input gradient, the auxiliary loss and
 rank's tokens, and each rank's expert-shard gradients against the matching slice of the reference's
 gradient summed over the ep group's tokens. Cases at ep = 4 (the world) and ep = 2 (two groups): dropless
 SwiGLU through the grouped matmul and GELU through the loop, a capacity factor that drops pairs, an expert
-that receives no token, every token routed to one expert, a rank without tokens. The collectives of a call are counted against
-`loom.cost.moe.moe_collectives`. Then 5 steps of a tiny embedding -> MoE -> head model at ep 2 x dp 4
+that receives no token, every token routed to one expert, a rank without tokens; and a layer sharded on the
+meta device, materialised and reset, equal to the sharded one. The collectives of each call are counted
+against `loom.cost.moe.moe_collectives`. Then 5 steps of a tiny embedding -> MoE -> head model at ep 2 x dp 4
 against one device: losses, parameters, shards equal within an expert-dp group and different across it.
 """
 
