@@ -58,8 +58,8 @@ def data(rank: int, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + rank)
     if case.get("no_tokens_on") == rank:
         return torch.zeros(0, TOKENS // 2, HIDDEN), torch.zeros(0, TOKENS // 2, HIDDEN)
-    return torch.randn(2, TOKENS // 2, HIDDEN, generator=generator), torch.randn(2, TOKENS // 2, HIDDEN,
-                                                                                 generator=generator)  # fmt: skip
+    shape = (2, TOKENS // 2, HIDDEN)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
 def run(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:

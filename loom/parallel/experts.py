@@ -123,7 +123,8 @@ def expert_groups(world: int, ep: int) -> tuple[list[tuple[int, ...]], list[tupl
 
     ep groups are blocks of `ep` consecutive ranks (the experts split inside, where links are fastest); the
     expert-dp group of a rank gathers the ranks at the same place in every block, which hold the same
-    experts. With world 8 and ep 2: ep groups (0, 1), (2, 3), ...; expert-dp groups (0, 2, 4, 6), (1, 3, 5, 7).
+    experts. With world 8 and ep 2: ep groups (0, 1), (2, 3), ...; expert-dp groups (0, 2, 4, 6) and
+    (1, 3, 5, 7).
     """
     if ep < 1 or world % ep:
         raise ValueError(
