@@ -182,11 +182,20 @@ def test_grouped_matmul_equals_the_loop_with_an_idle_expert_and_a_sum_loss(activ
     assert_close(grouped.experts.down_proj.grad, loop.experts.down_proj.grad)
 
 
+def test_private_torch_operators_the_experts_use_exist():
+    """Fails loudly when PyTorch moves a private name `loom.dist._torch_private` wraps for experts."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    assert callable(all_to_all_single_autograd) and callable(torch._grouped_mm)
+
+
 def test_unaligned_sizes_fall_back_to_the_loop_and_bf16_routes_in_fp32():
     assert not grouped_mm_usable("cpu", torch.float32, 6, 12)  # 24-byte rows: not 16-byte aligned
     moe = layer(hidden=6)
     x = torch.randn(5, 6)
     assert_close(moe(x), naive(moe, x)[0])
+    with pytest.raises(ValueError, match="grouped_mm = True: .* set grouped_mm None"):
+        layer(hidden=6, grouped_mm=True)(x)
     half = layer().to(torch.bfloat16)
     y = half(tokens().to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and half.aux_loss.dtype == torch.float32

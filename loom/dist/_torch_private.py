@@ -114,3 +114,13 @@ def all_to_all_autograd(rows, output_splits: list[int], input_splits: list[int],
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     return all_to_all_single_autograd(rows, output_splits, input_splits, group)
+
+
+def grouped_mm(rows, weights, ends):  # noqa: ANN001, ANN201
+    """`torch._grouped_mm(rows [M, k], weights [G, k, n], ends)`: group `g` multiplies the rows up to
+    `ends[g]` (int32 cumulative counts) by `weights[g]`; None when this torch has no such operator."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    return torch._grouped_mm(rows, weights, ends)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.dist._torch_private import grouped_mm
+
 __all__ = ["GroupedExperts", "MoE", "MoEConfig", "Routing", "expert_mlp", "grouped_mm_usable", "moe_layers"]
 
 SCORES = ("softmax", "sigmoid")
@@ -175,12 +177,19 @@ class GroupedExperts(nn.Module):
 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], config: MoEConfig):
     """Each expert's MLP on its rows (`rows` sorted by expert, `counts[e]` rows for expert `e`)."""
-    use_grouped = config.grouped_mm
-    if use_grouped is None:
-        use_grouped = grouped_mm_usable(rows.device.type, rows.dtype, config.hidden, config.ffn_hidden)
+    usable = config.grouped_mm is not False and grouped_mm_usable(
+        rows.device.type, rows.dtype, config.hidden, config.ffn_hidden
+    )
+    if config.grouped_mm and not usable:
+        raise ValueError(
+            f"MoEConfig.grouped_mm = True: torch._grouped_mm does not run on {rows.device.type} in "
+            f"{rows.dtype} with hidden {config.hidden} and ffn_hidden {config.ffn_hidden} (rows must be "
+            f"16-byte aligned); set grouped_mm None (automatic) or False (the per-expert loop)"
+        )
+    use_grouped = usable
     if use_grouped:
         ends = torch.cumsum(counts, 0).to(torch.int32)
-        matmul = lambda x, w: _contiguous_grad(torch._grouped_mm(x, w, ends))  # noqa: E731
+        matmul = lambda x, w: _contiguous_grad(grouped_mm(x, w, ends))  # noqa: E731
     else:
         sizes = counts.tolist()
         matmul = lambda x, w: _looped_mm(x, w, sizes)  # noqa: E731
@@ -219,15 +228,15 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 def grouped_mm_usable(device_type: str, dtype: torch.dtype, hidden: int, ffn_hidden: int) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward for these sizes and dtype on this device type
     (it needs 16-byte aligned strides and, on GPUs, recent architectures). Probed once per key."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
     device = torch.device(device_type)
     try:
         rows = torch.ones(3, hidden, device=device, dtype=dtype, requires_grad=True)
         weight = torch.ones(2, hidden, ffn_hidden, device=device, dtype=dtype, requires_grad=True)
         ends = torch.tensor([1, 3], device=device, dtype=torch.int32)
-        out = torch._grouped_mm(rows, weight, ends)
-        back = torch._grouped_mm(out, weight.transpose(1, 2), ends)
+        out = grouped_mm(rows, weight, ends)
+        if out is None:  # no such operator in this torch
+            return False
+        back = grouped_mm(out, weight.transpose(1, 2), ends)
         back.backward(torch.ones_like(back))
     except (RuntimeError, NotImplementedError):
         return False
