@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
 from loom.cost.hardware import Cluster
+from loom.cost.moe import layer_moe_collectives
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import StepCollective, embedding_collectives, head_collectives, layer_collectives
 from loom.cost.transformer import TransformerConfig
@@ -100,19 +101,24 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     permute = 4 * e * routed * h if model.is_moe else 0.0
     elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
     core = _attention_core(model, plan, cluster)
-    ep_comm = 0.0
-    if model.is_moe and plan.ep > 1:
-        span = group_span(plan.ep, plan.tp, cluster.gpus_per_node)
-        ep_comm = 2 * collective_time(
-            "all_to_all", e * routed * h / (t if plan.sequence_parallel else 1), span, cluster
-        )
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
         "tp_comm": _comm(layer_collectives(model, plan), "forward", plan, cluster),
-        "ep_comm": ep_comm,
+        "ep_comm": _ep_comm(model, plan, cluster, "forward"),
     }
     return costs, core["matmul"] + core["elementwise"]
+
+
+def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
+    """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
+    two token exchanges forward, their reverses backward), over ep groups of consecutive dp ranks."""
+    span = group_span(plan.ep, plan.tp, cluster.gpus_per_node)
+    return sum(
+        c.count * collective_time(c.kind, c.nbytes, span, cluster)
+        for c in layer_moe_collectives(model, plan)
+        if c.phase == phase
+    )
 
 
 def _embedding(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, Costs]:
@@ -168,7 +174,7 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     )
     layer_bwd = _backward(fwd)
     layer_bwd["tp_comm"] = _comm(layer_collectives(model, plan), "backward", plan, cluster)
-    layer_bwd["ep_comm"] = fwd["ep_comm"]  # the all-to-alls' conjugates move the same bytes
+    layer_bwd["ep_comm"] = _ep_comm(model, plan, cluster, "backward")
     return PieceCosts(
         layer_fwd=fwd,
         layer_bwd=layer_bwd,

@@ -106,3 +106,21 @@ def group_of_name(name: str):  # noqa: ANN201
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+def all_to_all_autograd(rows, output_splits: list[int], input_splits: list[int], group):  # noqa: ANN001, ANN201
+    """`all_to_all_single` of `rows` on dim 0 that autograd differentiates (its backward is the reverse
+    exchange): the functional collective, private in torch 2.11-2.13."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(rows, output_splits, input_splits, group)
+
+
+def grouped_mm(rows, weights, ends):  # noqa: ANN001, ANN201
+    """`torch._grouped_mm(rows [M, k], weights [G, k, n], ends)`: group `g` multiplies the rows up to
+    `ends[g]` (int32 cumulative counts) by `weights[g]`; None when this torch has no such operator."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    return torch._grouped_mm(rows, weights, ends)

@@ -1,0 +1,163 @@
+"""Expert parallelism: a mixture of experts whose experts are spread over an `ep` process group.
+
+`expert_parallel(moe, group)` keeps on each rank of `group` the slice `[rank * E/ep, (rank + 1) * E/ep)` of
+the stacked expert weights (a deterministic slice, so the same seed builds the same model at any ep) and
+replaces the layer's experts by `ExpertParallelExperts`, which exchanges tokens around the local MLPs:
+
+1. dispatch: one `all_to_all_single` of the per-expert counts (int64, `E` per rank), so that each rank
+   knows how many rows it receives for each of its experts from each peer; then one `all_to_all_single` of
+   the rows (already sorted by expert by the router, hence by owning rank);
+2. the received rows, ordered by (source rank, local expert), are regrouped by local expert and go through
+   the local experts' grouped matmul, then back into (source rank, local expert) order;
+3. combine: one `all_to_all_single` returns each row to the rank its token lives on.
+
+The row exchanges are autograd's functional all-to-all, whose backward is the reverse exchange: two
+all-to-alls forward, two backward, plus the counts forward (`loom.cost.moe.moe_collectives`). Routing,
+capacity and the auxiliary losses stay per rank, on the rank's own tokens, as in GShard.
+
+Gradients: the router and shared experts are replicated over every data-parallel rank, each expert shard
+over the ranks that hold the same experts (the expert-data-parallel group). `expert_groups` gives both
+partitions of a data-parallel world, and `sync_gradients` averages accordingly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.dist._torch_private import all_to_all_autograd
+from loom.models.moe import GroupedExperts, MoE, expert_mlp
+
+__all__ = [
+    "ExpertParallelExperts",
+    "expert_groups",
+    "expert_parallel",
+    "expert_parameters",
+    "new_expert_groups",
+    "shard_range",
+    "sync_gradients",
+]
+
+
+def shard_range(experts: int, ep: int, ep_rank: int) -> range:
+    """The experts rank `ep_rank` of an expert-parallel group of `ep` holds (a contiguous block)."""
+    if ep < 1 or experts % ep:
+        raise ValueError(
+            f"expert parallelism: {experts} experts do not split over ep = {ep}; choose an ep that divides "
+            f"the number of experts"
+        )
+    if not 0 <= ep_rank < ep:
+        raise ValueError(f"expert parallelism: rank {ep_rank} is outside a group of ep = {ep}")
+    local = experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """The local slice of a `GroupedExperts` on one rank of `group`; `forward(rows, counts)` takes this
+    rank's rows sorted by global expert and `counts` per global expert, and returns their outputs in the
+    same order, the exchanges done (see the module's docstring). After a call, `sent_rows` and
+    `received_rows` say how many rows it sent and received (what `loom.cost.moe.moe_collectives` takes)."""
+
+    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.config = experts.config
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.global_experts = experts.num_experts
+        self.local = shard_range(self.global_experts, self.ep, dist.get_rank(group))
+        self.sent_rows = self.received_rows = 0
+        for name, weight in zip(experts.weight_names(), experts.weights(), strict=True):
+            piece = weight.detach()[self.local.start : self.local.stop].clone()
+            setattr(self, name, nn.Parameter(piece, requires_grad=weight.requires_grad))
+
+    def reset_parameters(self) -> None:
+        """Draw the whole stack as `GroupedExperts` does and keep this rank's slice: the same RNG state gives
+        the same model at any ep (for layers made on the meta device and materialised after sharding)."""
+        for weight in self.weights():
+            full = torch.empty(
+                (self.global_experts, *weight.shape[1:]), dtype=weight.dtype, device=weight.device
+            )
+            nn.init.normal_(full, std=self.config.init_std)
+            with torch.no_grad():
+                weight.copy_(full[self.local.start : self.local.stop])
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        send_counts = counts.reshape(self.ep, -1)  # [destination rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        self.sent_rows, self.received_rows = sum(send), sum(recv)
+        arrived = all_to_all_autograd(rows, recv, send, self.group)
+        order = _by_local_expert(recv_counts)
+        local = expert_mlp(arrived[order], recv_counts.sum(0), self.weights(), self.config)
+        back = torch.empty_like(local).index_copy(0, order, local)  # undo the regrouping
+        return all_to_all_autograd(back, send, recv, self.group)
+
+
+def _by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Permutation that regroups rows ordered by (source rank, local expert) by local expert, source rank
+    order kept within each expert (a stable sort)."""
+    ep, local = recv_counts.shape
+    expert = torch.arange(local, device=recv_counts.device).repeat(ep)
+    return torch.argsort(torch.repeat_interleave(expert, recv_counts.reshape(-1)), stable=True)
+
+
+def expert_parallel(moe: MoE, group: dist.ProcessGroup) -> MoE:
+    """Make `moe` expert-parallel over `group` in place (each rank keeps experts/ep of the stacked weights,
+    see `shard_range`); returns it. Call it on every rank of `group` with the same initialised layer."""
+    if isinstance(moe.experts, ExpertParallelExperts):
+        raise ValueError("expert_parallel: the layer is already expert-parallel")
+    moe.experts = ExpertParallelExperts(moe.experts, group)
+    return moe
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of every expert-parallel shard in `model` (their gradients sync over expert-dp)."""
+    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
+
+
+def expert_groups(world: int, ep: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(ep groups, expert-dp groups) of a data-parallel world of `world` ranks cut by `ep`.
+
+    ep groups are blocks of `ep` consecutive ranks (the experts split inside, where links are fastest); the
+    expert-dp group of a rank gathers the ranks at the same place in every block, which hold the same
+    experts. With world 8 and ep 2: ep groups (0, 1), (2, 3), ...; expert-dp groups (0, 2, 4, 6) and
+    (1, 3, 5, 7).
+    """
+    if ep < 1 or world % ep:
+        raise ValueError(
+            f"expert parallelism: ep = {ep} must divide the data-parallel world of {world} ranks"
+        )
+    ep_groups = [tuple(range(start, start + ep)) for start in range(0, world, ep)]
+    edp_groups = [tuple(range(offset, world, ep)) for offset in range(ep)]
+    return ep_groups, edp_groups
+
+
+def new_expert_groups(ep: int, group: dist.ProcessGroup | None = None) -> tuple:
+    """This rank's (ep group, expert-dp group) over the data-parallel `group` (the world by default), made
+    with `dist.new_group`: every rank of `group` must call it (each group is made everywhere, in order)."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = members.index(dist.get_rank())
+    ep_groups, edp_groups = expert_groups(len(members), ep)
+    mine = []
+    for partition in (ep_groups, edp_groups):
+        made = [dist.new_group([members[i] for i in ranks]) for ranks in partition]
+        mine.append(next(g for g, ranks in zip(made, partition, strict=True) if me in ranks))
+    return mine[0], mine[1]
+
+
+def sync_gradients(
+    model: nn.Module, dp_group: dist.ProcessGroup | None, edp_group: dist.ProcessGroup
+) -> None:
+    """Average gradients for a loss that is the mean over data-parallel ranks of each rank's loss: dense
+    gradients over all of `dp_group`; expert shards' gradients, which already sum the contributions of
+    the ep peers' tokens, are summed over `edp_group` and divided by the whole dp world."""
+    world = dist.get_world_size(dp_group)
+    experts = expert_parameters(model)
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        dist.all_reduce(param.grad, group=edp_group if param in experts else dp_group)
+        param.grad.div_(world)
