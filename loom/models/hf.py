@@ -278,14 +278,18 @@ def greedy(
     `logits_of` maps a (batch, length) tensor of ids to whole logits (batch, length, vocab). Each row feeds
     at most its last `window` ids, right-padded to the longest row and to a multiple of `multiple` (a
     sequence cut over ranks needs it): causality keeps a row's padding out of its answer, so each row's ids
-    are those it would get alone (up to the kernels' rounding of a batch)."""
+    are those it would get alone (up to the kernels' rounding of a batch).
+
+    Every step feeds the same length, the longest context any step needs: a sharded model then meets one
+    shape, which DTensor's sharding propagation computes once instead of once per new length (on a small
+    model that is most of the decoding time)."""
     rows = [list(ids) for ids in prompts]
     window -= window % multiple
+    longest = max(map(len, rows), default=0) + max_new_tokens - 1
+    length = min(window, longest + -longest % multiple)
     new: list[list[int]] = [[] for _ in rows]
     for _ in range(max_new_tokens):
         contexts = [ids[-window:] for ids in rows]
-        length = max(map(len, contexts))
-        length += -length % multiple
         batch = torch.tensor([context + [0] * (length - len(context)) for context in contexts])
         logits = logits_of(batch)
         for row, context in enumerate(contexts):
