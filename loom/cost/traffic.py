@@ -64,7 +64,6 @@ DP, TP, PP, WORLD = "dp", "tp", "pp", "dp+tp"
 PIPELINE_WORLD = "pp+dp+tp"  # every rank of a pipeline run
 TIED = "pp+dp"  # the replicas of the pipeline ranks that hold a tied table's copies (the first and the last)
 LOSS_BYTES, NORM_BYTES = 4, 8  # the step's loss (fp32) and its squared gradient norm (fp64), summed
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # each piece of work a whole forward or backward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -375,12 +374,8 @@ def stage_layers(model: TransformerConfig, plan: ParallelPlan) -> list[int]:
 
 
 def rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` runs (looped placement: stage v on rank v % pp)."""
-    if plan.schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(
-            f"pipeline_collectives predicts the schedules {PIPELINE_SCHEDULES}, whose pieces of work are "
-            f"whole forwards and backwards, placed in a loop; got {plan.schedule!r}"
-        )
+    """The stages pipeline rank `pp_rank` runs: stage v on rank v % pp (the placement of the schedules a
+    `ParallelPlan` takes: gpipe, 1f1b, interleaved)."""
     if not 0 <= pp_rank < plan.pp:
         raise ValueError(f"pp_rank {pp_rank} is not a pipeline rank of pp = {plan.pp}")
     return list(range(pp_rank, plan.virtual_stages, plan.pp))
