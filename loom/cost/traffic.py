@@ -2,10 +2,12 @@
 
 One step of a decoder transformer laid out as Megatron does (loom's `tensor_plan` recipes, loom's GPT):
 forward, backward, the data-parallel gradient sync and the optimizer step at levels 0-3, on one micro-batch
-per data-parallel replica and one pipeline stage. Each entry says what runs, over which mesh axes, how many
-bytes (the convention of `loom.dist.comm`: all-reduce the buffer, all-gather the gathered output,
-reduce-scatter the input) and how many times. `loom.cost.layer` prices the pieces with these lists, so the
-simulator and the prediction are one model; `tests/test_step_collectives.py` checks them against what runs.
+per data-parallel replica and one pipeline stage, or a pipeline's step (below). Each entry says what runs,
+over which mesh axes (as the mesh names the group: its axes of size 1 left out), how many bytes (the
+convention of `loom.dist.comm`: all-reduce the buffer, all-gather the gathered output, reduce-scatter the
+input, send and receive the buffer) and how many times. `loom.cost.layer` prices the pieces with these
+lists, so the simulator and the prediction are one model; `tests/test_step_collectives.py` and
+`tests/test_pipeline_collectives.py` check them against what runs.
 
 What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e bytes per element):
 - forward: a tiny all-reduce of the input sizes over the whole mesh (loom's even-batch check); one
@@ -25,8 +27,30 @@ What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e byte
 - optimizer: at levels 1-2 one all-gather per bucket of the updated parameters; at level 3 none after the
   step, but one all-gather per bucket before each unit's forward and again before its backward.
 
-Not predicted: pipelines (pp > 1), experts, context parallelism, gradient accumulation, recomputation (its
-forward collectives run again in backward), mixed precision's fp32 gradients.
+A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of `micro_batches` micro-batches,
+gpipe, 1f1b or interleaved), per pipeline rank, for each of its stages (stage v on rank v % pp):
+- per micro-batch, the stage's forward and backward: its layers' tensor-parallel collectives as above, the
+  embedding's on the first stage, the head's and the loss's on the last; only on a stage mesh (tp > 1),
+  where the loss is global, the count of targets over dp and, with dp > 1, the even-batch check of the
+  first stage's one input; the residual stream (this rank's rows, with sequence parallelism its cut of the
+  sequence) received from the stage before and sent to the one after, and its gradient the other way
+  (send and receive over pp);
+- gradient sync: one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
+  with tp = 1 every gradient over dp, one group); a table tied to the head (copies on the first and the
+  last stage) in its own bucket over both holders' replicas ("pp+dp"); the agreement over dp+tp. A plain
+  stage (tp = 1) fixes its buckets in registration order, which the description knows by piece (blocks,
+  then embedding, norm, head) but not inside a layer (a Hugging Face Llama registers its norms last): its
+  buckets are exact when none is cut inside a layer (the default 25 MB holds a small stage whole);
+- optimizer: levels 1-2 as above (a stage run by one rank alone keeps a plain optimizer); at level 3 a
+  stage is one unit, gathered before each forward and each backward of each micro-batch, and a tied table
+  is gathered once per run;
+- the step: the loss summed over the world (`Pipeline.global_loss`), and the squared gradient norm
+  (`Trainer`'s global norm).
+
+Not predicted: experts, context parallelism, gradient accumulation, recomputation (its forward collectives
+run again in backward), mixed precision's fp32 gradients, zero-bubble schedules (weight passes apart, a V
+placement); on a stage mesh with dp > 1, the last stage's all-reduce of each micro-batch's loss over dp
+(`sharded_loss` makes it global, a sum `Pipeline.global_loss` makes again over the world).
 """
 
 from __future__ import annotations
@@ -384,13 +408,16 @@ def rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
 def _stage_params(
     model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int]
 ) -> list[_Param]:
-    """Stage `stage`'s parameters in registration order (a `BlockStage`: its layers, then the embedding on
-    the first stage, the final norm and the head on the last). At level 3 a stage is one unit; a tied table
-    (a copy on the first and on the last stage) is its own, reduced over both holders' replicas."""
+    """Stage `stage`'s parameters in the order its buckets take them reversed: a plain stage's buckets are
+    fixed in its registration order (a `BlockStage`: its layers, then the embedding on the first stage, the
+    final norm and the head on the last), a stage mesh's (tp > 1) learnt from backward's order, the model's
+    reversed. At level 3 a stage is one unit; a tied table (a copy on the first and on the last stage) is
+    its own, reduced over both holders' replicas."""
     start, last = sum(layers[:stage]), len(layers) - 1
     params = [p for layer in range(start, start + layers[stage]) for p in _layer_params(model, plan, "")]
     if stage == 0:
-        params += _embedding_params(model, plan)
+        embedding = _embedding_params(model, plan)
+        params = embedding + params if plan.tp > 1 else params + embedding
     if stage == last:
         params += _final_params(model, plan)
         params += _embedding_params(model, plan)[:1] if model.tied_embeddings else []
@@ -442,12 +469,16 @@ def _stage_work(
 ) -> list[StepCollective]:
     """One micro-batch through stage `stage`, forward and backward: its tensor-parallel collectives (its
     layers, the embedding on the first stage, the head and loss on the last: a loss over counted targets
-    sums their count over dp only on a stage mesh, tp > 1) and its sends and receives of the residual
+    sums their count over dp only on a stage mesh, tp > 1, whose first stage also checks its input's rows
+    when they are cut over dp) and its sends and receives of the residual
     stream (this rank's piece: its rows, with sequence parallelism its cut of the sequence)."""
     first, last = stage == 0, stage == len(layers) - 1
     out = _times(layer_collectives(model, plan), layers[stage])
     if first:
         out += embedding_collectives(model, plan)
+    if first and plan.tp > 1 and plan.dp > 1:  # a stage mesh's rows cut over dp: its input's size checked
+        out.append(StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT, count=1,
+                                  phase="forward", source="even-batch check of the stage's input"))  # fmt: skip
     if last:
         out += head_collectives(model, plan, counted_loss=counted_loss and plan.tp > 1)
     stream = _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
