@@ -6,7 +6,8 @@ pipelines, records the second step with `loom.dist.comm.CollectiveRecorder` (the
 and, at level 3, shards the parameters) and compares each rank with the prediction for its pipeline rank:
 a Hugging Face Llama (rotary positions) at tp=2 x pp=2; a Hugging Face GPT-2 (its head tied to the token
 table: copies on both pipeline ranks) at dp=2 x pp=2, optimizer level 3; loom's GPT (tied table, learned
-positions, sequence parallelism) at tp=2 x pp=2, optimizer level 2.
+positions, sequence parallelism) at tp=2 x pp=2, optimizer level 2, and at dp=2 x pp=2 with interleaved
+stages (two per pipeline rank), optimizer level 3.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from loom.train.trainer import Trainer
 pytest.importorskip("transformers")
 
 ROWS, SEQ, MICRO_BATCHES = 4, 16, 2  # the global batch, cut into 2 micro-batches per replica
-GPT_CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, tie_embeddings=True)
+GPT_CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=SEQ, tie_embeddings=True)
 
-# (name, what runs, Plan): each a 4-rank pipeline of 2 stages, one layer each
+# (name, what runs, Plan): each a 4-rank pipeline of 2 pipeline ranks (Hugging Face models: 2 layers)
 CASES = [
     ("llama", "llama", Plan(dp=1, tp=2, pp=2, micro_batches=MICRO_BATCHES)),
     ("gpt2-level3", "gpt2", Plan(dp=2, pp=2, micro_batches=MICRO_BATCHES, optimizer_level=3)),
@@ -42,6 +43,18 @@ CASES = [
         "gpt-sequence-parallel-level2",
         "gpt",
         Plan(dp=1, tp=2, pp=2, micro_batches=MICRO_BATCHES, optimizer_level=2, sequence_parallel=True),
+    ),
+    (
+        "gpt-interleaved-level3",
+        "gpt",
+        Plan(
+            dp=2,
+            pp=2,
+            schedule="interleaved",
+            virtual_stages=2,
+            micro_batches=MICRO_BATCHES,
+            optimizer_level=3,
+        ),
     ),
 ]
 
@@ -103,12 +116,16 @@ def _pipeline(family: str, plan: Plan, mesh):
     if family == "gpt":
         with torch.device("meta"):  # tensor-parallel GPT stages are laid out from the meta device
             model = GPT(GPT_CONFIG, Strategies(plan.dp, plan.tp, plan.sequence_parallel))
-        pipe = gpt_pipeline(model, mesh, schedule=plan.schedule, microbatches=plan.micro_batches)
+        pipe = gpt_pipeline(
+            model, mesh, schedule=plan.schedule, microbatches=plan.micro_batches, virtual=plan.virtual_stages
+        )
         ids = torch.randint(0, GPT_CONFIG.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     else:
         with unsharded():
             model = hf_models.build(family)
-        pipe = model_pipeline(model, mesh, schedule=plan.schedule, microbatches=plan.micro_batches)
+        pipe = model_pipeline(
+            model, mesh, schedule=plan.schedule, microbatches=plan.micro_batches, virtual=plan.virtual_stages
+        )
         ids = hf_models.batches(rows=ROWS, seq=SEQ)[0]
     return pipe, ids.chunk(plan.dp)[mesh.dp_rank()]
 
