@@ -69,11 +69,14 @@ from loom.cost.transformer import TransformerConfig
 __all__ = [
     "AGREE_BYTES_PER_PARAMETER",
     "StepCollective",
+    "axis_name",
     "embedding_collectives",
     "gradient_collectives",
     "group_size",
     "head_collectives",
     "layer_collectives",
+    "pipeline_collectives",
+    "stage_layers",
     "step_collectives",
     "summary",
 ]
@@ -92,8 +95,9 @@ LOSS_BYTES, NORM_BYTES = 4, 8  # the step's loss (fp32) and its squared gradient
 
 @dataclass(frozen=True, kw_only=True)
 class StepCollective:
-    """`count` collectives of one `kind` over mesh `axis` ("dp", "tp" or "dp+tp"), `nbytes` each, issued in
-    `phase` ("forward", "backward", "grad_sync", "optimizer") by `source` (what issues them)."""
+    """`count` collectives of one `kind` (`loom.dist.comm.KINDS`: "all_reduce", ..., "send", "recv") over
+    mesh `axis` ("dp", "tp", "dp+tp", with pipelines also "pp", "pp+dp", "pp+dp+tp"), `nbytes` each, issued
+    in `phase` ("forward", "backward", "grad_sync", "optimizer", "step") by `source` (what issues them)."""
 
     kind: str
     axis: str
@@ -103,17 +107,21 @@ class StepCollective:
     source: str
 
 
+def _axis_sizes(axis: str, plan: ParallelPlan) -> dict[str, int]:
+    """The size of each mesh axis of `axis` (axes joined by "+")."""
+    sizes = {PP: plan.pp, DP: plan.dp, TP: plan.tp}
+    return {name: sizes[name] for name in axis.split("+")}
+
+
 def group_size(axis: str, plan: ParallelPlan) -> int:
     """Ranks of a group over `axis`, mesh axes joined by "+" ("dp", "tp", "dp+tp", "pp+dp+tp", ...)."""
-    sizes = {PP: plan.pp, DP: plan.dp, TP: plan.tp}
-    return math.prod(sizes[name] for name in axis.split("+"))
+    return math.prod(_axis_sizes(axis, plan).values())
 
 
 def axis_name(axis: str, plan: ParallelPlan) -> str:
     """`axis` as the mesh names its group (`loom.dist.comm.mesh_axes` over the axes of size > 1): without
     its axes of size 1 ("dp+tp" with dp = 1 is "tp"), "" for a group of one."""
-    sizes = {PP: plan.pp, DP: plan.dp, TP: plan.tp}
-    return "+".join(name for name in axis.split("+") if sizes[name] > 1)
+    return "+".join(name for name, size in _axis_sizes(axis, plan).items() if size > 1)
 
 
 def _keep(items: Iterable[StepCollective], plan: ParallelPlan) -> list[StepCollective]:
@@ -397,7 +405,7 @@ def stage_layers(model: TransformerConfig, plan: ParallelPlan) -> list[int]:
     return plan.chunk_layers(model.layers)
 
 
-def rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
+def _rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
     """The stages pipeline rank `pp_rank` runs: stage v on rank v % pp (the placement of the schedules a
     `ParallelPlan` takes: gpipe, 1f1b, interleaved)."""
     if not 0 <= pp_rank < plan.pp:
@@ -439,7 +447,7 @@ def pipeline_collectives(
     """Every collective of one `Trainer` step of a pipeline (`loom.parallel.pipeline.model_pipeline` or
     `gpt_pipeline`) on a rank of pipeline rank `pp_rank`: `plan.micro_batches` micro-batches of
     `plan.micro_batch` sequences per replica through this rank's stages (see the module's docstring)."""
-    stages, layers = rank_stages(plan, pp_rank), stage_layers(model, plan)
+    stages, layers = _rank_stages(plan, pp_rank), stage_layers(model, plan)
     if plan.ep > 1:
         raise ValueError("pipeline_collectives does not predict experts (ep > 1)")
     if plan.dp * plan.tp == 1:  # a stage run by one rank: a plain optimizer, nothing to shard over
