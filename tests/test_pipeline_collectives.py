@@ -1,10 +1,11 @@
 """The collectives of one pipeline training step, predicted from a Plan (`loom.cost.traffic`), equal what
 runs on every rank: kind, mesh axes, bytes and count, sends and receives between the stages included.
 
-Tier 1: a tp=2 x pp=2 Llama step worked out by hand. Tier 2: one 4-rank body runs a `Trainer` step of three
-pipelines, records the second step with `loom.dist.comm.CollectiveRecorder` (the first learns the buckets
+Tier 1: a tp=2 x pp=2 Llama step worked out by hand. Tier 2: one body per world size runs a `Trainer` step of
+each pipeline, records the second step with `loom.dist.comm.CollectiveRecorder` (the first learns the buckets
 and, at level 3, shards the parameters) and compares each rank with the prediction for its pipeline rank:
-a Hugging Face Llama (rotary positions) at tp=2 x pp=2; a Hugging Face GPT-2 (its head tied to the token
+on 2 ranks loom's GPT at pp=2 (a tied table whose copies sit on both ranks, summed over pp); on 4 ranks a
+Hugging Face Llama (rotary positions) at tp=2 x pp=2; a Hugging Face GPT-2 (its head tied to the token
 table: copies on both pipeline ranks) at dp=2 x pp=2, optimizer level 3; loom's GPT (tied table, learned
 positions, sequence parallelism) at tp=2 x pp=2, optimizer level 2, and at dp=2 x pp=2 with interleaved
 stages (two per pipeline rank), optimizer level 3.
@@ -35,8 +36,9 @@ pytest.importorskip("transformers")
 ROWS, SEQ, MICRO_BATCHES = 4, 16, 2  # the global batch, cut into 2 micro-batches per replica
 GPT_CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=SEQ, tie_embeddings=True)
 
-# (name, what runs, Plan): each a 4-rank pipeline of 2 pipeline ranks (Hugging Face models: 2 layers)
+# (name, what runs, Plan): pipelines of 2 pipeline ranks (Hugging Face models: 2 layers)
 CASES = [
+    ("gpt-alone", "gpt", Plan(dp=1, pp=2, micro_batches=MICRO_BATCHES)),  # a stage per rank, tied copies
     ("llama", "llama", Plan(dp=1, tp=2, pp=2, micro_batches=MICRO_BATCHES)),
     ("gpt2-level3", "gpt2", Plan(dp=2, pp=2, micro_batches=MICRO_BATCHES, optimizer_level=3)),
     (
@@ -57,6 +59,7 @@ CASES = [
         ),
     ),
 ]
+PLANS = {name: plan for name, _, plan in CASES}
 
 
 def _description(family: str) -> tuple[TransformerConfig, bool]:
@@ -92,13 +95,13 @@ def test_llama_pipeline_step_by_hand():
         ("all_reduce", "tp", 768): 1, ("all_reduce", "tp", 352): 1,
     }  # fmt: skip
     p2p = {("send", "pp", 8192): 2, ("recv", "pp", 8192): 2}
-    _, _, plan = CASES[0]
+    plan = PLANS["llama"]
     assert predicted("llama", plan, 0) == Counter(first | p2p | step)
     assert predicted("llama", plan, 1) == Counter(last | p2p | step)
 
 
 def test_level_3_gathers_a_stage_around_each_piece_of_work_and_a_tied_table_once():
-    _, _, plan = CASES[1]
+    plan = PLANS["gpt2-level3"]
     for pp_rank in (0, 1):
         counts = predicted("gpt2", plan, pp_rank)
         stage = [key for key in counts if key[:2] == ("reduce_scatter", "dp")]
@@ -130,10 +133,15 @@ def _pipeline(family: str, plan: Plan, mesh):
     return pipe, ids.chunk(plan.dp)[mesh.dp_rank()]
 
 
-def recorded_steps() -> list[Counter]:
-    """Each case's second `Trainer` step on this rank, as (kind, mesh axes, bytes) -> calls."""
+def _cases(world: int) -> list[tuple[str, str, Plan]]:
+    return [case for case in CASES if case[2].world_size == world]
+
+
+def recorded_steps(world: int) -> list[Counter]:
+    """Each case of `world` ranks: its second `Trainer` step on this rank, as (kind, mesh axes, bytes) ->
+    calls."""
     results = []
-    for _, family, plan in CASES:
+    for _, family, plan in _cases(world):
         mesh = loom.init(plan.mesh_sizes())
         pipe, rows = _pipeline(family, plan, mesh)
         trainer = Trainer(pipe, make_optimizer(pipe, torch.optim.SGD, plan.optimizer_level, lr=0.01))
@@ -145,8 +153,9 @@ def recorded_steps() -> list[Counter]:
     return results
 
 
-def test_one_pipeline_step_issues_the_predicted_collectives(dist_run):
-    for rank, cases in enumerate(dist_run(4, recorded_steps)):
-        for (name, family, plan), recorded in zip(CASES, cases, strict=True):
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_pipeline_step_issues_the_predicted_collectives(dist_run, world):
+    for rank, cases in enumerate(dist_run(world, recorded_steps, world)):
+        for (name, family, plan), recorded in zip(_cases(world), cases, strict=True):
             expected = predicted(family, plan, rank // (plan.dp * plan.tp))
             assert recorded == expected, (name, rank, recorded - expected, expected - recorded)
