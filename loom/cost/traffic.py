@@ -478,8 +478,8 @@ def _stage_work(
     """One micro-batch through stage `stage`, forward and backward: its tensor-parallel collectives (its
     layers, the embedding on the first stage, the head and loss on the last: a loss over counted targets
     sums their count over dp only on a stage mesh, tp > 1, whose first stage also checks its input's rows
-    when they are cut over dp) and its sends and receives of the residual
-    stream (this rank's piece: its rows, with sequence parallelism its cut of the sequence)."""
+    when they are cut over dp) and its sends and receives of the residual stream (this rank's piece: its
+    rows, whole over tp, or with sequence parallelism its cut of the sequence)."""
     first, last = stage == 0, stage == len(layers) - 1
     out = _times(layer_collectives(model, plan), layers[stage])
     if first:
