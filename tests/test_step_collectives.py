@@ -9,6 +9,7 @@ first learns the gradient buckets, checks the ranks' agreement and, at level 3, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -147,8 +148,12 @@ def test_the_simulator_prices_the_predicted_collectives(sequence_parallel):
 def test_unsupported_plans_are_refused():
     with pytest.raises(ValueError, match="tp > 1"):
         step_collectives(LLAMA, _plan(0).replace(tp=1))
-    with pytest.raises(ValueError, match="pp"):
-        step_collectives(LLAMA, _plan(0).replace(dp=1, pp=2))
+    with pytest.raises(ValueError, match="ep"):
+        step_collectives(LLAMA, _plan(0).replace(ep=2))
+    with pytest.raises(ValueError, match="pp_rank 2"):
+        step_collectives(LLAMA, _plan(0).replace(dp=1, pp=2), pp_rank=2)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        step_collectives(dataclasses.replace(LLAMA, layers=3), _plan(0).replace(dp=1, pp=2))
 
 
 # ---- Tier 2: the recorder ------------------------------------------------------------------------------

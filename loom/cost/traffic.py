@@ -2,10 +2,12 @@
 
 One step of a decoder transformer laid out as Megatron does (loom's `tensor_plan` recipes, loom's GPT):
 forward, backward, the data-parallel gradient sync and the optimizer step at levels 0-3, on one micro-batch
-per data-parallel replica and one pipeline stage. Each entry says what runs, over which mesh axes, how many
-bytes (the convention of `loom.dist.comm`: all-reduce the buffer, all-gather the gathered output,
-reduce-scatter the input) and how many times. `loom.cost.layer` prices the pieces with these lists, so the
-simulator and the prediction are one model; `tests/test_step_collectives.py` checks them against what runs.
+per data-parallel replica and one pipeline stage, or a pipeline's step (below). Each entry says what runs,
+over which mesh axes (as the mesh names the group: its axes of size 1 left out), how many bytes (the
+convention of `loom.dist.comm`: all-reduce the buffer, all-gather the gathered output, reduce-scatter the
+input, send and receive the buffer) and how many times. `loom.cost.layer` prices the pieces with these
+lists, so the simulator and the prediction are one model; `tests/test_step_collectives.py` and
+`tests/test_pipeline_collectives.py` check them against what runs.
 
 What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e bytes per element):
 - forward: a tiny all-reduce of the input sizes over the whole mesh (loom's even-batch check); one
@@ -25,14 +27,38 @@ What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e byte
 - optimizer: at levels 1-2 one all-gather per bucket of the updated parameters; at level 3 none after the
   step, but one all-gather per bucket before each unit's forward and again before its backward.
 
-Not predicted: pipelines (pp > 1), experts, context parallelism, gradient accumulation, recomputation (its
-forward collectives run again in backward), mixed precision's fp32 gradients.
+A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of `micro_batches` micro-batches,
+gpipe, 1f1b or interleaved), per pipeline rank, for each of its stages (stage v on rank v % pp):
+- per micro-batch, the stage's forward and backward: its layers' tensor-parallel collectives as above, the
+  embedding's on the first stage, the head's and the loss's on the last; only on a stage mesh (tp > 1),
+  where the loss is global, the count of targets over dp and, with dp > 1, the even-batch check of the
+  first stage's one input; the residual stream (this rank's rows, with sequence parallelism its cut of the
+  sequence) received from the stage before and sent to the one after, and its gradient the other way
+  (send and receive over pp);
+- gradient sync: one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
+  with tp = 1 every gradient over dp, one group); a table tied to the head (copies on the first and the
+  last stage) in its own bucket over both holders' replicas ("pp+dp"); the agreement over dp+tp. A plain
+  stage (tp = 1) fixes its buckets in registration order, which the description knows by piece (blocks,
+  then embedding, norm, head) but not inside a layer (a Hugging Face Llama registers its norms last): its
+  buckets are exact when none is cut inside a layer (the default 25 MB holds a small stage whole);
+- optimizer: levels 1-2 as above (a stage run by one rank alone keeps a plain optimizer); at level 3 a
+  stage is one unit, gathered before each forward and each backward of each micro-batch, and a tied table
+  is gathered once per run;
+- the step: the loss summed over the world (`Pipeline.global_loss`), and the squared gradient norm
+  (`Trainer`'s global norm).
+
+Not predicted: experts, context parallelism, gradient accumulation, recomputation (its forward collectives
+run again in backward), mixed precision's fp32 gradients, zero-bubble schedules (weight passes apart, a V
+placement); on a stage mesh with dp > 1, the last stage's all-reduce of each micro-batch's loss over dp
+(`sharded_loss` makes it global, a sum `Pipeline.global_loss` makes again over the world).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from loom.cost.buckets import assign_buckets, bucket_bytes
@@ -43,11 +69,14 @@ from loom.cost.transformer import TransformerConfig
 __all__ = [
     "AGREE_BYTES_PER_PARAMETER",
     "StepCollective",
+    "axis_name",
     "embedding_collectives",
     "gradient_collectives",
     "group_size",
     "head_collectives",
     "layer_collectives",
+    "pipeline_collectives",
+    "stage_layers",
     "step_collectives",
     "summary",
 ]
@@ -58,13 +87,17 @@ AGREE_BYTES_PER_PARAMETER = (
 CHECK_BYTES_PER_INPUT = 8  # loom's even-batch check: a float32 size and its negation per tensor input
 ROW_BYTES = 4  # cross entropy's per-row numbers are fp32 (the logits are upcast for the loss)
 
-DP, TP, WORLD = "dp", "tp", "dp+tp"
+DP, TP, PP, WORLD = "dp", "tp", "pp", "dp+tp"
+PIPELINE_WORLD = "pp+dp+tp"  # every rank of a pipeline run
+TIED = "pp+dp"  # the replicas of the pipeline ranks that hold a tied table's copies (the first and the last)
+LOSS_BYTES, NORM_BYTES = 4, 8  # the step's loss (fp32) and its squared gradient norm (fp64), summed
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepCollective:
-    """`count` collectives of one `kind` over mesh `axis` ("dp", "tp" or "dp+tp"), `nbytes` each, issued in
-    `phase` ("forward", "backward", "grad_sync", "optimizer") by `source` (what issues them)."""
+    """`count` collectives of one `kind` (`loom.dist.comm.KINDS`: "all_reduce", ..., "send", "recv") over
+    mesh `axis` ("dp", "tp", "dp+tp", with pipelines also "pp", "pp+dp", "pp+dp+tp"), `nbytes` each, issued
+    in `phase` ("forward", "backward", "grad_sync", "optimizer", "step") by `source` (what issues them)."""
 
     kind: str
     axis: str
@@ -74,14 +107,36 @@ class StepCollective:
     source: str
 
 
+def _axis_sizes(axis: str, plan: ParallelPlan) -> dict[str, int]:
+    """The size of each mesh axis of `axis` (axes joined by "+")."""
+    sizes = {PP: plan.pp, DP: plan.dp, TP: plan.tp}
+    return {name: sizes[name] for name in axis.split("+")}
+
+
 def group_size(axis: str, plan: ParallelPlan) -> int:
-    """Ranks of a group over `axis` ("dp", "tp", "dp+tp") under `plan`."""
-    return {DP: plan.dp, TP: plan.tp, WORLD: plan.dp * plan.tp}[axis]
+    """Ranks of a group over `axis`, mesh axes joined by "+" ("dp", "tp", "dp+tp", "pp+dp+tp", ...)."""
+    return math.prod(_axis_sizes(axis, plan).values())
+
+
+def axis_name(axis: str, plan: ParallelPlan) -> str:
+    """`axis` as the mesh names its group (`loom.dist.comm.mesh_axes` over the axes of size > 1): without
+    its axes of size 1 ("dp+tp" with dp = 1 is "tp"), "" for a group of one."""
+    return "+".join(name for name, size in _axis_sizes(axis, plan).items() if size > 1)
 
 
 def _keep(items: Iterable[StepCollective], plan: ParallelPlan) -> list[StepCollective]:
     """Only what runs: no collective over a group of one, none issued zero times."""
     return [c for c in items if c.count > 0 and group_size(c.axis, plan) > 1]
+
+
+def _named(items: Iterable[StepCollective], plan: ParallelPlan) -> list[StepCollective]:
+    """What runs, each over its group as the mesh names it (`axis_name`)."""
+    return [dataclasses.replace(c, axis=axis_name(c.axis, plan)) for c in _keep(items, plan)]
+
+
+def _times(items: Iterable[StepCollective], n: int) -> list[StepCollective]:
+    """`items` issued `n` times as often (per layer, per micro-batch)."""
+    return [dataclasses.replace(c, count=c.count * n) for c in items]
 
 
 def _stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
@@ -189,6 +244,7 @@ class _Param:
     axis: str
     copies: int
     unit: str
+    ranks: int = 0  # ranks of its reduction group when the axis does not say (a tied table's holders)
 
 
 def _layer_params(model: TransformerConfig, plan: ParallelPlan, unit: str) -> list[_Param]:
@@ -210,39 +266,80 @@ def _layer_params(model: TransformerConfig, plan: ParallelPlan, unit: str) -> li
     return norm + attention + norm + mlp
 
 
+def _embedding_params(model: TransformerConfig, plan: ParallelPlan) -> list[_Param]:
+    """The token table (its own unit; with tied embeddings the root's) and learned positions, in
+    registration order. Learned positions are the only parameter of their reduction group, so their unit
+    never changes a bucket; with sequence parallelism DTensor reduces them (no bucket: see `_unbucketed`)."""
+    table = "root" if model.tied_embeddings else "embedding"
+    params = [_Param(model.vocab * model.hidden // plan.tp, DP, 1, table)]
+    if model.learned_positions and not plan.sequence_parallel:
+        params.append(_Param(model.learned_positions * model.hidden, WORLD, 1, "positions"))
+    return params
+
+
+def _unbucketed(model: TransformerConfig, plan: ParallelPlan) -> int:
+    """Parameters next to the embedding that get a gradient outside the buckets (sequence-parallel learned
+    positions, which DTensor reduces): the agreement still counts them."""
+    return 1 if model.learned_positions and plan.sequence_parallel else 0
+
+
+def _final_params(model: TransformerConfig, plan: ParallelPlan) -> list[_Param]:
+    """The final norm (its own unit) and an untied head (its own unit), in registration order."""
+    norms = 2 if model.norm == "layernorm" else 1
+    params = [_Param(model.hidden, WORLD, 1, "norm")] * norms
+    if not model.tied_embeddings:
+        params.append(_Param(model.vocab * model.hidden // plan.tp, DP, 1, "head"))
+    return params
+
+
 def _parameters(model: TransformerConfig, plan: ParallelPlan) -> list[_Param]:
     """Every parameter in a gradient bucket, in registration order, with its level-3 unit (each layer; the
-    embedding, the final norm and an untied head alone; a tied table in the root). Learned positions are
-    the only parameter of their reduction group, so their unit never changes a bucket."""
-    t, h = plan.tp, model.hidden
-    table = "root" if model.tied_embeddings else "embedding"
-    params = [_Param(model.vocab * h // t, DP, 1, table)]
-    if model.learned_positions and not plan.sequence_parallel:  # with it DTensor reduces them (no bucket)
-        params.append(_Param(model.learned_positions * h, WORLD, 1, "positions"))
+    embedding, the final norm and an untied head alone; a tied table in the root)."""
+    params = _embedding_params(model, plan)
     for layer in range(model.layers):
         params += _layer_params(model, plan, f"layer{layer}")
-    norms = 2 if model.norm == "layernorm" else 1
-    params += [_Param(h, WORLD, 1, "norm")] * norms
-    if not model.tied_embeddings:
-        params.append(_Param(model.vocab * h // t, DP, 1, "head"))
-    return params
+    return params + _final_params(model, plan)
 
 
 def gradient_collectives(
     model: TransformerConfig, plan: ParallelPlan, *, bucket_mb: float = 25.0
 ) -> list[StepCollective]:
     """The data-parallel gradient sync and the optimizer level's gathers of one step (see the module's
-    docstring). Buckets come from `loom.cost.buckets.assign_buckets` over the parameters in reverse
-    registration order (about the order backward produces gradients)."""
+    docstring): each level-3 unit gathered once before its forward and once before its backward."""
+    params = _parameters(model, plan)
+    once = [("forward", 1), ("backward", 1)]
+    return _sync_collectives(
+        params, plan, bucket_mb=bucket_mb, gathers=lambda unit: once,
+        agreed=len(params) + _unbucketed(model, plan),
+    )  # fmt: skip
+
+
+def _sync_collectives(
+    params: list[_Param],
+    plan: ParallelPlan,
+    *,
+    bucket_mb: float,
+    gathers: Callable[[str], list[tuple[str, int]]],
+    agreed: int,
+) -> list[StepCollective]:
+    """The buckets of `params` (registration order) and what each costs at the plan's optimizer level, then
+    the agreement on which of `agreed` parameters got a gradient (over the ranks that run them: "dp+tp").
+    Buckets come from `loom.cost.buckets.assign_buckets` over the parameters in reverse registration order
+    (about the order backward produces gradients), keyed by their reduction group as the mesh names it
+    (with tp = 1 the norms' dp+tp is dp: one group), their copies and, at level 3, their unit;
+    `gathers(unit)` says how often a level-3 unit is gathered, as (phase, count) pairs."""
     e, level = DTYPE_BYTES[plan.dtype], plan.optimizer_level
-    params = list(reversed(_parameters(model, plan)))
-    keys = [((p.axis, p.copies, p.unit if level == 3 else None), p.numel * e) for p in params]
+    params = list(reversed(params))
+    keys = [
+        ((axis_name(p.axis, plan), p.copies, p.unit if level == 3 else None), p.numel * e) for p in params
+    ]
     out: list[StepCollective] = []
     for indices in assign_buckets(keys, bucket_bytes(bucket_mb)):
-        axis = params[indices[0]].axis
+        first = params[indices[0]]
         numel = sum(params[i].numel for i in indices)
-        ranks = group_size(axis, plan)
+        ranks = first.ranks or group_size(first.axis, plan)
         padded = -(-numel // ranks) * ranks * e  # split evenly over the group, the last chunk padded
+        axis = first.axis
         if level < 2:
             out.append(StepCollective(kind="all_reduce", axis=axis, nbytes=numel * e, count=1,
                                       phase="grad_sync", source="gradient bucket"))  # fmt: skip
@@ -254,12 +351,11 @@ def gradient_collectives(
                                       phase="optimizer", source="updated parameters of a bucket (level 1-2)"))  # fmt: skip
         if level == 3:
             out += [
-                StepCollective(kind="all_gather", axis=axis, nbytes=padded, count=1, phase=phase,
+                StepCollective(kind="all_gather", axis=axis, nbytes=padded, count=count, phase=phase,
                                source="a unit's parameters gathered before its " + phase + " (level 3)")
-                for phase in ("forward", "backward")
+                for phase, count in gathers(first.unit)
             ]  # fmt: skip
-    count = len(params) + (1 if model.learned_positions and plan.sequence_parallel else 0)
-    out.append(StepCollective(kind="all_reduce", axis=WORLD, nbytes=AGREE_BYTES_PER_PARAMETER * count,
+    out.append(StepCollective(kind="all_reduce", axis=WORLD, nbytes=AGREE_BYTES_PER_PARAMETER * agreed,
                               count=1, phase="grad_sync", source="which parameters got a gradient"))  # fmt: skip
     return _keep(out, plan)
 
@@ -271,30 +367,137 @@ def step_collectives(
     bucket_mb: float = 25.0,
     inputs: int = 2,
     counted_loss: bool = True,
+    pp_rank: int = 0,
 ) -> list[StepCollective]:
     """Every collective of one training step of `model` under `plan` on one rank (see the module's
     docstring): `plan.micro_batch` sequences of `plan.seq` tokens per data-parallel replica, Megatron's
     layouts over tp (tp > 1: loom lays the model out with DTensor), gradient buckets of `bucket_mb`, a
     forward that takes `inputs` tensors (token ids and labels), and a loss that is a mean over counted
-    targets (`counted_loss`, Hugging Face's) or a plain mean (loom's GPT)."""
-    if plan.pp > 1 or plan.ep > 1 or plan.micro_batches > 1:
+    targets (`counted_loss`, Hugging Face's) or a plain mean (loom's GPT). With pp > 1: one `Trainer` step
+    of a rank of pipeline rank `pp_rank` (`pipeline_collectives`)."""
+    if plan.pp > 1:
+        return pipeline_collectives(model, plan, pp_rank, bucket_mb=bucket_mb, counted_loss=counted_loss)
+    if plan.ep > 1 or plan.micro_batches > 1:
         raise ValueError(
-            "step_collectives predicts one micro-batch per replica on dp x tp (pp = ep = 1); "
-            f"got pp={plan.pp}, ep={plan.ep}, {plan.micro_batches} micro-batches"
+            "step_collectives predicts one micro-batch per replica on dp x tp (pp = ep = 1), or a "
+            f"pipeline; got pp={plan.pp}, ep={plan.ep}, {plan.micro_batches} micro-batches"
         )
     if plan.tp == 1:
         raise ValueError("step_collectives predicts tensor-parallel layouts (tp > 1, loom's semi_auto mode)")
     check = StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
                            phase="forward", source="even-batch check of the inputs' sizes")  # fmt: skip
-    layer = [
-        StepCollective(**{**vars(c), "count": c.count * model.layers}) for c in layer_collectives(model, plan)
-    ]
-    return _keep(
-        [check, *embedding_collectives(model, plan), *layer,
+    return _named(
+        [check, *embedding_collectives(model, plan), *_times(layer_collectives(model, plan), model.layers),
          *head_collectives(model, plan, counted_loss=counted_loss),
          *gradient_collectives(model, plan, bucket_mb=bucket_mb)],
         plan,
     )  # fmt: skip
+
+
+def stage_layers(model: TransformerConfig, plan: ParallelPlan) -> list[int]:
+    """Layers of each pipeline stage in model order: the plan's `stage_layers`, else an even split (as
+    loom cuts a model whose layers divide evenly)."""
+    if not plan.stage_layers and model.layers % plan.virtual_stages:
+        raise ValueError(
+            f"{model.layers} layers do not split evenly into {plan.virtual_stages} pipeline stages; give "
+            "the plan's stages as layer counts"
+        )
+    return plan.chunk_layers(model.layers)
+
+
+def _rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs: stage v on rank v % pp (the placement of the schedules a
+    `ParallelPlan` takes: gpipe, 1f1b, interleaved)."""
+    if not 0 <= pp_rank < plan.pp:
+        raise ValueError(f"pp_rank {pp_rank} is not a pipeline rank of pp = {plan.pp}")
+    return list(range(pp_rank, plan.virtual_stages, plan.pp))
+
+
+def _stage_params(
+    model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int]
+) -> list[_Param]:
+    """Stage `stage`'s parameters in the order its buckets take them reversed: a plain stage's buckets are
+    fixed in its registration order (a `BlockStage`: its layers, then the embedding on the first stage, the
+    final norm and the head on the last), a stage mesh's (tp > 1) learnt from backward's order, the model's
+    reversed. At level 3 a stage is one unit; a tied table (a copy on the first and on the last stage) is
+    its own, reduced over both holders' replicas."""
+    start, last = sum(layers[:stage]), len(layers) - 1
+    params = [p for layer in range(start, start + layers[stage]) for p in _layer_params(model, plan, "")]
+    if stage == 0:
+        embedding = _embedding_params(model, plan)
+        params = embedding + params if plan.tp > 1 else params + embedding
+    if stage == last:
+        params += _final_params(model, plan)
+        params += _embedding_params(model, plan)[:1] if model.tied_embeddings else []
+    tied = dict(axis=TIED, unit="shared", ranks=2 * plan.dp)
+    return [
+        dataclasses.replace(p, **tied) if p.unit == "root" else dataclasses.replace(p, unit=f"stage{stage}")
+        for p in params
+    ]
+
+
+def pipeline_collectives(
+    model: TransformerConfig,
+    plan: ParallelPlan,
+    pp_rank: int,
+    *,
+    bucket_mb: float = 25.0,
+    counted_loss: bool = True,
+) -> list[StepCollective]:
+    """Every collective of one `Trainer` step of a pipeline (`loom.parallel.pipeline.model_pipeline` or
+    `gpt_pipeline`) on a rank of pipeline rank `pp_rank`: `plan.micro_batches` micro-batches of
+    `plan.micro_batch` sequences per replica through this rank's stages (see the module's docstring)."""
+    stages, layers = _rank_stages(plan, pp_rank), stage_layers(model, plan)
+    if plan.ep > 1:
+        raise ValueError("pipeline_collectives does not predict experts (ep > 1)")
+    if plan.dp * plan.tp == 1:  # a stage run by one rank: a plain optimizer, nothing to shard over
+        plan = plan.replace(optimizer_level=0)
+    micro_batches, out = plan.micro_batches, []
+    for stage in stages:
+        out += _times(_stage_work(model, plan, stage, layers, counted_loss), micro_batches)
+    params = [p for stage in stages for p in _stage_params(model, plan, stage, layers)]
+    pieces = [("forward", micro_batches), ("backward", micro_batches)]
+    agreed = len(params) + (_unbucketed(model, plan) if 0 in stages else 0)
+    # level 3: a stage is gathered around each of its pieces of work; a tied table once per run (pinned)
+    out += _sync_collectives(
+        params, plan, bucket_mb=bucket_mb, agreed=agreed,
+        gathers=lambda unit: [("forward", 1)] if unit == "shared" else pieces,
+    )  # fmt: skip
+    out += [
+        StepCollective(kind="all_reduce", axis=PIPELINE_WORLD, nbytes=LOSS_BYTES, count=1, phase="step",
+                       source="the step's loss, from the last stage to every rank (Pipeline.global_loss)"),
+        StepCollective(kind="all_reduce", axis=PIPELINE_WORLD, nbytes=NORM_BYTES, count=1, phase="step",
+                       source="the squared gradient norm summed (Trainer's global norm)"),
+    ]  # fmt: skip
+    return _named(out, plan)
+
+
+def _stage_work(
+    model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int], counted_loss: bool
+) -> list[StepCollective]:
+    """One micro-batch through stage `stage`, forward and backward: its tensor-parallel collectives (its
+    layers, the embedding on the first stage, the head and loss on the last: a loss over counted targets
+    sums their count over dp only on a stage mesh, tp > 1, whose first stage also checks its input's rows
+    when they are cut over dp) and its sends and receives of the residual stream (this rank's piece: its
+    rows, whole over tp, or with sequence parallelism its cut of the sequence)."""
+    first, last = stage == 0, stage == len(layers) - 1
+    out = _times(layer_collectives(model, plan), layers[stage])
+    if first:
+        out += embedding_collectives(model, plan)
+    if first and plan.tp > 1 and plan.dp > 1:  # a stage mesh's rows cut over dp: its input's size checked
+        out.append(StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT, count=1,
+                                  phase="forward", source="even-batch check of the stage's input"))  # fmt: skip
+    if last:
+        out += head_collectives(model, plan, counted_loss=counted_loss and plan.tp > 1)
+    stream = _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
+    p2p = [("recv", "forward"), ("send", "backward")] if not first else []
+    p2p += [("send", "forward"), ("recv", "backward")] if not last else []
+    source = "the residual stream between pipeline stages (an activation forward, its gradient backward)"
+    out += [
+        StepCollective(kind=kind, axis=PP, nbytes=stream, count=1, phase=phase, source=source)
+        for kind, phase in p2p
+    ]
+    return out
 
 
 def summary(collectives: Iterable[StepCollective]) -> Counter:

@@ -275,7 +275,8 @@ class GradSync:
         flags[0, 2 * n :] = rows
         flags[1] = -flags[0]
         # [0]: any rank; [1]: minus "every rank"
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.get_world_size(self.group) > 1:  # alone (a pipeline stage of one rank), they are this rank's
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         largest, smallest = flags[0, 2 * n :], -flags[1, 2 * n :]
         uneven = int(largest[0]) if not torch.equal(largest, smallest) else 0
         flags = flags[:, : 2 * n].reshape(2, 2, n)

@@ -246,19 +246,23 @@ class Plan:
         bucket_mb: float = 25.0,
         inputs: int = 2,
         counted_loss: bool = True,
+        pp_rank: int = 0,
     ) -> list[StepCollective]:
         """The collectives one training step of `model` (a `TransformerConfig`: `transformer_config` for
         loom's GPT, `hf_transformer_config` for a Hugging Face model) issues on one rank under this plan,
         with its Megatron layouts (`loom.models.recipes.tensor_plan`): see `loom.cost.traffic`.
-        `global_batch` sequences of `seq` tokens, one micro-batch per replica; `bucket_mb` as given to
-        `loom.parallelize`; `inputs` tensors to the forward; `counted_loss`: a mean over counted targets
-        (Hugging Face's loss) rather than a plain mean (loom's GPT)."""
+        `global_batch` sequences of `seq` tokens, `micro_batches` per replica (one without a pipeline);
+        `bucket_mb` as given to `loom.parallelize` or the pipeline; `inputs` tensors to the forward;
+        `counted_loss`: a mean over counted targets (Hugging Face's loss) rather than a plain mean (loom's
+        GPT). With pp > 1, one `Trainer` step on a rank of pipeline rank `pp_rank` (the pipeline ranks
+        differ: the first embeds, the last computes the loss)."""
         return step_collectives(
             model,
             self.parallel_plan(global_batch=global_batch, seq=seq),
             bucket_mb=bucket_mb,
             inputs=inputs,
             counted_loss=counted_loss,
+            pp_rank=pp_rank,
         )
 
     # ---- plain data and JSON ----
