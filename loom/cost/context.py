@@ -1,0 +1,88 @@
+"""The collectives of one context-parallel attention call (`loom.parallel.context`, `loom.parallel.ring`).
+
+Per rank and per call, for q [batch, heads, seq / cp, head_dim] and k, v [batch, kv_heads, seq / cp,
+head_dim] over a cp group, with `loom.dist.comm`'s byte convention (all-to-all: the rank's send buffer;
+send and receive: the buffer):
+
+- Ulysses: forward one all-to-all of q, k and v together (k and v with their heads repeated up to the least
+  common multiple of kv_heads and cp) and one of the output; backward the same two, transposed. Bytes per
+  rank do not grow with cp: each call moves the rank's shards, of which it keeps 1 / cp.
+- Ring: forward cp - 1 exchanges (a send to the next rank and a receive from the previous one) of the
+  rank's keys and values; backward cp - 1 such exchanges again, and cp of their fp32 gradients (the last
+  brings each block's gradients home).
+
+Entries are `loom.cost.traffic.StepCollective`s over axis "cp", so `loom.cost.traffic.summary` and
+`CollectiveRecorder.summary(mesh_axes(...))` compare directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from loom.cost.traffic import StepCollective
+
+__all__ = ["GRAD_BYTES", "ring_collectives", "ulysses_collectives"]
+
+CP = "cp"
+GRAD_BYTES = 4  # ring attention sums key/value gradients in fp32 buffers, which travel as they are
+
+
+def _check(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int) -> int:
+    """Positions per rank, after checking the sizes."""
+    if min(batch, seq, heads, kv_heads, head_dim, cp) < 1:
+        raise ValueError("context attention sizes must be >= 1")
+    if seq % cp:
+        raise ValueError(f"seq {seq} does not cut into {cp} equal shards")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads {kv_heads} must divide heads {heads}")
+    return seq // cp
+
+
+def ulysses_collectives(
+    *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int
+) -> list[StepCollective]:
+    """The all-to-alls of one `ulysses_attention` call, forward and backward (none for cp = 1)."""
+    local = _check(batch, seq, heads, kv_heads, head_dim, cp)
+    if cp == 1:
+        return []
+    if heads % cp:
+        raise ValueError(f"Ulysses needs cp {cp} to divide heads {heads}")
+    sent_kv_heads = math.lcm(kv_heads, cp)
+    token = batch * local * head_dim * dtype_bytes  # bytes of one head over the rank's positions
+    qkv = (heads + 2 * sent_kv_heads) * token
+    out = heads * token
+    return [
+        StepCollective(
+            kind="all_to_all", axis=CP, nbytes=qkv, count=1, phase="forward", source="ulysses q,k,v"
+        ),
+        StepCollective(
+            kind="all_to_all", axis=CP, nbytes=out, count=1, phase="forward", source="ulysses out"
+        ),
+        StepCollective(
+            kind="all_to_all", axis=CP, nbytes=out, count=1, phase="backward", source="ulysses grad out"
+        ),
+        StepCollective(
+            kind="all_to_all", axis=CP, nbytes=qkv, count=1, phase="backward", source="ulysses grad q,k,v"
+        ),
+    ]
+
+
+def ring_collectives(
+    *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int
+) -> list[StepCollective]:
+    """The sends and receives of one `ring_attention` call, forward and backward (none for cp = 1)."""
+    local = _check(batch, seq, heads, kv_heads, head_dim, cp)
+    if cp == 1:
+        return []
+    elements = 2 * batch * kv_heads * local * head_dim  # keys and values, one message
+    kv, grads = elements * dtype_bytes, elements * GRAD_BYTES
+    out = []
+    for kind in ("send", "recv"):
+        out += [
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="forward", source="ring k,v"),
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="backward", source="ring k,v"),
+            StepCollective(
+                kind=kind, axis=CP, nbytes=grads, count=cp, phase="backward", source="ring grad k,v"
+            ),
+        ]
+    return out

@@ -1,0 +1,204 @@
+"""Ring attention: key/value blocks travel around the ranks of a `cp` group, partials merge by log-sum-exp.
+
+At step s (0 <= s < cp) rank r holds the key/value block of rank (r - s) mod cp; while it attends to that
+block it already sends it to rank r + 1 and receives the next one from rank r - 1, so the forward makes
+cp - 1 exchanges. Attention to each block is computed in fp32 with explicit matmuls and its log-sum-exp,
+and the running output is rescaled as blocks arrive (the merge of flash attention), so no rank ever holds
+more than two key/value blocks.
+
+The backward (a custom `torch.autograd.Function`, as flash attention's) recomputes the probabilities of each
+block from the saved log-sum-exp, rotating the key/value blocks around the ring again (cp - 1 exchanges);
+the gradients of a block's keys and values are summed in an fp32 buffer that travels with the block and
+reaches its owner after cp exchanges.
+
+Under a causal mask the work is balanced by the "head_tail" layout (`loom.parallel.context`): every rank
+holds an early and a late chunk, and chunk pairs that the mask hides entirely are skipped, not computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loom.parallel.context import _size_and_rank, check_attention_inputs, sequence_chunks
+
+__all__ = ["ring_attention"]
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "head_tail",
+) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's sequence shards, by rotating key/value blocks.
+
+    q: [batch, heads, seq / cp, head_dim]; k, v: [batch, kv_heads, seq / cp, head_dim] (kv_heads dividing
+    heads: grouped-query attention, only kv_heads travel), cut along the sequence by
+    `shard_sequence(..., layout=layout)` over the cp `group` (None: one rank). Returns this rank's shard of
+    the output, equal to cutting `F.scaled_dot_product_attention` on the whole sequence. Differentiable.
+
+    Communication per call (`loom.cost.context.ring_collectives`): forward cp - 1 exchanges (one send and one
+    receive each) of k and v together; backward cp - 1 such exchanges and cp of their fp32 gradients.
+    """
+    cp, _ = _size_and_rank(group)
+    check_attention_inputs(q, k, v, cp=cp, layout=layout, where="ring_attention")
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout):  # noqa: ANN001, ANN205
+        ring = _Ring(group, causal, layout, q.size(2))
+        grouped_q = _grouped(q.float(), k.size(1))
+        kv = torch.stack([k, v])  # keys and values: one message per exchange
+        outs: list = [None] * ring.per_rank
+        lses: list = [None] * ring.per_rank
+        for step in range(ring.size):
+            pending = ring.start(kv) if step < ring.size - 1 else None
+            for pair in ring.pairs(step):
+                block_out, block_lse = _block_forward(
+                    grouped_q[..., ring.rows(pair.q), :], *ring.keys(kv, pair.k), pair.diagonal, scale
+                )
+                outs[pair.q], lses[pair.q] = _merge(outs[pair.q], lses[pair.q], block_out, block_lse)
+            if pending is not None:
+                kv = ring.finish(pending)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.reshape(q.shape).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        grouped_q = _grouped(q.float(), k.size(1))
+        grad_out = _grouped(grad_out.float(), k.size(1))
+        delta = (grad_out * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
+        grad_q = torch.zeros_like(grouped_q)
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32)
+        for step in range(ring.size):
+            pending = ring.start(kv) if step < ring.size - 1 else None
+            for pair in ring.pairs(step):
+                rows, keys = ring.rows(pair.q), ring.rows(pair.k)
+                dq, dk, dv = _block_backward(
+                    grouped_q[..., rows, :], *ring.keys(kv, pair.k), grad_out[..., rows, :], lse[..., rows],
+                    delta[..., rows], pair.diagonal, scale,
+                )  # fmt: skip
+                grad_q[..., rows, :] += dq
+                grad_kv[0, :, :, keys] += dk
+                grad_kv[1, :, :, keys] += dv
+            if pending is not None:
+                kv = ring.finish(pending)
+            if ring.size > 1:  # the buffer follows its block around; the last exchange brings it home
+                grad_kv = ring.finish(ring.start(grad_kv))
+        grad_q = grad_q.reshape(q.shape).to(q.dtype)
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
+
+
+class _Pair:
+    """A (query chunk, key chunk) pair of one step, by local chunk index; `diagonal`: the same global chunk,
+    which the causal mask cuts along its diagonal (other computed pairs it leaves whole)."""
+
+    __slots__ = ("diagonal", "k", "q")
+
+    def __init__(self, q: int, k: int, diagonal: bool) -> None:
+        self.q, self.k, self.diagonal = q, k, diagonal
+
+
+class _Ring:
+    """The cp group as a ring: the exchanges with the neighbours, and the chunk pairs each step computes."""
+
+    def __init__(self, group: dist.ProcessGroup | None, causal: bool, layout: str, length: int) -> None:
+        self.group, self.causal, self.layout = group, causal, layout
+        self.size, self.rank = _size_and_rank(group)
+        self.per_rank = len(sequence_chunks(0, self.size, layout))
+        self.chunk = length // self.per_rank  # positions per chunk
+
+    def pairs(self, step: int) -> list[_Pair]:
+        """The chunk pairs to compute at `step`: all of them, or under a causal mask those it does not hide."""
+        mine = sequence_chunks(self.rank, self.size, self.layout)
+        theirs = sequence_chunks((self.rank - step) % self.size, self.size, self.layout)
+        pairs = []
+        for i, qc in enumerate(mine):
+            for j, kc in enumerate(theirs):
+                if not self.causal or kc < qc:
+                    pairs.append(_Pair(i, j, diagonal=False))
+                elif kc == qc:
+                    pairs.append(_Pair(i, j, diagonal=True))
+        return pairs
+
+    def rows(self, chunk: int) -> slice:
+        """The positions of local chunk `chunk` in a shard."""
+        return slice(chunk * self.chunk, (chunk + 1) * self.chunk)
+
+    def keys(self, kv: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of local chunk `chunk` of a [2, b, kv_heads, s, d] block, in fp32, shaped
+        [b, kv_heads, 1, chunk, d] to broadcast over each key/value head's query heads."""
+        piece = kv[:, :, :, None, self.rows(chunk)].float()
+        return piece[0], piece[1]
+
+    def start(self, buffer: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Send `buffer` to the next rank and receive the previous rank's; (receive buffer, works)."""
+        received = torch.empty_like(buffer)
+        ops = [
+            dist.P2POp(dist.isend, buffer, group=self.group, group_peer=(self.rank + 1) % self.size),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size),
+        ]
+        return received, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+        """Wait for an exchange that `start` began; the received buffer."""
+        received, works = pending
+        for work in works:
+            work.wait()
+        return received
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, h, s, d] -> [b, kv_heads, h / kv_heads, s, d]: query head i uses key/value head i // (h / kv)."""
+    b, h, s, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if diagonal:  # a query chunk against itself: position i sees keys 0..i
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Attention of a query chunk to one key chunk: (output, log-sum-exp of the scores per query)."""
+    scores = _scores(q, k, diagonal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """The attention over the union of two disjoint key sets from each one's output and log-sum-exp."""
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return (
+        out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1),
+        merged,
+    )
+
+
+def _block_backward(q, k, v, grad_out, lse, delta, diagonal: bool, scale: float):  # noqa: ANN001, ANN202
+    """Gradients of q, k, v from one block, its probabilities recomputed from the final log-sum-exp."""
+    probs = torch.exp(_scores(q, k, diagonal, scale) - lse.unsqueeze(-1))
+    grad_v = (probs.transpose(-1, -2) @ grad_out).sum(2)  # summed over the query heads sharing a kv head
+    grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    grad_q = (grad_scores @ k) * scale
+    grad_k = (grad_scores.transpose(-1, -2) @ q).sum(2) * scale
+    return grad_q, grad_k, grad_v

@@ -1,0 +1,139 @@
+"""Context parallelism (`loom.parallel.context`, `loom.parallel.ring`) equals one-device attention.
+
+Tier 1: the sequence layouts, the input checks and the communication formulas worked out by hand. Tier 2:
+on cp = 2 and cp = 4 ranks, Ulysses and ring attention, causal or not, multi-head and grouped-query, against
+`F.scaled_dot_product_attention` over the whole sequence on one device: this rank's output and the gradients
+of its q, k, v shards (fp32; atol 1e-5, rtol 1e-4: attention and its gradients are Lipschitz in the inputs,
+and the merge order of the blocks changes only the rounding). The collectives each call issues, recorded by
+`CollectiveRecorder`, equal `loom.cost.context`'s formulas: kind, bytes and count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loom
+from loom.cost.context import ring_collectives, ulysses_collectives
+from loom.cost.traffic import summary
+from loom.dist.comm import CollectiveRecorder, mesh_axes
+from loom.parallel.context import (
+    check_attention_inputs,
+    sequence_chunks,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
+from loom.parallel.ring import ring_attention
+
+BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
+ATOL, RTOL = 1e-5, 1e-4
+ATTENTIONS = {"ulysses": (ulysses_attention, ulysses_collectives), "ring": (ring_attention, ring_collectives)}
+
+
+# ---- Tier 1 -------------------------------------------------------------------------------------------
+
+
+def test_head_tail_layout_gives_each_rank_an_early_and_a_late_chunk():
+    assert [sequence_chunks(r, 4, "head_tail") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [sequence_chunks(r, 2, "contiguous") for r in range(2)] == [(0,), (1,)]
+    with pytest.raises(ValueError, match="unknown sequence layout"):
+        sequence_chunks(0, 2, "zigzag")
+
+
+def test_bad_shards_are_refused_with_the_dim_and_the_fix():
+    q, kv = torch.zeros(2, 4, 8, 8), torch.zeros(2, 4, 6, 8)
+    with pytest.raises(ValueError, match=r"q holds 8 positions \(dim 2\), k and v 6.*same shard_sequence"):
+        check_attention_inputs(q, kv, kv, cp=2, layout="contiguous", where="ring_attention")
+    with pytest.raises(ValueError, match=r"4 heads \(dim 1\), not a multiple of k and v's 3"):
+        check_attention_inputs(q, q[:, :3], q[:, :3], cp=2, layout="contiguous", where="ring_attention")
+    with pytest.raises(ValueError, match="holds 2 chunks per rank.*7 positions"):
+        check_attention_inputs(q[:, :, :7], q[:, :, :7], q[:, :, :7], cp=2, layout="head_tail", where="x")
+    with pytest.raises(ValueError, match=r"must be \[batch, heads, seq / cp, head_dim\]"):
+        check_attention_inputs(q[0], q[0], q[0], cp=2, layout="contiguous", where="x")
+
+
+def test_ulysses_traffic_by_hand():
+    """b=2, s=16 over cp=4 (4 positions per rank), d=8, fp32: one head over the rank's positions is
+    2*4*8*4 = 256 bytes. 4 query heads and 2 kv heads, repeated to lcm(2, 4) = 4 for the all-to-all:
+    q,k,v 12 heads = 3072 bytes, the output 4 heads = 1024 bytes, each once forward and once backward."""
+    got = summary(ulysses_collectives(batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, cp=4, dtype_bytes=4))
+    assert got == Counter({("all_to_all", "cp", 3072): 2, ("all_to_all", "cp", 1024): 2})
+    assert ulysses_collectives(batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, cp=1, dtype_bytes=4) == []
+
+
+def test_ring_traffic_by_hand():
+    """The same sizes in bf16: keys and values of 2 kv heads, 2*2*2*4*8 = 256 elements = 512 bytes; forward
+    3 exchanges, backward 3 more and 4 of the fp32 gradients (1024 bytes)."""
+    got = summary(ring_collectives(batch=2, seq=16, heads=4, kv_heads=2, head_dim=8, cp=4, dtype_bytes=2))
+    assert got == Counter(
+        {("send", "cp", 512): 6, ("recv", "cp", 512): 6, ("send", "cp", 1024): 4, ("recv", "cp", 1024): 4}
+    )
+
+
+# ---- Tier 2 -------------------------------------------------------------------------------------------
+
+
+def _reference(kv_heads: int, causal: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """The whole q, k, v, a random output weight (loss = sum(out * weight)) and one device's output and
+    gradients: [q, k, v, weight], out, [grad q, grad k, grad v]."""
+    generator = torch.Generator().manual_seed(kv_heads + 10 * causal)
+    shapes = [(BATCH, HEADS, SEQ, HEAD_DIM), *2 * [(BATCH, kv_heads, SEQ, HEAD_DIM)]]
+    q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for shape in shapes)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
+    weight = torch.randn(out.shape, generator=generator)
+    (out * weight).sum().backward()
+    return [q.detach(), k.detach(), v.detach(), weight], out.detach(), [q.grad, k.grad, v.grad]
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| - rtol |want|: <= atol when the tensors match at the stated tolerances."""
+    return ((got - want).abs() - RTOL * want.abs()).max().item()
+
+
+def equivalence_case() -> dict[str, float]:
+    """Every attention, layout, mask and head count on this cp group: the worst error (see `_errors`) of the
+    output and of each gradient, and whether the recorded collectives equal the formula."""
+    cp = torch.distributed.get_world_size()
+    mesh = loom.init({"cp": cp})
+    group = mesh.axis_group("cp")
+    axes = mesh_axes(("cp",), (cp,), mesh.axis_rank("cp"))
+    results: dict[str, float] = {}
+    for name, (attention, formula) in ATTENTIONS.items():
+        for layout in ("contiguous", "head_tail"):
+            for causal in (False, True):
+                for kv_heads in (
+                    HEADS,
+                    1,
+                ):  # multi-head; grouped-query with one kv head (cp does not divide it)
+                    inputs, out, grads = _reference(kv_heads, causal)
+                    q, k, v, weight = (shard_sequence(t, 2, group, layout=layout) for t in inputs)
+                    q, k, v = (t.requires_grad_() for t in (q, k, v))
+                    with CollectiveRecorder() as recorder:
+                        got = attention(q, k, v, group=group, causal=causal, layout=layout)
+                        (got * weight).sum().backward()
+                    case = f"{name} {layout} causal={causal} kv_heads={kv_heads}"
+                    wants = [shard_sequence(t, 2, group, layout=layout) for t in (out, *grads)]
+                    results[case] = max(_errors(g, w) for g, w in zip((got, q.grad, k.grad, v.grad), wants))
+                    expected = formula(
+                        batch=BATCH, seq=SEQ, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM, cp=cp, dtype_bytes=4
+                    )  # fmt: skip
+                    results[case + " collectives"] = float(recorder.summary(axes) != summary(expected))
+    gathered = unshard_sequence(
+        shard_sequence(inputs[0], 2, group, layout="head_tail"), 2, group, layout="head_tail"
+    )
+    results["unshard"] = (gathered - inputs[0]).abs().max().item()
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_and_ring_attention_match_one_device(dist_run, cp):
+    for results in dist_run(cp, equivalence_case):
+        for case, error in results.items():
+            if case.endswith("collectives"):
+                assert error == 0.0, f"{case}: recorded collectives differ from loom.cost.context"
+            else:
+                assert error <= ATOL, f"{case}: error {error}"
