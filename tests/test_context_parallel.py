@@ -94,46 +94,51 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs() - RTOL * want.abs()).max().item()
 
 
-def equivalence_case() -> dict[str, float]:
-    """Every attention, layout, mask and head count on this cp group: the worst error (see `_errors`) of the
-    output and of each gradient, and whether the recorded collectives equal the formula."""
+def _case(name: str, layout: str, causal: bool, kv_heads: int, group, axes: dict) -> tuple[float, bool]:  # noqa: ANN001
+    """One attention on this rank's shards: its worst error (`_errors`) over the output and the gradients of
+    q, k, v, and whether the collectives it issued equal the formula."""
+    attention, formula = ATTENTIONS[name]
+    inputs, out, grads = _reference(kv_heads, causal)
+    q, k, v, weight = (shard_sequence(t, 2, group, layout=layout) for t in inputs)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with CollectiveRecorder() as recorder:
+        got = attention(q, k, v, group=group, causal=causal, layout=layout)
+        (got * weight).sum().backward()
+    wants = [shard_sequence(t, 2, group, layout=layout) for t in (out, *grads)]
+    error = max(_errors(g, w) for g, w in zip((got, q.grad, k.grad, v.grad), wants, strict=True))
+    cp = torch.distributed.get_world_size(group)
+    expected = formula(
+        batch=BATCH, seq=SEQ, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM, cp=cp, dtype_bytes=4
+    )
+    return error, recorder.summary(axes) == summary(expected)
+
+
+def equivalence_case() -> dict[str, tuple[float, bool]]:
+    """Every attention, layout, mask and head count on this cp group (see `_case`), and `unshard_sequence`
+    undoing `shard_sequence`."""
     cp = torch.distributed.get_world_size()
     mesh = loom.init({"cp": cp})
     group = mesh.axis_group("cp")
     axes = mesh_axes(("cp",), (cp,), mesh.axis_rank("cp"))
-    results: dict[str, float] = {}
-    for name, (attention, formula) in ATTENTIONS.items():
+    results = {}
+    for name in ATTENTIONS:
         for layout in ("contiguous", "head_tail"):
             for causal in (False, True):
                 for kv_heads in (
                     HEADS,
                     1,
-                ):  # multi-head; grouped-query with one kv head (cp does not divide it)
-                    inputs, out, grads = _reference(kv_heads, causal)
-                    q, k, v, weight = (shard_sequence(t, 2, group, layout=layout) for t in inputs)
-                    q, k, v = (t.requires_grad_() for t in (q, k, v))
-                    with CollectiveRecorder() as recorder:
-                        got = attention(q, k, v, group=group, causal=causal, layout=layout)
-                        (got * weight).sum().backward()
+                ):  # multi-head; grouped-query with one kv head, which cp does not divide
                     case = f"{name} {layout} causal={causal} kv_heads={kv_heads}"
-                    wants = [shard_sequence(t, 2, group, layout=layout) for t in (out, *grads)]
-                    results[case] = max(_errors(g, w) for g, w in zip((got, q.grad, k.grad, v.grad), wants))
-                    expected = formula(
-                        batch=BATCH, seq=SEQ, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM, cp=cp, dtype_bytes=4
-                    )  # fmt: skip
-                    results[case + " collectives"] = float(recorder.summary(axes) != summary(expected))
-    gathered = unshard_sequence(
-        shard_sequence(inputs[0], 2, group, layout="head_tail"), 2, group, layout="head_tail"
-    )
-    results["unshard"] = (gathered - inputs[0]).abs().max().item()
+                    results[case] = _case(name, layout, causal, kv_heads, group, axes)
+    x = torch.arange(SEQ * 3.0).reshape(1, 3, SEQ)
+    shard = shard_sequence(x, 2, group, layout="head_tail")
+    results["unshard"] = (unshard_sequence(shard, 2, group, layout="head_tail") - x).abs().max().item(), True
     return results
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ulysses_and_ring_attention_match_one_device(dist_run, cp):
     for results in dist_run(cp, equivalence_case):
-        for case, error in results.items():
-            if case.endswith("collectives"):
-                assert error == 0.0, f"{case}: recorded collectives differ from loom.cost.context"
-            else:
-                assert error <= ATOL, f"{case}: error {error}"
+        for case, (error, same_collectives) in results.items():
+            assert error <= ATOL, f"{case}: error {error}"
+            assert same_collectives, f"{case}: the recorded collectives differ from loom.cost.context's"
