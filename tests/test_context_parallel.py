@@ -142,3 +142,27 @@ def test_ulysses_and_ring_attention_match_one_device(dist_run, cp):
         for case, (error, same_collectives) in results.items():
             assert error <= ATOL, f"{case}: error {error}"
             assert same_collectives, f"{case}: the recorded collectives differ from loom.cost.context's"
+
+
+def refusal_case() -> list[str]:
+    """The errors of shards that differ between the ranks (checked with `check_shards=True`), and of a
+    head count that cp does not divide for Ulysses."""
+    group = loom.init({"cp": 2}).axis_group("cp")
+    positions = 4 if torch.distributed.get_rank(group) == 0 else 6
+    q = torch.zeros(BATCH, HEADS, positions, HEAD_DIM)
+    messages = []
+    for attention in (ulysses_attention, ring_attention):
+        with pytest.raises(ValueError) as error:
+            attention(q, q, q, group=group, causal=True, layout="contiguous", check_shards=True)
+        messages.append(str(error.value))
+    with pytest.raises(ValueError) as error:
+        ulysses_attention(q[:, :3], q[:, :3], q[:, :3], group=group, causal=True)
+    return [*messages, str(error.value)]
+
+
+def test_bad_shards_on_the_group_are_refused_on_every_rank(dist_run):
+    for uneven_ulysses, uneven_ring, heads in dist_run(2, refusal_case):
+        for message in (uneven_ulysses, uneven_ring):
+            assert "hold shards of different shapes (q, k, v)" in message, message
+            assert "rank 0: q (2, 4, 4, 8)" in message and "rank 1: q (2, 4, 6, 8)" in message, message
+        assert "3 heads (dim 1), not divisible by the 2 ranks of the cp group" in heads, heads

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 __all__ = [
     "LAYOUTS",
     "check_attention_inputs",
+    "check_shards_agree",
     "chunk_count",
     "sequence_chunks",
     "shard_sequence",
@@ -148,6 +149,40 @@ def check_attention_inputs(
     return heads, kv_heads
 
 
+def check_shards_agree(group: dist.ProcessGroup | None, where: str, **tensors: torch.Tensor) -> None:
+    """Raise a `ValueError` on every rank when the ranks' `tensors` differ in shape.
+
+    Costs one small all-gather (and, on a GPU, a wait for it): the attentions call it only when asked
+    (`check_shards=True`), e.g. on the first step. Unchecked, shards of different sizes make the exchanges
+    fail inside the communication library, which aborts the process instead of raising.
+    """
+    cp, _ = _size_and_rank(group)
+    if cp == 1:
+        return
+    device = next(iter(tensors.values())).device
+    shapes = torch.tensor(
+        [size for t in tensors.values() for size in t.shape], dtype=torch.int64, device=device
+    )
+    gathered = [torch.empty_like(shapes) for _ in range(cp)]
+    dist.all_gather(gathered, shapes, group=group)
+    per_rank = [g.tolist() for g in gathered]
+    if any(shape != per_rank[0] for shape in per_rank):
+        names = ", ".join(tensors)
+        listed = "; ".join(f"rank {r}: {_shapes(tensors, shape)}" for r, shape in enumerate(per_rank))
+        raise ValueError(
+            f"{where}: the ranks of the cp group hold shards of different shapes ({names}) -- {listed}; "
+            "every rank needs the same number of positions: cut the whole sequence with shard_sequence"
+        )
+
+
+def _shapes(tensors: dict[str, torch.Tensor], flat: list[int]) -> str:
+    parts, start = [], 0
+    for name, t in tensors.items():
+        parts.append(f"{name} {tuple(flat[start : start + t.dim()])}")
+        start += t.dim()
+    return " ".join(parts)
+
+
 # ---- Ulysses --------------------------------------------------------------------------------------------
 
 
@@ -221,6 +256,7 @@ def ulysses_attention(
     causal: bool,
     scale: float | None = None,
     layout: str = "contiguous",
+    check_shards: bool = False,
 ) -> torch.Tensor:
     """Attention over the whole sequence from this rank's sequence shards, by head-cut all-to-alls.
 
@@ -232,9 +268,12 @@ def ulysses_attention(
     Communication per call: forward one all-to-all of q, k and v together and one of the output; backward the
     same two (`loom.cost.context.ulysses_collectives`). cp must divide heads; when it does not divide
     kv_heads, k and v heads are repeated (to the least common multiple of kv_heads and cp) before sending.
+    `check_shards`: first check that every rank's shards have the same shape (`check_shards_agree`).
     """
     cp, _ = _size_and_rank(group)
     heads, kv_heads = check_attention_inputs(q, k, v, cp=cp, layout=layout, where="ulysses_attention")
+    if check_shards:
+        check_shards_agree(group, "ulysses_attention", q=q, k=k, v=v)
     if heads % cp:
         raise ValueError(
             f"ulysses_attention: q has {heads} heads (dim 1), not divisible by the {cp} ranks of the cp group: "

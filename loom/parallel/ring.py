@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.parallel.context import _size_and_rank, check_attention_inputs, sequence_chunks
+from loom.parallel.context import _size_and_rank, check_attention_inputs, check_shards_agree, sequence_chunks
 
 __all__ = ["ring_attention"]
 
@@ -34,6 +34,7 @@ def ring_attention(
     causal: bool,
     scale: float | None = None,
     layout: str = "head_tail",
+    check_shards: bool = False,
 ) -> torch.Tensor:
     """Attention over the whole sequence from this rank's sequence shards, by rotating key/value blocks.
 
@@ -44,9 +45,12 @@ def ring_attention(
 
     Communication per call (`loom.cost.context.ring_collectives`): forward cp - 1 exchanges (one send and one
     receive each) of k and v together; backward cp - 1 such exchanges and cp of their fp32 gradients.
+    `check_shards`: first check that every rank's shards have the same shape (`check_shards_agree`).
     """
     cp, _ = _size_and_rank(group)
     check_attention_inputs(q, k, v, cp=cp, layout=layout, where="ring_attention")
+    if check_shards:
+        check_shards_agree(group, "ring_attention", q=q, k=k, v=v)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, causal, scale, layout)
 
