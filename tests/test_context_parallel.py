@@ -74,6 +74,17 @@ def test_ring_traffic_by_hand():
     )
 
 
+@pytest.mark.parametrize("name", ["ulysses", "ring"])
+def test_without_a_group_both_attentions_are_one_device_attention(name):
+    """group=None: one rank. Ring attention still cuts the head-tail chunks and skips hidden pairs."""
+    inputs, out, grads = _reference(kv_heads=2, causal=True)
+    q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
+    got = ATTENTIONS[name][0](q, k, v, group=None, causal=True, layout="head_tail")
+    (got * inputs[3]).sum().backward()
+    for g, w in zip((got, q.grad, k.grad, v.grad), (out, *grads), strict=True):
+        assert _errors(g, w) <= ATOL
+
+
 # ---- Tier 2 -------------------------------------------------------------------------------------------
 
 
@@ -101,8 +112,9 @@ def _case(name: str, layout: str, causal: bool, kv_heads: int, group, axes: dict
     inputs, out, grads = _reference(kv_heads, causal)
     q, k, v, weight = (shard_sequence(t, 2, group, layout=layout) for t in inputs)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    tiles = {"tile": 3} if name == "ring" else {}  # ring: score tiles of 3 query rows, the last one short
     with CollectiveRecorder() as recorder:
-        got = attention(q, k, v, group=group, causal=causal, layout=layout)
+        got = attention(q, k, v, group=group, causal=causal, layout=layout, **tiles)
         (got * weight).sum().backward()
     wants = [shard_sequence(t, 2, group, layout=layout) for t in (out, *grads)]
     error = max(_errors(g, w) for g, w in zip((got, q.grad, k.grad, v.grad), wants, strict=True))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from loom.parallel.context import _size_and_rank, check_attention_inputs, check_shards_agree, sequence_chunks
 
@@ -35,6 +36,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "head_tail",
     check_shards: bool = False,
+    tile: int = 512,
 ) -> torch.Tensor:
     """Attention over the whole sequence from this rank's sequence shards, by rotating key/value blocks.
 
@@ -46,19 +48,23 @@ def ring_attention(
     Communication per call (`loom.cost.context.ring_collectives`): forward cp - 1 exchanges (one send and one
     receive each) of k and v together; backward cp - 1 such exchanges and cp of their fp32 gradients.
     `check_shards`: first check that every rank's shards have the same shape (`check_shards_agree`).
+    `tile`: query rows whose scores are held at once; a block costs tile x (chunk of keys) scores per query
+    head of memory, not chunk x chunk.
     """
     cp, _ = _size_and_rank(group)
     check_attention_inputs(q, k, v, cp=cp, layout=layout, where="ring_attention")
+    if tile < 1:
+        raise ValueError(f"ring_attention: tile must be a positive number of query rows, got {tile}")
     if check_shards:
         check_shards_agree(group, "ring_attention", q=q, k=k, v=v)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, causal, scale, layout)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout, tile)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout):  # noqa: ANN001, ANN205
-        ring = _Ring(group, causal, layout, q.size(2))
+    def forward(ctx, q, k, v, group, causal, scale, layout, tile):  # noqa: ANN001, ANN205
+        ring = _Ring(group, causal, layout, q.size(2), tile)
         grouped_q = _grouped(q.float(), k.size(1))
         kv = torch.stack([k, v])  # keys and values: one message per exchange
         outs: list = [None] * ring.per_rank
@@ -67,7 +73,11 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step < ring.size - 1 else None
             for pair in ring.pairs(step):
                 block_out, block_lse = _block_forward(
-                    grouped_q[..., ring.rows(pair.q), :], *ring.keys(kv, pair.k), pair.diagonal, scale
+                    grouped_q[..., ring.rows(pair.q), :],
+                    *ring.keys(kv, pair.k),
+                    pair.diagonal,
+                    scale,
+                    ring.tile,
                 )
                 outs[pair.q], lses[pair.q] = _merge(outs[pair.q], lses[pair.q], block_out, block_lse)
             if pending is not None:
@@ -78,6 +88,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
@@ -86,14 +97,14 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         grad_q = torch.zeros_like(grouped_q)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros(kv.shape, dtype=torch.float32)
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(ring.size):
             pending = ring.start(kv) if step < ring.size - 1 else None
             for pair in ring.pairs(step):
                 rows, keys = ring.rows(pair.q), ring.rows(pair.k)
                 dq, dk, dv = _block_backward(
                     grouped_q[..., rows, :], *ring.keys(kv, pair.k), grad_out[..., rows, :], lse[..., rows],
-                    delta[..., rows], pair.diagonal, scale,
+                    delta[..., rows], pair.diagonal, scale, ring.tile,
                 )  # fmt: skip
                 grad_q[..., rows, :] += dq
                 grad_kv[0, :, :, keys] += dk
@@ -103,7 +114,7 @@ class _RingAttention(torch.autograd.Function):
             if ring.size > 1:  # the buffer follows its block around; the last exchange brings it home
                 grad_kv = ring.finish(ring.start(grad_kv))
         grad_q = grad_q.reshape(q.shape).to(q.dtype)
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None
 
 
 class _Pair:
@@ -119,8 +130,10 @@ class _Pair:
 class _Ring:
     """The cp group as a ring: the exchanges with the neighbours, and the chunk pairs each step computes."""
 
-    def __init__(self, group: dist.ProcessGroup | None, causal: bool, layout: str, length: int) -> None:
-        self.group, self.causal, self.layout = group, causal, layout
+    def __init__(
+        self, group: dist.ProcessGroup | None, causal: bool, layout: str, length: int, tile: int
+    ) -> None:
+        self.group, self.causal, self.layout, self.tile = group, causal, layout, tile
         self.size, self.rank = _size_and_rank(group)
         self.per_rank = len(sequence_chunks(0, self.size, layout))
         self.chunk = length // self.per_rank  # positions per chunk
@@ -172,19 +185,31 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if diagonal:  # a query chunk against itself: position i sees keys 0..i
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
+def _scores(q: torch.Tensor, k: torch.Tensor, first_row: int | None, scale: float) -> torch.Tensor:
+    """Scaled scores of query rows against a key chunk. `first_row`: None for a pair the mask leaves whole;
+    for a query chunk against itself, the index in the chunk of the first query row (row i sees keys 0..i)."""
+    scores = (q * scale) @ k.transpose(-1, -2)
+    if first_row is not None:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1 + first_row)
+        scores.masked_fill_(hidden, float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def _tiles(length: int, diagonal: bool, tile: int):  # noqa: ANN202
+    """(row slice, index of its first row if the pair is on the diagonal, else None) per `tile` query rows."""
+    for start in range(0, length, tile):
+        yield slice(start, min(start + tile, length)), start if diagonal else None
+
+
+def _block_forward(q, k, v, diagonal: bool, scale: float, tile: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """Attention of a query chunk to one key chunk: (output, log-sum-exp of the scores per query)."""
-    scores = _scores(q, k, diagonal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    outs, lses = [], []
+    for rows, first_row in _tiles(q.size(-2), diagonal, tile):
+        scores = _scores(q[..., rows, :], k, first_row, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(scores.sub_(lse.unsqueeze(-1)).exp_() @ v)
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
@@ -198,11 +223,14 @@ def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[
     )
 
 
-def _block_backward(q, k, v, grad_out, lse, delta, diagonal: bool, scale: float):  # noqa: ANN001, ANN202
+def _block_backward(q, k, v, grad_out, lse, delta, diagonal: bool, scale: float, tile: int):  # noqa: ANN001, ANN202
     """Gradients of q, k, v from one block, its probabilities recomputed from the final log-sum-exp."""
-    probs = torch.exp(_scores(q, k, diagonal, scale) - lse.unsqueeze(-1))
-    grad_v = (probs.transpose(-1, -2) @ grad_out).sum(2)  # summed over the query heads sharing a kv head
-    grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta.unsqueeze(-1))
-    grad_q = (grad_scores @ k) * scale
-    grad_k = (grad_scores.transpose(-1, -2) @ q).sum(2) * scale
+    grad_q, grad_k, grad_v = torch.empty_like(q), 0, 0
+    for rows, first_row in _tiles(q.size(-2), diagonal, tile):
+        probs = _scores(q[..., rows, :], k, first_row, scale).sub_(lse[..., rows, None]).exp_()
+        # summed over the query heads that share a key/value head
+        grad_v = grad_v + (probs.transpose(-1, -2) @ grad_out[..., rows, :]).sum(2)
+        grad_scores = (grad_out[..., rows, :] @ v.transpose(-1, -2)).sub_(delta[..., rows, None]).mul_(probs)
+        grad_q[..., rows, :] = (grad_scores @ k) * scale
+        grad_k = grad_k + (grad_scores.transpose(-1, -2) @ q[..., rows, :]).sum(2) * scale
     return grad_q, grad_k, grad_v
