@@ -31,6 +31,7 @@ __all__ = [
     "sequence_chunks",
     "shard_sequence",
     "ulysses_attention",
+    "ulysses_kv_repeat",
     "unshard_sequence",
 ]
 
