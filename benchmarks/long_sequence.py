@@ -36,7 +36,7 @@ import torch.distributed as dist
 import loom
 from loom.cost.context import ring_collectives, ulysses_collectives
 from loom.dist.comm import CollectiveRecorder
-from loom.parallel.context import sequence_chunks, shard_sequence, ulysses_attention
+from loom.parallel.context import causal_work, shard_sequence, ulysses_attention
 from loom.parallel.ring import ring_attention
 
 CASES = (
@@ -109,15 +109,10 @@ def measure(
 
 
 def work_imbalance(name: str, layout: str, cp: int) -> float:
-    """Largest over smallest, among the ranks, of the causal scores computed, in halves of a chunk pair (a
-    pair on the mask's diagonal is half computed)."""
-    if name == "ulysses" or cp == 1:
+    """Largest over smallest, among the ranks, of the causal scores each computes (`causal_work`)."""
+    if name == "ulysses":
         return 1.0
-    every = [c for r in range(cp) for c in sequence_chunks(r, cp, layout)]
-    work = [
-        sum(2 if kc < qc else 1 if kc == qc else 0 for qc in sequence_chunks(r, cp, layout) for kc in every)
-        for r in range(cp)
-    ]
+    work = [causal_work(rank, cp, layout) for rank in range(cp)]
     return max(work) / min(work)
 
 

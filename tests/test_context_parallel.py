@@ -21,7 +21,9 @@ from loom.cost.context import ring_collectives, ulysses_collectives
 from loom.cost.traffic import summary
 from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.parallel.context import (
+    causal_work,
     check_attention_inputs,
+    chunk_pairs,
     sequence_chunks,
     shard_sequence,
     ulysses_attention,
@@ -42,6 +44,15 @@ def test_head_tail_layout_gives_each_rank_an_early_and_a_late_chunk():
     assert [sequence_chunks(r, 2, "contiguous") for r in range(2)] == [(0,), (1,)]
     with pytest.raises(ValueError, match="unknown sequence layout"):
         sequence_chunks(0, 2, "zigzag")
+
+
+def test_under_a_causal_mask_the_head_tail_cut_balances_the_work():
+    """Half chunk pairs per rank at cp = 4. Contiguous: rank r's chunk sees r whole chunks and half its own,
+    2r + 1. Head-tail, 8 chunks: chunk r costs 2r + 1 and chunk 7 - r costs 15 - 2r, 16 on every rank."""
+    assert [causal_work(r, 4, "contiguous") for r in range(4)] == [1, 3, 5, 7]
+    assert [causal_work(r, 4, "head_tail") for r in range(4)] == [16] * 4
+    assert chunk_pairs(0, 0, 2, "head_tail", causal=True) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+    assert len(chunk_pairs(0, 1, 2, "head_tail", causal=False)) == 4
 
 
 def test_bad_shards_are_refused_with_the_dim_and_the_fix():

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 __all__ = [
     "LAYOUTS",
     "check_attention_inputs",
+    "causal_work",
     "check_shards_agree",
+    "chunk_pairs",
     "chunk_count",
     "sequence_chunks",
     "shard_sequence",
@@ -54,6 +56,31 @@ def sequence_chunks(rank: int, cp: int, layout: str) -> tuple[int, ...]:
     if chunk_count(cp, layout) == cp:
         return (rank,)
     return (rank, 2 * cp - 1 - rank)
+
+
+def chunk_pairs(rank: int, source: int, cp: int, layout: str, *, causal: bool) -> list[tuple[int, int, bool]]:
+    """The (query chunk, key chunk, on the diagonal) pairs, by local chunk index, that `rank` computes against
+    the keys `source` holds: under a causal mask only the pairs it does not hide entirely, and "on the
+    diagonal" (the same global chunk, cut along its diagonal) for those it hides half of."""
+    pairs = []
+    for i, qc in enumerate(sequence_chunks(rank, cp, layout)):
+        for j, kc in enumerate(sequence_chunks(source, cp, layout)):
+            if not causal or kc < qc:
+                pairs.append((i, j, False))
+            elif kc == qc:
+                pairs.append((i, j, True))
+    return pairs
+
+
+def causal_work(rank: int, cp: int, layout: str) -> int:
+    """The attention scores `rank` computes under a causal mask, over all key blocks, in half chunk pairs
+    (a pair on the diagonal is half): equal on every rank for "head_tail", growing with the rank for
+    "contiguous"."""
+    return sum(
+        1 if diagonal else 2
+        for source in range(cp)
+        for _, _, diagonal in chunk_pairs(rank, source, cp, layout, causal=True)
+    )
 
 
 def shard_sequence(

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from loom.parallel.context import _size_and_rank, check_attention_inputs, check_shards_agree, sequence_chunks
+from loom.parallel.context import (
+    _size_and_rank,
+    check_attention_inputs,
+    check_shards_agree,
+    chunk_pairs,
+    sequence_chunks,
+)
 
 __all__ = ["ring_attention"]
 
@@ -140,16 +146,11 @@ class _Ring:
 
     def pairs(self, step: int) -> list[_Pair]:
         """The chunk pairs to compute at `step`: all of them, or under a causal mask those it does not hide."""
-        mine = sequence_chunks(self.rank, self.size, self.layout)
-        theirs = sequence_chunks((self.rank - step) % self.size, self.size, self.layout)
-        pairs = []
-        for i, qc in enumerate(mine):
-            for j, kc in enumerate(theirs):
-                if not self.causal or kc < qc:
-                    pairs.append(_Pair(i, j, diagonal=False))
-                elif kc == qc:
-                    pairs.append(_Pair(i, j, diagonal=True))
-        return pairs
+        source = (self.rank - step) % self.size
+        return [
+            _Pair(*pair)
+            for pair in chunk_pairs(self.rank, source, self.size, self.layout, causal=self.causal)
+        ]
 
     def rows(self, chunk: int) -> slice:
         """The positions of local chunk `chunk` in a shard."""
