@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import loom
-from loom.cost.context import ring_collectives, ulysses_collectives
+from loom.cost.collectives import collective_time, group_span
+from loom.cost.context import communication_time, ring_collectives, ulysses_collectives
+from loom.cost.hardware import get_cluster
 from loom.cost.traffic import summary
 from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.parallel.context import (
@@ -94,6 +96,23 @@ def test_without_a_group_both_attentions_are_one_device_attention(name):
     (got * inputs[3]).sum().backward()
     for g, w in zip((got, q.grad, k.grad, v.grad), (out, *grads), strict=True):
         assert _errors(g, w) <= ATOL
+
+
+def test_communication_time_prices_each_exchange_once():
+    """Ring at cp = 8 inside one node: 7 + 7 exchanges of k,v and 8 of their gradients, each priced as one
+    send/receive; Ulysses: four all-to-alls."""
+    cluster, span = get_cluster("a100-80gb", gpus=8), group_span(8, 1, 8)
+    sizes = {"batch": 1, "seq": 8192, "heads": 32, "kv_heads": 8, "head_dim": 128, "cp": 8, "dtype_bytes": 2}
+    kv = 2 * 8 * 1024 * 128
+    ring = 14 * collective_time("send_recv", kv * 2, span, cluster) + 8 * collective_time(
+        "send_recv", kv * 4, span, cluster
+    )
+    assert communication_time(ring_collectives(**sizes), span, cluster) == pytest.approx(ring)
+    qkv, out = (32 + 16) * 1024 * 128 * 2, 32 * 1024 * 128 * 2
+    ulysses = 2 * collective_time("all_to_all", qkv, span, cluster) + 2 * collective_time(
+        "all_to_all", out, span, cluster
+    )
+    assert communication_time(ulysses_collectives(**sizes), span, cluster) == pytest.approx(ulysses)
 
 
 # ---- Tier 2 -------------------------------------------------------------------------------------------

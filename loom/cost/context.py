@@ -18,10 +18,13 @@ Entries are `loom.cost.traffic.StepCollective`s over axis "cp", so `loom.cost.tr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
+from loom.cost.collectives import GroupSpan, collective_time
+from loom.cost.hardware import Cluster
 from loom.cost.traffic import StepCollective
 
-__all__ = ["GRAD_BYTES", "ring_collectives", "ulysses_collectives"]
+__all__ = ["GRAD_BYTES", "communication_time", "ring_collectives", "ulysses_collectives"]
 
 CP = "cp"
 GRAD_BYTES = 4  # ring attention sums key/value gradients in fp32 buffers, which travel as they are
@@ -86,3 +89,17 @@ def ring_collectives(
             ),
         ]
     return out
+
+
+def communication_time(collectives: Iterable[StepCollective], span: GroupSpan, cluster: Cluster) -> float:
+    """Seconds of communication of `collectives` on a cp group placed as `span`, none of it hidden behind
+    compute (ring attention overlaps its key/value exchanges with the blocks' attention; this is the upper
+    bound). An exchange is priced once, as a send/receive: each rank sends to its successor while it
+    receives from its predecessor, so every link carries one message at a time."""
+    seconds = 0.0
+    for c in collectives:
+        if c.kind == "recv":
+            continue  # the other half of an exchange, priced with its send
+        kind = "send_recv" if c.kind == "send" else c.kind
+        seconds += c.count * collective_time(kind, c.nbytes, span, cluster)
+    return seconds
