@@ -186,6 +186,20 @@ def test_ulysses_and_ring_attention_match_one_device(dist_run, cp):
             assert same_collectives, f"{case}: the recorded collectives differ from loom.cost.context's"
 
 
+def sub_group_case() -> dict[str, tuple[float, bool]]:
+    """cp = 2 inside a dp = 2 x cp = 2 mesh: the cp group is not the world, nor ranks 0..1 for every rank."""
+    mesh = loom.init({"dp": 2, "cp": 2})
+    group = mesh.axis_group("cp")
+    axes = {tuple(torch.distributed.get_process_group_ranks(group)): "cp"}
+    return {name: _case(name, "head_tail", True, 2, group, axes) for name in ATTENTIONS}
+
+
+def test_attention_over_a_cp_axis_of_a_two_axis_mesh(dist_run):
+    for results in dist_run(4, sub_group_case):
+        for case, (error, same_collectives) in results.items():
+            assert error <= ATOL and same_collectives, (case, error, same_collectives)
+
+
 def refusal_case() -> list[str]:
     """The errors of shards that differ between the ranks (checked with `check_shards=True`), and of a
     head count that cp does not divide for Ulysses."""
