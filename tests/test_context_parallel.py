@@ -1,7 +1,8 @@
 """Context parallelism (`loom.parallel.context`, `loom.parallel.ring`) equals one-device attention.
 
-Tier 1: the sequence layouts, the input checks and the communication formulas worked out by hand. Tier 2:
-on cp = 2 and cp = 4 ranks, Ulysses and ring attention, causal or not, multi-head and grouped-query, against
+Tier 1: the sequence layouts and their balance, the input checks, the communication formulas worked out by
+hand, and both attentions without a group. Tier 2: on cp = 2 and cp = 4 ranks (and cp = 2 inside a dp x cp
+mesh), Ulysses and ring attention, on both layouts, causal or not, multi-head and grouped-query, against
 `F.scaled_dot_product_attention` over the whole sequence on one device: this rank's output and the gradients
 of its q, k, v shards (fp32; atol 1e-5, rtol 1e-4: attention and its gradients are Lipschitz in the inputs,
 and the merge order of the blocks changes only the rounding). The collectives each call issues, recorded by

@@ -17,6 +17,8 @@ holds an early and a late chunk, and chunk pairs that the mask hides entirely ar
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -123,14 +125,13 @@ class _RingAttention(torch.autograd.Function):
         return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None
 
 
-class _Pair:
+class _Pair(NamedTuple):
     """A (query chunk, key chunk) pair of one step, by local chunk index; `diagonal`: the same global chunk,
     which the causal mask cuts along its diagonal (other computed pairs it leaves whole)."""
 
-    __slots__ = ("diagonal", "k", "q")
-
-    def __init__(self, q: int, k: int, diagonal: bool) -> None:
-        self.q, self.k, self.diagonal = q, k, diagonal
+    q: int
+    k: int
+    diagonal: bool
 
 
 class _Ring:
@@ -197,18 +198,21 @@ def _scores(q: torch.Tensor, k: torch.Tensor, first_row: int | None, scale: floa
 
 
 def _tiles(length: int, diagonal: bool, tile: int):  # noqa: ANN202
-    """(row slice, index of its first row if the pair is on the diagonal, else None) per `tile` query rows."""
+    """(query rows, keys they see, index of the first row if the pair is on the diagonal, else None) per
+    `tile` query rows. On the diagonal, rows up to i see keys up to i only: the keys past the tile's last row
+    are neither computed nor masked."""
     for start in range(0, length, tile):
-        yield slice(start, min(start + tile, length)), start if diagonal else None
+        stop = min(start + tile, length)
+        yield slice(start, stop), slice(0, stop if diagonal else length), start if diagonal else None
 
 
 def _block_forward(q, k, v, diagonal: bool, scale: float, tile: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """Attention of a query chunk to one key chunk: (output, log-sum-exp of the scores per query)."""
     outs, lses = [], []
-    for rows, first_row in _tiles(q.size(-2), diagonal, tile):
-        scores = _scores(q[..., rows, :], k, first_row, scale)
+    for rows, keys, first_row in _tiles(q.size(-2), diagonal, tile):
+        scores = _scores(q[..., rows, :], k[..., keys, :], first_row, scale)
         lse = torch.logsumexp(scores, dim=-1)
-        outs.append(scores.sub_(lse.unsqueeze(-1)).exp_() @ v)
+        outs.append(scores.sub_(lse.unsqueeze(-1)).exp_() @ v[..., keys, :])
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
@@ -226,12 +230,15 @@ def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[
 
 def _block_backward(q, k, v, grad_out, lse, delta, diagonal: bool, scale: float, tile: int):  # noqa: ANN001, ANN202
     """Gradients of q, k, v from one block, its probabilities recomputed from the final log-sum-exp."""
-    grad_q, grad_k, grad_v = torch.empty_like(q), 0, 0
-    for rows, first_row in _tiles(q.size(-2), diagonal, tile):
-        probs = _scores(q[..., rows, :], k, first_row, scale).sub_(lse[..., rows, None]).exp_()
+    grad_q = torch.empty_like(q)
+    grad_k = torch.zeros(k.shape[:2] + k.shape[3:], dtype=k.dtype, device=k.device)
+    grad_v = torch.zeros_like(grad_k)
+    for rows, keys, first_row in _tiles(q.size(-2), diagonal, tile):
+        k_tile, v_tile, out_tile = k[..., keys, :], v[..., keys, :], grad_out[..., rows, :]
+        probs = _scores(q[..., rows, :], k_tile, first_row, scale).sub_(lse[..., rows, None]).exp_()
         # summed over the query heads that share a key/value head
-        grad_v = grad_v + (probs.transpose(-1, -2) @ grad_out[..., rows, :]).sum(2)
-        grad_scores = (grad_out[..., rows, :] @ v.transpose(-1, -2)).sub_(delta[..., rows, None]).mul_(probs)
-        grad_q[..., rows, :] = (grad_scores @ k) * scale
-        grad_k = grad_k + (grad_scores.transpose(-1, -2) @ q[..., rows, :]).sum(2) * scale
+        grad_v[..., keys, :] += (probs.transpose(-1, -2) @ out_tile).sum(2)
+        grad_scores = (out_tile @ v_tile.transpose(-1, -2)).sub_(delta[..., rows, None]).mul_(probs)
+        grad_q[..., rows, :] = (grad_scores @ k_tile) * scale
+        grad_k[..., keys, :] += (grad_scores.transpose(-1, -2) @ q[..., rows, :]).sum(2) * scale
     return grad_q, grad_k, grad_v
