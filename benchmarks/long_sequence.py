@@ -71,6 +71,19 @@ def _one_call(attention, q, k, v, group, layout: str) -> None:  # noqa: ANN001
     out.backward(torch.ones_like(out))
 
 
+def _timed_call(case: dict, group) -> None:  # noqa: ANN001
+    """One forward and backward of `case`, its time and peak memory rise appended to the case."""
+    q, k, v = case["inputs"]
+    q.grad = k.grad = v.grad = None
+    dist.barrier(group)
+    _reset_peak()
+    before = _memory_kb("VmRSS")
+    start = time.perf_counter()
+    _one_call(case["attention"], q, k, v, group, case["layout"])
+    case["times"].append(time.perf_counter() - start)
+    case["peaks"].append((_memory_kb("VmHWM") - before) * 1024)
+
+
 def measure(
     seqs: list[int], batch: int, heads: int, kv_heads: int, head_dim: int, repeats: int
 ) -> list[dict]:
@@ -78,33 +91,32 @@ def measure(
     cp = dist.get_world_size()
     mesh = loom.init({"cp": cp})
     group = mesh.axis_group("cp")
+    sizes = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "cp": cp}
     rows = []
     for seq in seqs:
         generator = torch.Generator().manual_seed(seq)
         full = [
             torch.randn(batch, h, seq, head_dim, generator=generator) for h in (heads, kv_heads, kv_heads)
         ]
+        cases = []
         for name, layout, attention, formula in CASES:
-            q, k, v = (shard_sequence(t, 2, group, layout=layout).requires_grad_() for t in full)
+            inputs = [shard_sequence(t, 2, group, layout=layout).requires_grad_() for t in full]
             with CollectiveRecorder() as recorder:  # also the warm-up call
-                _one_call(attention, q, k, v, group, layout)
-            times, peaks = [], []
-            for _ in range(repeats):
-                q.grad = k.grad = v.grad = None
-                dist.barrier(group)
-                _reset_peak()
-                before = _memory_kb("VmRSS")
-                start = time.perf_counter()
-                _one_call(attention, q, k, v, group, layout)
-                times.append(time.perf_counter() - start)
-                peaks.append((_memory_kb("VmHWM") - before) * 1024)
-            predicted = formula(
-                batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, cp=cp, dtype_bytes=4
-            )
-            rows.append({
-                "seq": seq, "name": name, "layout": layout, "time": statistics.median(times), "peak": max(peaks),
-                "sent": _sent_bytes(recorder.calls), "formula": _formula_sent(predicted),
+                _one_call(attention, *inputs, group, layout)
+            cases.append({
+                "seq": seq, "name": name, "layout": layout, "attention": attention, "inputs": inputs,
+                "times": [], "peaks": [], "sent": _sent_bytes(recorder.calls),
+                "formula": _formula_sent(formula(seq=seq, dtype_bytes=4, **sizes)),
             })  # fmt: skip
+        for _ in range(repeats):  # the cases take turns, so that they see the same load on the machine
+            for case in cases:
+                _timed_call(case, group)
+        keep = ("seq", "name", "layout", "sent", "formula")
+        rows += [
+            {key: case[key] for key in keep}
+            | {"time": statistics.median(case["times"]), "peak": max(case["peaks"])}
+            for case in cases
+        ]
     return rows
 
 
