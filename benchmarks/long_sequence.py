@@ -9,7 +9,8 @@ then plain `F.scaled_dot_product_attention`, ring attention its blockwise fp32 c
 Printed per case:
 - peak MB: the largest over the ranks of the rise of the process's peak resident memory (Linux VmHWM, reset
   before each call through /proc/self/clear_refs) above its resident memory before the call, so the
-  inputs and whatever the allocator caches count in the baseline, not in the peak;
+  inputs and whatever the allocator caches count in the baseline, not in the peak (0 when the call fits in
+  memory the allocator already held);
 - comm KB: bytes the rank sent per call (forward and backward) as `CollectiveRecorder` counts them, and
   the same from `loom.cost.context`'s formulas (they should agree exactly; sends and receives are counted
   as one exchange's send bytes);
@@ -20,7 +21,11 @@ Printed per case:
   ring attention skips), largest over smallest: under a causal mask the contiguous cut leaves rank 0 little
   to do and the last rank most, the head-tail cut gives every rank the same. Ulysses computes whole heads
   on every rank: always 1.
-With more ranks than cores the times include waiting for a core: compare cases, not absolute times.
+The cases take turns within each repeat, so that they see the same load. With more ranks than cores the
+times include waiting for a core: compare cases, not absolute times. loom.launch gives each rank its share
+of the cores as threads (cp = 1 gets them all); `OMP_NUM_THREADS=1` gives every rank one thread.
+
+    OMP_NUM_THREADS=1 python benchmarks/long_sequence.py --seqs 1024 2048 4096
 """
 
 from __future__ import annotations
