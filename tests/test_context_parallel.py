@@ -90,10 +90,11 @@ def test_ring_traffic_by_hand():
 
 @pytest.mark.parametrize("name", ["ulysses", "ring"])
 def test_without_a_group_both_attentions_are_one_device_attention(name):
-    """group=None: one rank. Ring attention still cuts the head-tail chunks and skips hidden pairs."""
-    inputs, out, grads = _reference(kv_heads=2, causal=True)
+    """group=None: one rank. Ring attention still cuts the head-tail chunks and skips hidden pairs. A scale
+    other than 1 / sqrt(head_dim), as SDPA takes it."""
+    inputs, out, grads = _reference(kv_heads=2, causal=True, scale=0.3)
     q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
-    got = ATTENTIONS[name][0](q, k, v, group=None, causal=True, layout="head_tail")
+    got = ATTENTIONS[name][0](q, k, v, group=None, causal=True, scale=0.3, layout="head_tail")
     (got * inputs[3]).sum().backward()
     for g, w in zip((got, q.grad, k.grad, v.grad), (out, *grads), strict=True):
         assert _errors(g, w) <= ATOL
@@ -119,13 +120,15 @@ def test_communication_time_prices_each_exchange_once():
 # ---- Tier 2 -------------------------------------------------------------------------------------------
 
 
-def _reference(kv_heads: int, causal: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+def _reference(
+    kv_heads: int, causal: bool, scale: float | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """The whole q, k, v, a random output weight (loss = sum(out * weight)) and one device's output and
     gradients: [q, k, v, weight], out, [grad q, grad k, grad v]."""
     generator = torch.Generator().manual_seed(kv_heads + 10 * causal)
     shapes = [(BATCH, HEADS, SEQ, HEAD_DIM), *2 * [(BATCH, kv_heads, SEQ, HEAD_DIM)]]
     q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for shape in shapes)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=kv_heads != HEADS)
     weight = torch.randn(out.shape, generator=generator)
     (out * weight).sum().backward()
     return [q.detach(), k.detach(), v.detach(), weight], out.detach(), [q.grad, k.grad, v.grad]
