@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import loom
 from loom.cost.collectives import collective_time, group_span
-from loom.cost.context import communication_time, ring_collectives, ulysses_collectives
+from loom.cost.context import attention_flops, communication_time, ring_collectives, ulysses_collectives
 from loom.cost.hardware import get_cluster
 from loom.cost.traffic import summary
 from loom.dist.comm import CollectiveRecorder, mesh_axes
@@ -56,6 +56,20 @@ def test_under_a_causal_mask_the_head_tail_cut_balances_the_work():
     assert [causal_work(r, 4, "head_tail") for r in range(4)] == [16] * 4
     assert chunk_pairs(0, 0, 2, "head_tail", causal=True) == [(0, 0, True), (1, 0, False), (1, 1, True)]
     assert len(chunk_pairs(0, 1, 2, "head_tail", causal=False)) == 4
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_cost_model_prices_the_busiest_rank_as_ring_attention_works(cp):
+    """`attention_flops` against the chunk pairs ring attention computes (`causal_work`): the busiest rank's
+    share of all causal scores."""
+    sizes = {"batch": 1, "seq": 64 * cp, "heads": 8, "head_dim": 16, "cp": cp, "causal": True}
+    every_score = 8 * (64 * cp) ** 2 / 2 * 16 * 4  # forward FLOPs of all causal scores, one device
+    for layout in ("contiguous", "head_tail"):
+        work = [causal_work(r, cp, layout) for r in range(cp)]
+        forward, backward = attention_flops(kind="ring", layout=layout, **sizes)
+        assert forward == pytest.approx(every_score * max(work) / sum(work))
+        assert backward == pytest.approx(forward * 10 / 4)
+    assert attention_flops(kind="ulysses", layout="contiguous", **sizes)[0] == pytest.approx(every_score / cp)
 
 
 def test_bad_shards_are_refused_with_the_dim_and_the_fix():

@@ -1,4 +1,4 @@
-"""The collectives of one context-parallel attention call (`loom.parallel.context`, `loom.parallel.ring`).
+"""The collectives and the compute of one context-parallel attention call (`loom.parallel.context`, `loom.parallel.ring`).
 
 Per rank and per call, for q [batch, heads, seq / cp, head_dim] and k, v [batch, kv_heads, seq / cp,
 head_dim] over a cp group, with `loom.dist.comm`'s byte convention (all-to-all: the rank's send buffer;
@@ -11,7 +11,9 @@ send and receive: the buffer):
   rank's keys and values; backward cp - 1 such exchanges again, and cp of their fp32 gradients (the last
   brings each block's gradients home).
 
-Entries are `loom.cost.traffic.StepCollective`s over axis "cp", so `loom.cost.traffic.summary` and
+`communication_time` prices the lists; `attention_flops` gives the busiest rank's matmul work, which the
+causal mask makes uneven on the contiguous cut. Entries are `loom.cost.traffic.StepCollective`s over axis
+"cp", so `loom.cost.traffic.summary` and
 `CollectiveRecorder.summary(mesh_axes(...))` compare directly.
 """
 
@@ -24,10 +26,21 @@ from loom.cost.collectives import GroupSpan, collective_time
 from loom.cost.hardware import Cluster
 from loom.cost.traffic import StepCollective
 
-__all__ = ["GRAD_BYTES", "communication_time", "ring_collectives", "ulysses_collectives"]
+__all__ = [
+    "BACKWARD_FLOPS_PER_SCORE",
+    "FORWARD_FLOPS_PER_SCORE",
+    "GRAD_BYTES",
+    "attention_flops",
+    "communication_time",
+    "ring_collectives",
+    "ulysses_collectives",
+]
 
 CP = "cp"
 GRAD_BYTES = 4  # ring attention sums key/value gradients in fp32 buffers, which travel as they are
+# per score (one query head, one query, one key), in units of head_dim: forward q.k and p.v (2 each);
+# backward recomputes q.k, then dv, dp, dq and dk (as flash attention's backward does)
+FORWARD_FLOPS_PER_SCORE, BACKWARD_FLOPS_PER_SCORE = 4, 10
 
 
 def _check(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int) -> int:
@@ -103,3 +116,30 @@ def communication_time(collectives: Iterable[StepCollective], span: GroupSpan, c
         kind = "send_recv" if c.kind == "send" else c.kind
         seconds += c.count * collective_time(kind, c.nbytes, span, cluster)
     return seconds
+
+
+def attention_flops(
+    *, batch: int, seq: int, heads: int, head_dim: int, cp: int, kind: str, layout: str, causal: bool
+) -> tuple[float, float]:
+    """Matmul FLOPs of one attention call on the busiest rank of the cp group: (forward, backward).
+
+    Ulysses ("ulysses") attends whole sequences for heads / cp heads on every rank. Ring attention ("ring")
+    attends the rank's queries to every key block; under a causal mask it skips the chunk pairs the mask hides
+    and half-computes those on its diagonal, so the busiest rank of the "contiguous" cut (the last) does
+    (2 cp - 1) / cp times the average, and every rank of the "head_tail" cut the average.
+    """
+    _check(batch, seq, heads, heads, head_dim, cp)
+    if kind == "ulysses":
+        scores = heads / cp * seq * seq * (0.5 if causal else 1.0)
+    elif kind == "ring" and not causal:
+        scores = heads * seq / cp * seq
+    elif kind == "ring" and layout == "contiguous":
+        scores = heads * (2 * cp - 1) * (seq / cp) ** 2 / 2  # r whole chunks and half its own, r = cp - 1
+    elif kind == "ring" and layout == "head_tail":
+        scores = heads * seq * seq / (2 * cp)
+    else:
+        raise ValueError(
+            f"unknown attention {kind!r} or layout {layout!r}: ulysses or ring, contiguous or head_tail"
+        )
+    per_score = batch * head_dim * scores
+    return FORWARD_FLOPS_PER_SCORE * per_score, BACKWARD_FLOPS_PER_SCORE * per_score
