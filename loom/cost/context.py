@@ -1,4 +1,4 @@
-"""The collectives and the compute of one context-parallel attention call (`loom.parallel.context`, `loom.parallel.ring`).
+"""The collectives and compute of one context-parallel attention call (`loom.parallel.context`, `.ring`).
 
 Per rank and per call, for q [batch, heads, seq / cp, head_dim] and k, v [batch, kv_heads, seq / cp,
 head_dim] over a cp group, with `loom.dist.comm`'s byte convention (all-to-all: the rank's send buffer;
@@ -6,15 +6,15 @@ send and receive: the buffer):
 
 - Ulysses: forward one all-to-all of q, k and v together (k and v with their heads repeated up to the least
   common multiple of kv_heads and cp) and one of the output; backward the same two, transposed. Bytes per
-  rank do not grow with cp: each call moves the rank's shards, of which it keeps 1 / cp.
+  rank are the rank's shards, which shrink as 1 / cp.
 - Ring: forward cp - 1 exchanges (a send to the next rank and a receive from the previous one) of the
   rank's keys and values; backward cp - 1 such exchanges again, and cp of their fp32 gradients (the last
-  brings each block's gradients home).
+  brings each block's gradients home). Bytes per rank stay near the whole sequence's keys and values
+  ((cp - 1) blocks of seq / cp) whatever cp is.
 
 `communication_time` prices the lists; `attention_flops` gives the busiest rank's matmul work, which the
 causal mask makes uneven on the contiguous cut. Entries are `loom.cost.traffic.StepCollective`s over axis
-"cp", so `loom.cost.traffic.summary` and
-`CollectiveRecorder.summary(mesh_axes(...))` compare directly.
+"cp", so `loom.cost.traffic.summary` and `CollectiveRecorder.summary(mesh_axes(...))` compare directly.
 """
 
 from __future__ import annotations
