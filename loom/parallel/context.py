@@ -5,9 +5,10 @@ to attend over the whole sequence:
 
 - `ulysses_attention` (DeepSpeed-Ulysses): one all-to-all turns the sequence cut into a head cut (every rank
   gets the whole sequence for heads / cp heads), attention runs locally, a second all-to-all turns the head
-  cut back. Traffic per rank is independent of cp, but cp must divide the head count.
+  cut back. Traffic per rank is its own shards (it shrinks as 1 / cp), but cp must divide the head count.
 - `ring_attention` (`loom.parallel.ring`): key/value blocks travel around the ranks (cp - 1 exchanges),
-  partial results are merged by their log-sum-exp. Any head count; traffic grows with the sequence.
+  partial results are merged by their log-sum-exp. Any head count; traffic per rank is about the whole
+  sequence's keys and values, whatever cp is, but it overlaps with the attention of the block in hand.
 
 How the sequence is cut (`shard_sequence`): "contiguous" gives rank r the r-th of cp equal pieces;
 "head_tail" cuts the sequence into 2 * cp chunks and gives rank r chunks r and 2 * cp - 1 - r, so that under
