@@ -10,11 +10,17 @@ one device (strategies ignored) and on a dp x tp mesh:
   logits whose vocabulary dim is cut over `tp` (computed from max, log-sum-exp and the target's logit, each
   a reduction over the cut dim);
 - sequence parallelism (optional): norms and residual additions work on the sequence cut over `tp`; the
-  pending sums become reduce-scatters and the column-parallel inputs all-gathers, as in Megatron.
+  pending sums become reduce-scatters and the column-parallel inputs all-gathers, as in Megatron;
+- context parallelism (optional, `cp > 1`): each rank of the mesh's `cp` axis brings a shard of every
+  sequence (`shard_inputs`), which the model treats as rows of their own: the batch is cut over dp x cp, so
+  the mean loss is over every token and the parameter gradients are reduced over dp x cp like any pending sum.
+  Only attention mixes positions: it runs on local shards by Ulysses or ring attention over the `cp` group,
+  and positions (rotary or learned) are looked up by each token's global position.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -25,8 +31,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from loom import ops
+from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
+from loom.parallel.context import shard_sequence, ulysses_attention
+from loom.parallel.lift import attention_on_local_shards
+from loom.parallel.local_region import contiguous_strides
+from loom.parallel.ring import ring_attention
+
+CONTEXT_ATTENTIONS = {"ulysses": ulysses_attention, "ring": ring_attention}
 
 
 @dataclass(frozen=True)
@@ -36,14 +49,25 @@ class Strategies:
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+    attention: str = "ulysses"  # how attention spans the sequence cut over cp: "ulysses" or "ring"
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.tp < 1:
-            raise ValueError(f"dp {self.dp} and tp {self.tp} must be positive")
+        if self.dp < 1 or self.tp < 1 or self.cp < 1:
+            raise ValueError(f"dp {self.dp}, tp {self.tp} and cp {self.cp} must be positive")
+        if self.attention not in CONTEXT_ATTENTIONS:
+            raise ValueError(f"attention {self.attention!r} is not one of {sorted(CONTEXT_ATTENTIONS)}")
 
     @property
     def layout(self) -> Layout:
-        return Layout((self.dp, self.tp), ("dp", "tp"))
+        # the cp ranks' sequence shards are rows of their own: the "dp" axis of the maps spans dp x cp
+        return Layout((self.dp * self.cp, self.tp), ("dp", "tp"))
+
+    @property
+    def sequence_layout(self) -> str:
+        """How the sequence is cut over cp: head-tail balances ring attention's causal work; Ulysses gathers
+        the whole sequence per head, so a plain contiguous cut serves it."""
+        return "head_tail" if self.attention == "ring" else "contiguous"
 
     def map(self, *dims: str) -> object:
         return self.layout(*dims)
@@ -67,6 +91,12 @@ class Strategies:
     def heads(self):
         """(batch, heads, seq, head_dim) with the heads cut over tp."""
         return self.map("dp", "tp", "None", "None")
+
+    @property
+    def rotary_table(self):
+        """Rotary tables: (seq, head_dim), whole; with cp > 1 (batch, 1, seq, head_dim), one per row, as the
+        rows' tokens sit at different global positions."""
+        return self.map("dp", "None", "None", "None") if self.cp > 1 else self.map("None", "None")
 
 
 class Norm(nn.Module):
@@ -95,11 +125,12 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head (or grouped-query) self-attention with heads cut over tp."""
+    """Causal multi-head (or grouped-query) self-attention with heads cut over tp; with cp > 1 the sequence
+    is cut over the `mesh`'s cp axis and attention spans it by Ulysses or ring attention."""
 
-    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+    def __init__(self, config: GPTConfig, s: Strategies, mesh: Mesh | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.strategies, self.mesh = config, s, mesh
         d, kv = config.d_model, config.kv_heads * config.head_dim
         self.wq = nn.Parameter(torch.empty(d, d))
         self.wk = nn.Parameter(torch.empty(d, kv))
@@ -119,8 +150,8 @@ class Attention(nn.Module):
         self.merge = ops.Reshape().shard((s.map("dp", "None", "tp", "None"),))
         self.out_proj = ops.BatchMatMul().shard((s.columns, s.map("tp", "None")))
         if config.positions == "rotary":
-            self.rotate = ops.Mul().shard((s.heads, s.map("None", "None")))
-            self.rotate_sin = ops.Mul().shard((s.heads, s.map("None", "None")))
+            self.rotate = ops.Mul().shard((s.heads, s.rotary_table))
+            self.rotate_sin = ops.Mul().shard((s.heads, s.rotary_table))
             self.rotate_add = ops.Add().shard((s.heads, s.heads))
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -139,12 +170,33 @@ class Attention(nn.Module):
         v = self._heads(self.v_proj(x, self.wv), c.kv_heads)
         if rope is not None:
             q, k = self._rope(q, *rope), self._rope(k, *rope)
+        if self.strategies.cp > 1:
+            return self._output(self._attend_over_cp(q, k, v))
         if c.kv_heads != c.n_heads:  # each key/value head serves a group of query heads
             k, v = (_repeat_heads(t, c.n_heads // c.kv_heads) for t in (k, v))
         scores = self.mask(self.scores(q, k) * (1.0 / math.sqrt(c.head_dim)), mask)
-        out = self.from_heads(self.mix(self.softmax(scores), v), (0, 2, 1, 3))
+        return self._output(self.mix(self.softmax(scores), v))
+
+    def _output(self, heads: torch.Tensor) -> torch.Tensor:
+        out = self.from_heads(heads, (0, 2, 1, 3))
         batch, seq = out.shape[:2]
-        return self.out_proj(self.merge(out, (batch, seq, c.d_model)), self.wo)
+        return self.out_proj(self.merge(out, (batch, seq, self.config.d_model)), self.wo)
+
+    def _attend_over_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's sequence shards over the whole sequence of the cp group (key/value
+        heads unrepeated: both attentions take grouped-query inputs, and ring sends only kv heads)."""
+        s = self.strategies
+        attend = functools.partial(
+            CONTEXT_ATTENTIONS[s.attention],
+            group=self.mesh.axis_group("cp"),
+            causal=True,
+            layout=s.sequence_layout,
+        )
+        if isinstance(q, DTensor):
+            return attention_on_local_shards(attend, q, k, v)
+        if q.is_meta:  # the layout dry run: shapes only, no exchanges
+            return torch.empty_like(q)
+        return attend(q, k, v)
 
 
 def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -183,10 +235,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+    def __init__(self, config: GPTConfig, s: Strategies, mesh: Mesh | None = None) -> None:
         super().__init__()
         self.norm1, self.norm2 = Norm(config, s), Norm(config, s)
-        self.attention = Attention(config, s)
+        self.attention = Attention(config, s, mesh)
         self.mlp = MLP(config, s)
         self.residual1 = ops.Add().shard((s.stream, s.stream))
         self.residual2 = ops.Add().shard((s.stream, s.stream))
@@ -197,9 +249,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The decoder: `model(ids)` gives logits (vocab dim cut over tp); `model(ids, targets)` the mean loss."""
+    """The decoder: `model(ids)` gives logits (vocab dim cut over tp); `model(ids, targets)` the mean loss.
 
-    def __init__(self, config: GPTConfig, strategies: Strategies | None = None) -> None:
+    With `strategies.cp > 1`, `mesh` (whose `cp` axis cuts the sequence) is needed, and each rank brings its
+    shard of the ids and targets (`shard_inputs`).
+    """
+
+    def __init__(
+        self, config: GPTConfig, strategies: Strategies | None = None, mesh: Mesh | None = None
+    ) -> None:
         super().__init__()
         s = strategies or Strategies()
         if config.n_heads % s.tp or config.kv_heads % s.tp:
@@ -207,16 +265,18 @@ class GPT(nn.Module):
                 f"tp {s.tp} must divide n_heads {config.n_heads} and n_kv_heads {config.kv_heads} "
                 f"(attention heads are cut over tp)"
             )
-        self.config, self.strategies = config, s
+        _check_context(config, s, mesh)
+        self.config, self.strategies, self.mesh = config, s, mesh
         self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
         self.lookup = ops.Gather().shard((s.map("tp", "None"), s.map("dp", "None")))
         self.enter = ops.Identity().shard((s.stream,))
         if config.positions == "learned":
             self.positions = nn.Parameter(torch.empty(config.max_seq_len, config.d_model))
-            self.add_positions = ops.Add().shard(
-                (s.stream, s.map("tp" if s.sequence_parallel else "None", "None"))
-            )
-        self.blocks = nn.ModuleList(Block(config, s) for _ in range(config.n_layers))
+            table = s.stream if s.cp > 1 else s.map("tp" if s.sequence_parallel else "None", "None")
+            self.add_positions = ops.Add().shard((s.stream, table))
+        if s.cp > 1:  # tables looked up by each token's global position
+            self.position_rows = ops.Gather().shard((s.map("None", "None"), s.map("dp", "None")))
+        self.blocks = nn.ModuleList(Block(config, s, mesh) for _ in range(config.n_layers))
         self.norm = Norm(config, s)
         if not config.tie_embeddings:
             self.head = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
@@ -232,16 +292,59 @@ class GPT(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = ids.shape[1]
         x = self.lookup(self.embedding, ids)
+        positions = self._token_positions(ids) if self.strategies.cp > 1 else None
         if self.config.positions == "learned":
-            x = self.add_positions(x, self.positions[:seq])
+            table = (
+                self.positions[:seq] if positions is None else self.position_rows(self.positions, positions)
+            )
+            x = self.add_positions(x, table)
         else:
             x = self.enter(x)
         mask = self.causal_mask[:seq, :seq]
-        rope = (self.rope_cos[:seq], self.rope_sin[:seq]) if self.config.positions == "rotary" else None
+        rope = None
+        if self.config.positions == "rotary" and positions is None:
+            rope = (self.rope_cos[:seq], self.rope_sin[:seq])
+        elif self.config.positions == "rotary":  # per row: (batch, 1, seq / cp, head_dim)
+            rope = tuple(
+                self.position_rows(t, positions).unsqueeze(1) for t in (self.rope_cos, self.rope_sin)
+            )
         for block in self.blocks:
             x = block(x, mask, rope)
         logits = self.logits(self.norm(x), self.embedding if self.config.tie_embeddings else self.head)
         return logits if targets is None else vocab_parallel_cross_entropy(logits, targets)
+
+    def _token_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The global position of every token this rank holds, shaped and laid out as `ids` (batch, seq / cp):
+        the sequence cut over cp as `shard_inputs` cuts the tokens."""
+        s, local = self.strategies, ids.to_local() if isinstance(ids, DTensor) else ids
+        whole = ids.shape[1] * s.cp
+        if whole > self.config.max_seq_len:
+            raise ValueError(
+                f"the sequence of {whole} tokens ({ids.shape[1]} per rank x cp {s.cp}) is longer than "
+                f"max_seq_len {self.config.max_seq_len}"
+            )
+        every = torch.arange(whole, device=local.device)
+        mine = shard_sequence(every, 0, self.mesh.axis_group("cp"), layout=s.sequence_layout)
+        mine = mine.expand(local.shape).contiguous()
+        if not isinstance(ids, DTensor):
+            return mine
+        return DTensor.from_local(
+            mine,
+            ids.device_mesh,
+            ids.placements,
+            run_check=False,
+            shape=ids.shape,
+            stride=contiguous_strides(ids.shape),
+        )
+
+    def shard_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's shard of each (batch, seq) tensor (ids; targets already shifted on the whole
+        sequence), cut over the cp axis as the model expects; unchanged with cp = 1."""
+        s = self.strategies
+        if s.cp == 1:
+            return tensors
+        group = self.mesh.axis_group("cp")
+        return tuple(_shard_tokens(t, group, s) for t in tensors)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -272,6 +375,34 @@ class GPT(nn.Module):
         if exclude_embeddings:
             total -= self.embedding.numel() + (self.positions.numel() if hasattr(self, "positions") else 0)
         return total
+
+
+def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:
+    """What context parallelism needs of the model and the mesh, refused at construction."""
+    if s.cp == 1:
+        return
+    if s.attention == "ulysses" and config.n_heads % (s.tp * s.cp):
+        raise ValueError(
+            f"Ulysses attention cuts each tp rank's heads over cp: tp x cp = {s.tp * s.cp} must divide n_heads "
+            f"{config.n_heads}; use attention='ring', which takes any head count"
+        )
+    if mesh is None or mesh.axis_size("cp") != s.cp:
+        found = "no mesh" if mesh is None else f"the mesh {mesh}"
+        raise ValueError(
+            f"cp {s.cp} needs the mesh whose 'cp' axis has {s.cp} ranks (GPT(..., mesh=mesh)); got {found}"
+        )
+
+
+def _shard_tokens(t: torch.Tensor, group: object, s: Strategies) -> torch.Tensor:
+    """One (batch, seq) tensor's shard along the sequence, with the error naming the fix."""
+    chunks = s.cp * (2 if s.sequence_layout == "head_tail" else 1)
+    if t.shape[1] % chunks:
+        raise ValueError(
+            f"the sequence of {t.shape[1]} tokens does not cut evenly over cp {s.cp} with {s.attention} attention "
+            f"({s.sequence_layout!r} layout: {chunks} equal chunks); use a sequence length that is a multiple of "
+            f"{chunks}"
+        )
+    return shard_sequence(t, 1, group, layout=s.sequence_layout)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

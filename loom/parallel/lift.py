@@ -32,7 +32,13 @@ from torch.utils._pytree import tree_map
 from loom.dist import consistency
 from loom.parallel.local_region import contiguous_strides, pending_over_rows, row_placements
 
-__all__ = ["LiftPlainTensors", "lifting", "local_attention", "local_cross_entropy"]
+__all__ = [
+    "LiftPlainTensors",
+    "attention_on_local_shards",
+    "lifting",
+    "local_attention",
+    "local_cross_entropy",
+]
 
 
 def _is_plain(x: object) -> bool:
@@ -76,6 +82,28 @@ def local_attention(
     keeps each query head with its key/value head when the cut divides the key/value heads). A mask is cut
     alike where it is not broadcast.
     """
+    if isinstance(attn_mask, torch.Tensor):
+        kwargs = {**kwargs, "attn_mask": attn_mask}
+    elif attn_mask is not None or args:
+        args = (attn_mask, *args)
+    return attention_on_local_shards(F.scaled_dot_product_attention, query, key, value, *args, **kwargs)
+
+
+def attention_on_local_shards(
+    attend: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: Any,
+    attn_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """`attend(query, key, value, *args, **kwargs)` (an attention over (..., seq, dim)) on DTensors' local
+    shards, laid out as `local_attention` says; the output is a DTensor with the query's kept placements.
+
+    `attend` may itself communicate (context-parallel attention over a process group of its own): each rank
+    hands it the rows and heads it holds.
+    """
     like = next(t for t in (query, key, value) if isinstance(t, DTensor))
     mesh = like.device_mesh
     placements = [_attention_placement(p, like.ndim) for p in like.placements]
@@ -83,10 +111,10 @@ def local_attention(
     _check_heads(query, key, placements)
     if isinstance(attn_mask, torch.Tensor):
         mask = _as_dtensor(attn_mask, like)
-        attn_mask = mask.redistribute(mesh, _mask_placements(placements, mask, query.ndim)).to_local()
-    out = F.scaled_dot_product_attention(
-        _LocalPiece.apply(query), _LocalPiece.apply(key), _LocalPiece.apply(value), attn_mask, *args, **kwargs
-    )
+        kwargs["attn_mask"] = mask.redistribute(
+            mesh, _mask_placements(placements, mask, query.ndim)
+        ).to_local()
+    out = attend(_LocalPiece.apply(query), _LocalPiece.apply(key), _LocalPiece.apply(value), *args, **kwargs)
     shape = (*query.shape[:-1], value.shape[-1])  # given: an uneven cut would misstate it
     return DTensor.from_local(
         out.contiguous(), mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape)

@@ -126,7 +126,8 @@ def parallelize(
     run that lays out the parameters; operators without a strategy run data parallel; outputs are global DTensors (`loom.full`).
     The decisions are in `model.loom` (`model.loom.describe()`).
 
-    `batch_axes` (semi_auto): the mesh axes whose ranks bring different parts of the batch (default `"dp"`);
+    `batch_axes` (semi_auto): the mesh axes whose ranks bring different parts of the batch (default `"dp"`,
+    and `"cp"`, whose ranks bring different pieces of the sequences);
     the ranks along the other axes must bring the same rows. `()` on a mesh without a batch axis: every
     rank brings the same whole batch. A mesh without a `"dp"` axis needs it (or `full_batch=True`).
     The ranks' agreement (strategies, replicated inputs) is checked on the first forward: see
@@ -385,14 +386,14 @@ def _check_arguments(
 
 
 def _batch_dims(mesh: Mesh, batch_axes: str | Sequence[str] | None, full_batch: bool) -> tuple[int, ...]:
-    """The canonical mesh dims that cut the batch: those of `batch_axes` (default "dp"), none with
+    """The canonical mesh dims that cut the batch: those of `batch_axes` (default "dp" and "cp"), none with
     `full_batch`."""
     if batch_axes is None:
-        if "dp" in mesh.shape.names or full_batch:
-            axes: tuple[str, ...] = ("dp",) if "dp" in mesh.shape.names else ()
-        else:
+        # context-parallel ranks bring different pieces of the sequences: rows of their own, as dp's
+        axes: tuple[str, ...] = tuple(a for a in ("dp", "cp") if a in mesh.shape.names)
+        if not (axes or full_batch):
             raise ValueError(
-                f"parallelize(mode='semi_auto'): the mesh {mesh} has no 'dp' axis, so loom cannot tell which "
+                f"parallelize(mode='semi_auto'): the mesh {mesh} has no 'dp' (or 'cp') axis, so loom cannot tell which "
                 f"ranks bring different parts of the batch: pass batch_axes naming the mesh axes that split the "
                 f"batch (e.g. batch_axes=({mesh.shape.names[0]!r},)), or batch_axes=() if every rank brings the "
                 f"same whole batch (or full_batch=True)"
