@@ -3,7 +3,8 @@
 3 SGD steps of a rotary GPT (2 layers, hidden 32, 4 heads, sequence 16) on 4 ranks, cp = 2 x dp = 2 and
 cp = 2 x tp = 2, with Ulysses and with ring attention: the same losses (rtol `RTOL`) and the same parameters
 (`assert_params_close` with SGD, tests/equivalence.py). Learned positions once (cp = 2 x dp = 2, ring). The
-model's refusals (sequence, heads, mesh) are checked without ranks.
+model's refusals (sequence, heads, mesh) and `[parallel] cp`'s in a training config; `loom train` with
+cp = 2 against tp = 2 (tier 3).
 """
 
 import functools
@@ -11,9 +12,11 @@ import functools
 import pytest
 import torch
 from equivalence import RTOL, assert_params_close
+from job_cases import job_config
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.train.job import run
 
 STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 0.1
 ROTARY = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, positions="rotary")
@@ -108,3 +111,38 @@ def test_ulysses_needs_tp_times_cp_to_divide_the_heads():
         GPT(ROTARY, Strategies(1, 2, cp=4, attention="ring"))
     with pytest.raises(ValueError, match="attention 'flash' is not one of"):
         Strategies(cp=2, attention="flash")
+
+
+def job_case(cp_config, tp_config):
+    return run(cp_config), run(tp_config)
+
+
+def test_loom_train_with_cp_gives_the_losses_of_tp(dist_run, tmp_path):
+    """`[parallel] cp = 2` (ring attention) x dp = 2 against dp = 2 x tp = 2: the same losses, and the report
+    decoded by a whole copy of the model on every rank."""
+    steps = {"steps": 3, "workers": 4}
+    cp = job_config(tmp_path, parallel={"dp": 2, "cp": 2, "attention": "ring"}, train=steps)
+    tp = job_config(tmp_path, parallel={"dp": 2, "tp": 2}, train=steps)
+    for cp_summary, tp_summary in dist_run(4, job_case, cp, tp):
+        torch.testing.assert_close(
+            torch.tensor(cp_summary["losses"]), torch.tensor(tp_summary["losses"]), rtol=RTOL, atol=0
+        )
+        assert len(cp_summary["text_samples"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("parallel", "data", "error"),
+    [
+        ({"cp": 2, "pp": 2, "microbatches": 2}, {}, "pipelines do not cut the sequence over cp yet"),
+        (
+            {"cp": 4, "attention": "ring"},
+            {"seq_len": 12},
+            "into 8 equal chunks; use a seq_len divisible by 8",
+        ),
+        ({"cp": 4}, {}, "tp \\* cp = 4 must divide model.n_heads = 2; use attention = 'ring'"),
+        ({"cp": 2, "attention": "flash"}, {}, "attention"),
+    ],
+)
+def test_train_config_refuses_what_cp_cannot_run(tmp_path, parallel, data, error):
+    with pytest.raises(ValueError, match=error):
+        job_config(tmp_path, parallel={"dp": 1, **parallel}, data=data).validate()

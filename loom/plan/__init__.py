@@ -14,10 +14,11 @@ from loom.cost.plan import (
     FieldError,
     default_schedule,
 )
-from loom.plan.plan import Plan
+from loom.plan.plan import ATTENTIONS, Plan
 from loom.plan.specs import MESH_AXES
 
 __all__ = [
+    "ATTENTIONS",
     "MESH_AXES",
     "OPTIMIZER_LEVELS",
     "PRECISIONS",

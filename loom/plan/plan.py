@@ -62,13 +62,18 @@ def _json_text(value: Any, indent: str = "") -> str:
     return "{\n" + ",\n".join(lines) + "\n" + indent + "}"
 
 
+ATTENTIONS = ("ulysses", "ring")
+"""The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How one model trains: mesh sizes, layouts and strategies by module pattern, pipeline, memory
     policies and precision, and what a planner predicted for it.
 
     Mesh: `dp`, `tp`, `pp`, `ep` (experts, carved out of dp) and `cp` (context); `dp = -1` takes the
-    devices the others leave (see `resolve`). Pipeline: `schedule` (one of `SCHEDULES`), `virtual_stages`
+    devices the others leave (see `resolve`). `attention`: how attention spans a sequence cut over cp
+    (one of `ATTENTIONS`: "ulysses", all-to-alls of heads; "ring", key/value blocks passed around). Pipeline: `schedule` (one of `SCHEDULES`), `virtual_stages`
     model chunks per pipeline rank, `micro_batches` per schedule run, and optionally `stages`, the
     `pp * virtual_stages` stages as blocks per stage or module paths per stage (uneven allowed).
     `strategies`: module pattern -> {"in_strategy", "out_strategy", "parameter_plan"} (MindSpore's `shard`
@@ -81,6 +86,7 @@ class Plan:
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    attention: str = "ulysses"
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batches: int = 1
@@ -116,6 +122,14 @@ class Plan:
                 OWNER, "dp", self.dp, "use a size >= 1, or -1 to fill the devices left by the other axes"
             )
         check_sizes(OWNER, {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp})
+        check_choice(OWNER, "attention", self.attention, ATTENTIONS)
+        if self.cp > 1 and self.pp > 1:
+            raise FieldError(
+                OWNER,
+                "cp",
+                self.cp,
+                f"pipelines do not cut the sequence over cp yet: use cp = 1 with pp = {self.pp}",
+            )
         if self.dp != -1 and self.dp % self.ep:
             raise FieldError(
                 OWNER, "ep", self.ep, f"experts shard the data-parallel axis: divide dp = {self.dp}"

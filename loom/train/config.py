@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig, transformer_config
 from loom.models.config import MLPS, NORMS, POSITIONS, GPTConfig
-from loom.plan import PRECISIONS, RECOMPUTE, SCHEDULE_VIRTUAL, SCHEDULES, FieldError, Plan
+from loom.plan import ATTENTIONS, PRECISIONS, RECOMPUTE, SCHEDULE_VIRTUAL, SCHEDULES, FieldError, Plan
 
 __all__ = [
     "CheckpointConfig",
@@ -317,6 +317,8 @@ class ParallelConfig(_Section):
     schedule: Literal[CONFIG_SCHEDULES] = _key("1f1b", "pipeline schedule when pp > 1")
     microbatches: int = _key(1, "micro-batches per pipeline step (>= pp when pp > 1)")
     sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
+    cp: int = _key(1, "context-parallel size: each sequence cut over cp ranks (the GPT, without pipelines)")
+    attention: Literal[ATTENTIONS] = _key("ulysses", "attention over the cp ranks: ulysses or ring")
     optimizer_level: int = _key(0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters")
     recompute: Literal[RECOMPUTE] = _key("none", "activation recomputation per block")
     stages: tuple[int, ...] | None = _key(
@@ -338,6 +340,8 @@ class ParallelConfig(_Section):
                 virtual_stages=SCHEDULE_VIRTUAL[self.schedule][0],
                 micro_batches=self.microbatches if self.pp > 1 else 1,
                 sequence_parallel=self.sequence_parallel,
+                cp=self.cp,
+                attention=self.attention,
                 optimizer_level=self.optimizer_level,
                 recompute=self.recompute,
                 precision=precision,
@@ -584,16 +588,39 @@ class TrainConfig:
             )
         if par.pp > model.n_layers:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
+        self._check_context()
         self.check_pipeline()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
         if dp is not None:
             self._check_batch_split(dp)
         return self
 
+    def _check_context(self) -> None:
+        """With `parallel.cp > 1`: the sequence must cut evenly and, for Ulysses, the heads too."""
+        model, data, par = self.model, self.data, self.parallel
+        if par.cp == 1:
+            return
+        chunks = 2 * par.cp if par.attention == "ring" else par.cp  # ring: the head-tail cut
+        if data.seq_len % chunks:
+            raise ValueError(
+                f"parallel.cp = {par.cp} with {par.attention} attention cuts data.seq_len = {data.seq_len} into "
+                f"{chunks} equal chunks; use a seq_len divisible by {chunks}"
+            )
+        if par.attention == "ulysses" and model.n_heads % (par.tp * par.cp):
+            raise ValueError(
+                f"parallel.attention = 'ulysses' cuts each tp rank's heads over cp: tp * cp = {par.tp * par.cp} "
+                f"must divide model.n_heads = {model.n_heads}; use attention = 'ring' or a smaller cp"
+            )
+
     def _check_hf_parallel(self, world_size: int | None) -> None:
         """What `[parallel]` cannot do with a Hugging Face model through `loom train` yet (some rules need
         the data-parallel size: checked once `world_size` is known, or `parallel.dp` set)."""
         par, model = self.parallel, self.model
+        if par.cp > 1:
+            raise ValueError(
+                f"parallel.cp = {par.cp}: context parallelism is built into loom's GPT, not into Hugging Face "
+                "models yet; set parallel.cp = 1"
+            )
         if par.tp > 1 and par.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "

@@ -78,9 +78,10 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised."""
     par = config.parallel
+    strategies = Strategies(mesh.dp_size, par.tp, par.sequence_parallel, cp=par.cp, attention=par.attention)
     with torch.device("meta"):
-        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
-    loom.parallelize(model, mode="semi_auto", example_inputs=example)
+        model = GPT(gpt_config(config), strategies, mesh=mesh)
+    loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(*example))
     model.loom.materialize(model, "cpu")
     model.init_weights(config.train.seed)
     for block in model.blocks:
@@ -367,16 +368,21 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
             else pipeline_plan_text(config, model, mesh),
             flush=True,
         )
-    steps = (micro_batches(next(batches), t.grad_accum) for _ in iter(int, 1))
+    steps = (micro_batches(_sequence_shards(model, next(batches)), t.grad_accum) for _ in iter(int, 1))
     start, first_step = time.perf_counter(), trainer.step + 1
     results = trainer.fit(
-        steps, t.steps - trainer.step, t.eval_every, lambda: _eval_batches(config, mesh)
+        steps,
+        t.steps - trainer.step,
+        t.eval_every,
+        lambda: [_sequence_shards(model, batch) for batch in _eval_batches(config, mesh)],
     )  # a resumed run does the steps left
     if checkpointer is not None and checkpointer.last_saved_step != trainer.step:
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
-    if pipeline is None:
+    if isinstance(model, GPT) and model.strategies.cp > 1:
+        summary.update(_context_parallel_report(config, dataset, model))
+    elif pipeline is None:
         summary.update(_report(config, dataset, model))
     else:
         summary.update(_pipeline_report(config, dataset, model, mesh, pipeline))
@@ -388,6 +394,27 @@ def _report(config: TrainConfig, dataset: object, model: nn.Module) -> dict:
     if isinstance(dataset, ArithmeticCorpus):
         return _arithmetic_report(dataset, model)
     return _text_samples(config, dataset, model)
+
+
+def _sequence_shards(model: nn.Module, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """This rank's piece of a local batch's sequences: cut over cp for loom's GPT (whole with cp = 1)."""
+    return tuple(model.shard_inputs(*batch)) if isinstance(model, GPT) else tuple(batch)
+
+
+def _context_parallel_report(config: TrainConfig, dataset: object, model: GPT) -> dict:
+    """The report of a context-parallel run (`_report`): sampling grows whole sequences one token at a
+    time, which the cp cut of fixed shards cannot, so a one-device copy of the model (its parameters
+    gathered whole) decodes on rank 0, which sends its report to the others."""
+    with model.loom.full_parameters():
+        state = {name: loom.full(p).detach() for name, p in model.named_parameters()}
+    report: list[dict | None] = [None]
+    if loom.rank() == 0:
+        with unsharded():  # the whole model computes on this process alone
+            whole = GPT(model.config)
+            whole.load_state_dict(state)
+            report = [_report(config, dataset, whole)]
+    dist.broadcast_object_list(report, src=0)
+    return report[0]
 
 
 def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
