@@ -34,7 +34,7 @@ from loom import ops
 from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
-from loom.parallel.context import shard_sequence, ulysses_attention
+from loom.parallel.context import chunk_count, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.local_region import contiguous_strides
 from loom.parallel.ring import ring_attention
@@ -395,7 +395,7 @@ def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:
 
 def _shard_tokens(t: torch.Tensor, group: object, s: Strategies) -> torch.Tensor:
     """One (batch, seq) tensor's shard along the sequence, with the error naming the fix."""
-    chunks = s.cp * (2 if s.sequence_layout == "head_tail" else 1)
+    chunks = chunk_count(s.cp, s.sequence_layout)
     if t.shape[1] % chunks:
         raise ValueError(
             f"the sequence of {t.shape[1]} tokens does not cut evenly over cp {s.cp} with {s.attention} attention "

@@ -393,7 +393,7 @@ def _batch_dims(mesh: Mesh, batch_axes: str | Sequence[str] | None, full_batch: 
         axes: tuple[str, ...] = tuple(a for a in ("dp", "cp") if a in mesh.shape.names)
         if not (axes or full_batch):
             raise ValueError(
-                f"parallelize(mode='semi_auto'): the mesh {mesh} has no 'dp' (or 'cp') axis, so loom cannot tell which "
+                f"parallelize(mode='semi_auto'): the mesh {mesh} has no 'dp' axis (nor 'cp'), so loom cannot tell which "
                 f"ranks bring different parts of the batch: pass batch_axes naming the mesh axes that split the "
                 f"batch (e.g. batch_axes=({mesh.shape.names[0]!r},)), or batch_axes=() if every rank brings the "
                 f"same whole batch (or full_batch=True)"

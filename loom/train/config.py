@@ -600,7 +600,9 @@ class TrainConfig:
         model, data, par = self.model, self.data, self.parallel
         if par.cp == 1:
             return
-        chunks = 2 * par.cp if par.attention == "ring" else par.cp  # ring: the head-tail cut
+        # the GPT cuts for ring attention head-tail (2 * cp chunks), for Ulysses contiguously (cp chunks):
+        # `Strategies.sequence_layout`, `loom.parallel.context.chunk_count` (not imported here: no torch)
+        chunks = 2 * par.cp if par.attention == "ring" else par.cp
         if data.seq_len % chunks:
             raise ValueError(
                 f"parallel.cp = {par.cp} with {par.attention} attention cuts data.seq_len = {data.seq_len} into "
