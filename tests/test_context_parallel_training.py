@@ -2,20 +2,28 @@
 
 3 SGD steps of a rotary GPT (2 layers, hidden 32, 4 heads, sequence 16) on 4 ranks, cp = 2 x dp = 2 and
 cp = 2 x tp = 2, with Ulysses and with ring attention: the same losses (rtol `RTOL`) and the same parameters
-(`assert_params_close` with SGD, tests/equivalence.py). Learned positions once (cp = 2 x dp = 2, ring). The
-model's refusals (sequence, heads, mesh) and `[parallel] cp`'s in a training config; `loom train` with
+(`assert_params_close` with SGD, tests/equivalence.py); with tp = 2 the second step's collectives, recorded,
+equal `Plan.predicted_collectives` (kind, axes, bytes, count). Learned positions once (cp = 2 x dp = 2,
+ring). The model's refusals (sequence, heads, mesh) and `[parallel] cp`'s in a training config; `loom train` with
 cp = 2 against tp = 2 (tier 3).
 """
 
+import contextlib
 import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 from equivalence import RTOL, assert_params_close
 from job_cases import job_config
+from torch.distributed.tensor import DTensor
 
 import loom
+from loom.cost.traffic import summary
+from loom.cost.transformer import transformer_config
+from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.plan import Plan
 from loom.train.job import run
 
 STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 0.1
@@ -32,16 +40,24 @@ def _batches():
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def _train(model, batches):
+def _train(model, batches, watch=None):
+    """SGD steps; `watch` (a context manager) around the second step, the first having checked the ranks'
+    agreement and learnt the gradient buckets."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for ids, targets in batches:
-        optimizer.zero_grad()
-        loss = model(ids, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item() if not hasattr(loss, "full_tensor") else loss.full_tensor().item())
+    for step, (ids, targets) in enumerate(batches):
+        with watch if watch is not None and step == 1 else contextlib.nullcontext():
+            loss = _step(model, optimizer, ids, targets)
+        losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())  # not watched
     return losses
+
+
+def _step(model, optimizer, ids, targets):
+    optimizer.zero_grad()
+    loss = model(ids, targets)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 @functools.cache
@@ -52,7 +68,8 @@ def _reference(config):
 
 
 def train_case(dp, tp, attention, config):
-    """Losses and whole parameters after training on a dp x cp x tp mesh (cp = 2)."""
+    """Losses, whole parameters and the second step's collectives after training on a dp x cp x tp mesh
+    (cp = 2)."""
     mesh = loom.init({"dp": dp, "cp": 2, "tp": tp})
     model = GPT(config, Strategies(dp, tp, cp=2, attention=attention), mesh=mesh)
     batches = [
@@ -60,8 +77,18 @@ def train_case(dp, tp, attention, config):
         for ids, targets in _batches()
     ]
     loom.parallelize(model, mode="semi_auto", example_inputs=batches[0])
-    losses = _train(model, batches)
-    return losses, {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    recorder = CollectiveRecorder()
+    losses = _train(model, batches, recorder)
+    params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    return losses, params, recorder.summary(mesh_axes(("dp", "cp", "tp"), (dp, 2, tp), dist.get_rank()))
+
+
+def _predicted(dp, tp, attention):
+    plan = Plan(dp=dp, cp=2, tp=tp, attention=attention)
+    predicted = plan.predicted_collectives(
+        transformer_config(ROTARY), global_batch=GLOBAL_BATCH, seq=SEQ, counted_loss=False
+    )
+    return summary(predicted)
 
 
 def _refusal(make) -> str:
@@ -95,13 +122,16 @@ def test_context_parallel_training_matches_one_device(dist_run):
         assert "multiple of 2" in refusals[1], refusals[1]
         assert "20 tokens (10 per rank x cp 2) is longer than max_seq_len 16" in refusals[2], refusals[2]
         assert "needs the mesh whose 'cp' axis has 2 ranks" in refusals[3], refusals[3]
-        for (dp, tp, attention, config), (losses, params) in zip(CASES, per_rank, strict=True):
+        for (dp, tp, attention, config), (losses, params, recorded) in zip(CASES, per_rank, strict=True):
             expected, reference = _reference(config)
             case = f"dp {dp} tp {tp} {attention} {config.positions}"
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0, msg=case
             )
             assert_params_close(params, reference, lr=LR, steps=STEPS, eps=1.0)
+            if tp > 1:  # the prediction covers tensor-parallel layouts
+                expected = _predicted(dp, tp, attention)
+                assert recorded == expected, (case, recorded - expected, expected - recorded)
 
 
 def test_ulysses_needs_tp_times_cp_to_divide_the_heads():

@@ -48,6 +48,8 @@ RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 OPTIMIZER_LEVELS: tuple[int, ...] = (0, 1, 2, 3)  # MindSpore's optimizer levels, ZeRO's stages
 LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
+ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
+"""The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
 
 
 class FieldError(ValueError):
@@ -132,11 +134,14 @@ class ParallelPlan:
     flash_attention: bool = False  # fused attention: no s x s tensors stored or moved
     dtype: str = "bf16"
     stage_layers: tuple[int, ...] = ()
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.cost.traffic` only)
+    attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
-        sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq")
+        sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "cp")
         check_sizes(owner, {name: getattr(self, name) for name in sizes})
+        check_choice(owner, "attention", self.attention, ATTENTIONS)
         check_choice(owner, "recompute", self.recompute, RECOMPUTE)
         check_choice(owner, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
         check_choice(owner, "dtype", self.dtype, PRECISIONS)
@@ -172,8 +177,8 @@ class ParallelPlan:
 
     @property
     def devices(self) -> int:
-        """Devices the plan uses: dp * tp * pp (ep lives inside dp)."""
-        return self.dp * self.tp * self.pp
+        """Devices the plan uses: dp * cp * tp * pp (ep lives inside dp)."""
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def micro_batches(self) -> int:

@@ -47,7 +47,13 @@ gpipe, 1f1b or interleaved), per pipeline rank, for each of its stages (stage v 
 - the step: the loss summed over the world (`Pipeline.global_loss`), and the squared gradient norm
   (`Trainer`'s global norm).
 
-Not predicted: experts, context parallelism, gradient accumulation, recomputation (its forward collectives
+Context parallelism (cp > 1, loom's GPT without pipelines): each rank holds seq / cp tokens of each of its
+sequences, which count as rows of their own, so the tensor-parallel collectives above move seq / cp tokens,
+what went over dp goes over dp+cp (the gradient sync, the loss's count) and the even-batch check over the
+whole mesh; each layer adds its attention's exchanges over cp (`loom.cost.context`: Ulysses' all-to-alls or
+ring attention's sends and receives).
+
+Not predicted: experts, context parallelism with learned positions or pipelines, gradient accumulation, recomputation (its forward collectives
 run again in backward), mixed precision's fp32 gradients, zero-bubble schedules (weight passes apart, a V
 placement); on a stage mesh with dp > 1, the last stage's all-reduce of each micro-batch's loss over dp
 (`sharded_loss` makes it global, a sum `Pipeline.global_loss` makes again over the world).
@@ -69,6 +75,7 @@ from loom.cost.transformer import TransformerConfig
 __all__ = [
     "AGREE_BYTES_PER_PARAMETER",
     "StepCollective",
+    "attention_collectives",
     "axis_name",
     "embedding_collectives",
     "gradient_collectives",
@@ -87,7 +94,7 @@ AGREE_BYTES_PER_PARAMETER = (
 CHECK_BYTES_PER_INPUT = 8  # loom's even-batch check: a float32 size and its negation per tensor input
 ROW_BYTES = 4  # cross entropy's per-row numbers are fp32 (the logits are upcast for the loss)
 
-DP, TP, PP, WORLD = "dp", "tp", "pp", "dp+tp"
+DP, CP, TP, PP, WORLD = "dp", "cp", "tp", "pp", "dp+tp"
 PIPELINE_WORLD = "pp+dp+tp"  # every rank of a pipeline run
 TIED = "pp+dp"  # the replicas of the pipeline ranks that hold a tied table's copies (the first and the last)
 LOSS_BYTES, NORM_BYTES = 4, 8  # the step's loss (fp32) and its squared gradient norm (fp64), summed
@@ -109,7 +116,7 @@ class StepCollective:
 
 def _axis_sizes(axis: str, plan: ParallelPlan) -> dict[str, int]:
     """The size of each mesh axis of `axis` (axes joined by "+")."""
-    sizes = {PP: plan.pp, DP: plan.dp, TP: plan.tp}
+    sizes = {PP: plan.pp, DP: plan.dp, CP: plan.cp, TP: plan.tp}
     return {name: sizes[name] for name in axis.split("+")}
 
 
@@ -384,13 +391,54 @@ def step_collectives(
         )
     if plan.tp == 1:
         raise ValueError("step_collectives predicts tensor-parallel layouts (tp > 1, loom's semi_auto mode)")
+    if plan.cp > 1 and model.learned_positions:
+        raise ValueError("step_collectives predicts context parallelism with rotary positions only")
+    rows = _shards_as_rows(plan)
     check = StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
                            phase="forward", source="even-batch check of the inputs' sizes")  # fmt: skip
+    layer = layer_collectives(model, rows) + attention_collectives(model, plan)
     return _named(
-        [check, *embedding_collectives(model, plan), *_times(layer_collectives(model, plan), model.layers),
-         *head_collectives(model, plan, counted_loss=counted_loss),
-         *gradient_collectives(model, plan, bucket_mb=bucket_mb)],
+        _batch_over_cp(
+            [check, *embedding_collectives(model, rows), *_times(layer, model.layers),
+             *head_collectives(model, rows, counted_loss=counted_loss),
+             *gradient_collectives(model, rows, bucket_mb=bucket_mb)],
+            plan,
+        ),
         plan,
+    )  # fmt: skip
+
+
+def _shards_as_rows(plan: ParallelPlan) -> ParallelPlan:
+    """The plan as loom's GPT runs it under cp > 1: each rank's piece of a sequence (seq / cp tokens) is a
+    row of its own, the batch cut over dp * cp (named back to dp+cp by `_batch_over_cp`)."""
+    if plan.cp == 1:
+        return plan
+    if plan.seq % plan.cp:
+        raise ValueError(f"a sequence of {plan.seq} tokens does not cut into cp = {plan.cp} equal shards")
+    return dataclasses.replace(
+        plan, dp=plan.dp * plan.cp, cp=1, global_batch=plan.global_batch * plan.cp, seq=plan.seq // plan.cp
+    )
+
+
+def _batch_over_cp(items: list[StepCollective], plan: ParallelPlan) -> list[StepCollective]:
+    """With cp > 1 the collectives of `_shards_as_rows`' batch axis run over dp+cp."""
+    if plan.cp == 1:
+        return items
+    return [dataclasses.replace(c, axis=c.axis.replace(DP, f"{DP}+{CP}")) for c in items]
+
+
+def attention_collectives(model: TransformerConfig, plan: ParallelPlan) -> list[StepCollective]:
+    """One layer's context-parallel attention exchanges over cp, forward and backward (none for cp = 1):
+    each tp rank's heads, on the rank's micro-batch."""
+    if plan.cp == 1:
+        return []
+    # imported here: loom.cost.context builds on this module's StepCollective
+    from loom.cost.context import ring_collectives, ulysses_collectives
+
+    formula = ulysses_collectives if plan.attention == "ulysses" else ring_collectives
+    return formula(
+        batch=plan.micro_batch, seq=plan.seq, heads=model.heads // plan.tp, kv_heads=model.kv // plan.tp,
+        head_dim=model.head_dim, cp=plan.cp, dtype_bytes=DTYPE_BYTES[plan.dtype],
     )  # fmt: skip
 
 

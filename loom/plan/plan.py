@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.cost.plan import (
+    ATTENTIONS,
     OPTIMIZER_LEVELS,
     PRECISIONS,
     RECOMPUTE,
@@ -62,10 +63,6 @@ def _json_text(value: Any, indent: str = "") -> str:
     return "{\n" + ",\n".join(lines) + "\n" + indent + "}"
 
 
-ATTENTIONS = ("ulysses", "ring")
-"""The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How one model trains: mesh sizes, layouts and strategies by module pattern, pipeline, memory
@@ -73,8 +70,8 @@ class Plan:
 
     Mesh: `dp`, `tp`, `pp`, `ep` (experts, carved out of dp) and `cp` (context); `dp = -1` takes the
     devices the others leave (see `resolve`). `attention`: how attention spans a sequence cut over cp
-    (one of `ATTENTIONS`: "ulysses", all-to-alls of heads; "ring", key/value blocks passed around). Pipeline: `schedule` (one of `SCHEDULES`), `virtual_stages`
-    model chunks per pipeline rank, `micro_batches` per schedule run, and optionally `stages`, the
+    (one of `ATTENTIONS`: "ulysses", all-to-alls of heads; "ring", key/value blocks passed around).
+    Pipeline: `schedule` (one of `SCHEDULES`), `virtual_stages` model chunks per pipeline rank, `micro_batches` per schedule run, and optionally `stages`, the
     `pp * virtual_stages` stages as blocks per stage or module paths per stage (uneven allowed).
     `strategies`: module pattern -> {"in_strategy", "out_strategy", "parameter_plan"} (MindSpore's `shard`
     arguments as JSON lists); `parameter_layouts`: parameter pattern -> tensor spec (see `loom.plan.specs`).
@@ -215,9 +212,15 @@ class Plan:
         per-module recompute are not priced: the simulator prices Megatron's layouts over tp. Stages given
         as blocks per stage are priced as they are (uneven included).
         """
-        self._require_resolved("parallel_plan")
         if self.cp > 1:
             raise FieldError(OWNER, "cp", self.cp, "the simulator does not price context parallelism; use 1")
+        return self._step_plan(global_batch, seq, accumulation, flash_attention, overlap_grad_sync)
+
+    def _step_plan(
+        self, global_batch: int, seq: int, accumulation: int, flash_attention: bool, overlap_grad_sync: bool
+    ) -> ParallelPlan:
+        """`parallel_plan` without the simulator's refusal of cp > 1 (the predicted collectives take it)."""
+        self._require_resolved("parallel_plan")
         check_sizes(OWNER, {"global_batch": global_batch, "seq": seq, "accumulation": accumulation})
         per_step = self.dp * self.micro_batches * accumulation
         if global_batch % per_step:
@@ -242,6 +245,8 @@ class Plan:
             flash_attention=flash_attention,
             dtype=self.precision,
             stage_layers=self._stage_layers(),
+            cp=self.cp,
+            attention=self.attention,
         )
 
     def _stage_layers(self) -> tuple[int, ...]:
@@ -272,7 +277,7 @@ class Plan:
         differ: the first embeds, the last computes the loss)."""
         return step_collectives(
             model,
-            self.parallel_plan(global_batch=global_batch, seq=seq),
+            self._step_plan(global_batch, seq, 1, False, True),
             bucket_mb=bucket_mb,
             inputs=inputs,
             counted_loss=counted_loss,
