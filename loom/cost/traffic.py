@@ -382,6 +382,8 @@ def step_collectives(
     forward that takes `inputs` tensors (token ids and labels), and a loss that is a mean over counted
     targets (`counted_loss`, Hugging Face's) or a plain mean (loom's GPT). With pp > 1: one `Trainer` step
     of a rank of pipeline rank `pp_rank` (`pipeline_collectives`)."""
+    if plan.cp > 1 and plan.pp > 1:
+        raise ValueError("step_collectives predicts context parallelism without pipelines (pp = 1)")
     if plan.pp > 1:
         return pipeline_collectives(model, plan, pp_rank, bucket_mb=bucket_mb, counted_loss=counted_loss)
     if plan.ep > 1 or plan.micro_batches > 1:

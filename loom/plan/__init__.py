@@ -5,6 +5,7 @@ The name lists are defined once, in `loom.cost.plan` (the lowest layer that need
 """
 
 from loom.cost.plan import (
+    ATTENTIONS,
     OPTIMIZER_LEVELS,
     PRECISIONS,
     RECOMPUTE,
@@ -14,7 +15,7 @@ from loom.cost.plan import (
     FieldError,
     default_schedule,
 )
-from loom.plan.plan import ATTENTIONS, Plan
+from loom.plan.plan import Plan
 from loom.plan.specs import MESH_AXES
 
 __all__ = [
