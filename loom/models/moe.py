@@ -28,7 +28,7 @@ stacked weights over an expert-parallel group and exchanges the tokens with all-
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -38,7 +38,16 @@ from torch import nn
 
 from loom.dist._torch_private import grouped_mm
 
-__all__ = ["GroupedExperts", "MoE", "MoEConfig", "Routing", "expert_mlp", "grouped_mm_usable", "moe_layers"]
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "MoEConfig",
+    "Routing",
+    "balance_sums",
+    "expert_mlp",
+    "grouped_mm_usable",
+    "moe_layers",
+]
 
 SCORES = ("softmax", "sigmoid")
 DROP_POLICIES = ("probability", "position")
@@ -65,6 +74,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing bias
+    bias_rate: float = 1e-3  # how far `update_bias` moves the bias by default
     shared_experts: int = 0  # an always-on MLP of shared_experts * ffn_hidden
     grouped_mm: bool | None = None  # None: torch._grouped_mm where usable; False: the per-expert loop
     init_std: float = 0.02
@@ -84,7 +94,7 @@ class MoEConfig:
             _fail("drop_policy", self.drop_policy, f"use one of {DROP_POLICIES}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             _fail("capacity_factor", self.capacity_factor, "give a positive number, or None for dropless")
-        for field in ("aux_loss_coef", "z_loss_coef", "init_std"):
+        for field in ("aux_loss_coef", "z_loss_coef", "init_std", "bias_rate"):
             if not getattr(self, field) >= 0:
                 _fail(field, getattr(self, field), "give a number >= 0")
         if self.shared_experts < 0:
@@ -146,6 +156,9 @@ class GroupedExperts(nn.Module):
             self.gate_proj = nn.Parameter(torch.empty(e, h, f))
         self.up_proj = nn.Parameter(torch.empty(e, h, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, h))
+        # `loom.parallel.experts` sets a callable `(rows, counts, weights, config) -> outputs` here that
+        # exchanges the rows with the ranks holding the other experts; None: every expert is here
+        self.exchange: Callable | None = None
         if init:
             self.reset_parameters()
 
@@ -172,6 +185,8 @@ class GroupedExperts(nn.Module):
         return self.up_proj.shape[0]
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.exchange is not None:
+            return self.exchange(rows, counts, self.weights(), self.config)
         return expert_mlp(rows, counts, self.weights(), self.config)
 
 
@@ -269,6 +284,8 @@ class MoE(nn.Module):
         # int64: a model cast to bf16 keeps exact counts
         self.register_buffer("load_total", torch.zeros(config.experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # sums over this rank's tokens -> sums over the whole batch (see `balance_sums`); None: this rank's
+        self.reduce_sums: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
         self.load: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None
         self.reset_parameters()
@@ -315,17 +332,19 @@ class MoE(nn.Module):
         return Routing(token=token[order], expert=expert[order], weight=weight[order], counts=counts)
 
     def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """The weighted balancing losses from sums over tokens (`balance_sums`), summed over the ranks that
+        hold other tokens first when `reduce_sums` is set, so that they are those of the whole batch."""
         config = self.config
-        loss = logits.sum() * 0.0  # zero, yet in the graph: the router gets a gradient even from no tokens
-        if logits.shape[0] == 0:  # the means below would be 0/0
-            return loss
+        sums = balance_sums(logits, scores, load, config)
+        if self.reduce_sums is not None:
+            sums = self.reduce_sums(sums)
+        tokens = sums["tokens"].clamp(min=1)  # no token: every sum is 0, and so is the loss (in the graph)
+        loss = sums["probs"].sum() * 0.0  # zero, yet in the graph: the router gets a gradient from no tokens
         if config.aux_loss_coef:
-            # sigmoid scores are normalised per token so that P_i is a share, as with softmax
-            probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            share = load.float() / (logits.shape[0] * config.top_k)
-            loss = loss + config.aux_loss_coef * config.experts * (share * probs.mean(0)).sum()
+            share = sums["load"] / (tokens * config.top_k)
+            loss = loss + config.aux_loss_coef * config.experts * (share * sums["probs"] / tokens).sum()
         if config.z_loss_coef:
-            loss = loss + config.z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+            loss = loss + config.z_loss_coef * sums["z"] / tokens
         return loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,14 +363,16 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
     @torch.no_grad()
-    def update_bias(self, rate: float, group=None) -> torch.Tensor:
-        """DeepSeek-V3's update: each expert's bias moves by `rate` up if its load since the last update
+    def update_bias(self, rate: float | None = None, group=None) -> torch.Tensor:
+        """DeepSeek-V3's update: each expert's bias moves by `rate` (default: the config's `bias_rate`) up
+        if its load since the last update
         is below the mean, down if above (`load_total`, summed over `group` first when given so that every
         replica moves its bias alike); `load_total` restarts at zero. Returns the load used."""
         if not self.config.expert_bias:
             raise ValueError(
                 "MoE.update_bias: the layer has no bias; build it with MoEConfig(expert_bias=True)"
             )
+        rate = self.config.bias_rate if rate is None else rate
         load = self.load_total.clone()
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
@@ -359,6 +380,22 @@ class MoE(nn.Module):
         self.expert_bias += (rate * torch.sign(share.mean() - share)).to(self.expert_bias.dtype)
         self.load_total.zero_()
         return load
+
+
+def balance_sums(
+    logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor, config: MoEConfig
+) -> dict[str, torch.Tensor]:
+    """What the balancing losses need, as sums over the tokens of `logits` (so that sums over several
+    ranks' tokens give the whole batch's losses): `tokens`, `load` (pairs per expert, before dropping),
+    `probs` (routing probabilities per expert; sigmoid scores normalised per token, so that each is a
+    share as with softmax) and `z` (the squared log-sum-exp of the logits)."""
+    probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    return {
+        "tokens": torch.tensor(float(logits.shape[0]), device=logits.device),
+        "load": load.float(),
+        "probs": probs.sum(0),
+        "z": torch.logsumexp(logits, -1).square().sum(),
+    }
 
 
 def _fields(config: MoEConfig) -> dict:
