@@ -21,7 +21,8 @@ MLPS: tuple[str, ...] = ("gelu", "swiglu")
 class GPTConfig:
     """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
     swiglu, grouped-query attention with `n_kv_heads < n_heads`). `n_kv_heads=None` means n_heads,
-    `d_ff=None` means 4 * d_model. Errors name the `[model]` key of a config: `model.d_model = 30 ...`."""
+    `d_ff=None` means 4 * d_model. `experts > 1` makes every block's MLP a mixture of `experts` MLPs of
+    d_ff (`loom.models.moe`), `top_k` per token. Errors name the `[model]` key of a config: `model.d_model = 30 ...`."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -80,11 +81,11 @@ class GPTConfig:
             if not getattr(self, key) >= 0:
                 self._fail(key, "use a value >= 0")
 
-    def check_expert_parallel(self, ep: int, dp: int) -> None:
-        """A ValueError unless `ep` ranks can share the experts out of `dp` data-parallel ranks: the model
-        has experts, `ep` divides them, and `ep` is made of the last prime factors of `dp` (ep groups are
-        blocks of consecutive data-parallel ranks, the innermost canonical dims of the mesh's "dp" axis:
-        always true for powers of two). That `ep` divides `dp` is the Plan's rule."""
+    def check_expert_parallel(self, ep: int, dp: int | None) -> None:
+        """A ValueError unless `ep` ranks can share the experts out of `dp` data-parallel ranks (None: not
+        known yet): the model has experts, `ep` divides them, and `ep` is made of the last prime factors of
+        `dp` (ep groups are blocks of consecutive data-parallel ranks, the innermost canonical dims of the
+        mesh's "dp" axis: always true for powers of two). That `ep` divides `dp` is the Plan's rule."""
         if ep == 1:
             return
         if not self.is_moe:
@@ -95,8 +96,10 @@ class GPTConfig:
         if self.experts % ep:
             raise ValueError(
                 f"parallel.ep = {ep} must divide model.experts = {self.experts}; choose ep in "
-                f"{[d for d in range(1, self.experts + 1) if self.experts % d == 0 and dp % d == 0]}"
+                f"{[d for d in range(1, self.experts + 1) if self.experts % d == 0 and (dp or d) % d == 0]}"
             )
+        if dp is None:
+            return
         from loom.dist.mesh import prime_factors  # the mesh's own factoring (imports torch: only here)
 
         factors, inner = prime_factors(dp), prime_factors(ep)

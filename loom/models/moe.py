@@ -43,10 +43,12 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "Routing",
+    "aux_losses",
     "balance_sums",
     "expert_mlp",
     "grouped_mm_usable",
     "moe_layers",
+    "update_biases",
 ]
 
 SCORES = ("softmax", "sigmoid")
@@ -405,3 +407,19 @@ def _fields(config: MoEConfig) -> dict:
 def moe_layers(model: nn.Module) -> Iterator[MoE]:
     """Every `MoE` in `model` (for summing their `aux_loss` or updating their biases)."""
     return (m for m in model.modules() if isinstance(m, MoE))
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the balancing losses of `model`'s mixtures of experts after its last forward (what a
+    training loop adds to the loss it differentiates); None for a model without any."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return sum(losses[1:], losses[0]) if losses else None
+
+
+def update_biases(model: nn.Module, group=None) -> None:
+    """After an optimizer step: `update_bias` every mixture of experts of `model` that balances by bias,
+    with the loads summed over `group` (the ranks holding other tokens; ranks counting the same tokens
+    scale every load alike, which leaves the update unchanged)."""
+    for moe in moe_layers(model):
+        if moe.config.expert_bias:
+            moe.update_bias(group=group)

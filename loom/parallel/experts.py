@@ -26,10 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.tensor import DTensor, Shard
+
 from loom.dist._torch_private import all_to_all_autograd
-from loom.models.moe import GroupedExperts, MoE, MoEConfig, expert_mlp
+from loom.dist.mesh import Mesh
+from loom.models.moe import GroupedExperts, MoE, MoEConfig, expert_mlp, moe_layers
 
 __all__ = [
+    "connect_experts",
     "ExpertExchange",
     "ExpertParallelExperts",
     "expert_groups",
@@ -185,3 +189,20 @@ def sync_gradients(
             continue
         dist.all_reduce(param.grad, group=edp_group if param in experts else dp_group)
         param.grad.div_(world)
+
+
+def connect_experts(model: nn.Module, mesh: Mesh) -> int:
+    """Give every mixture of experts in `model` whose stacked expert weights are DTensors cut on their
+    expert dim (loom's GPT laid out with `Strategies(ep=...)`) the exchange over the ranks that cut them:
+    the mesh dims of that cut, one flattened sub-mesh of `mesh`, make its ep group. Call it on every rank
+    after `loom.parallelize`; returns ep (1: no layer's experts are cut, nothing to connect)."""
+    ep = 1
+    for moe in moe_layers(model):
+        weight = moe.experts.up_proj
+        if not isinstance(weight, DTensor):
+            continue
+        dims = tuple(i for i, p in enumerate(weight.placements) if p == Shard(0))
+        if dims:
+            moe.experts.exchange = ExpertExchange(mesh.sub_mesh(dims).get_group())
+            ep = moe.experts.exchange.ep
+    return ep

@@ -39,6 +39,7 @@ from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
+from loom.parallel.experts import connect_experts
 from loom.parallel.pipeline import (
     SCHEDULES,
     BlockStage,
@@ -76,12 +77,14 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
 
 
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
-    """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised."""
+    """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised (its experts cut
+    over `parallel.ep` data-parallel ranks)."""
     par = config.parallel
     with torch.device("meta"):
-        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
+        model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel, par.ep))
     loom.parallelize(model, mode="semi_auto", example_inputs=example)
     model.loom.materialize(model, "cpu")
+    connect_experts(model, mesh)  # with parallel.ep > 1: each layer's tokens go to the ranks of its experts
     model.init_weights(config.train.seed)
     for block in model.blocks:
         recompute(block, par.recompute)
