@@ -1,0 +1,108 @@
+"""Tier 2: loom's GPT with mixtures of experts, trained through the Trainer with expert parallelism on 4
+ranks, against one device.
+
+A tiny MoE GPT (2 layers, d_model 32, 4 SwiGLU experts, top-2, dropless, balancing loss, z-loss and the
+balancing bias) trains 5 steps of Lipschitz AdamW (tests/equivalence.py) on one device and, in one worker
+body, on each mesh of `CASES`: ep 2 of dp 4, ep 2 of dp 2 with tp 2 for the dense layers (with and
+without sequence parallelism), ep 4 at optimizer level 1, ep 2 at optimizer level 2. Compared: losses
+and gradient norms (rtol 1e-5), every whole parameter (`assert_params_close`) and the balancing biases
+(exactly: the loads are integers); each rank's expert shards are the same within an expert-dp group and
+differ across the ep group. The balancing losses are the whole batch's on every mesh, so one reference
+serves every case.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from equivalence import ADAMW, RTOL, assert_params_close
+from torch.distributed.tensor import DTensor
+
+import loom
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.models.moe import moe_layers
+from loom.parallel import make_optimizer
+from loom.parallel.experts import connect_experts
+from loom.train import Trainer
+
+STEPS, GLOBAL_BATCH, SEQ = 5, 8, 8
+CONFIG = GPTConfig(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, mlp="swiglu", experts=4, top_k=2,
+    z_loss_coef=1e-3, expert_bias_rate=1e-2,
+)  # fmt: skip
+# (dp, tp, ep, sequence parallel, optimizer level)
+CASES = [(4, 1, 2, False, 0), (2, 2, 2, False, 0), (2, 2, 2, True, 0), (4, 1, 4, False, 1), (4, 1, 2, False, 2)]
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=generator)
+    return [(step[:, :-1], step[:, 1:]) for step in ids]
+
+
+def _train(model, rows, level=0):
+    trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, level, **ADAMW), clip_grad_norm=0.5)
+    results = [trainer.train_step([(rows(ids), rows(targets))]) for ids, targets in _batches()]
+    return [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def _biases(model):
+    return torch.stack([moe.expert_bias for moe in moe_layers(model)])
+
+
+@functools.cache
+def _reference():
+    model = GPT(CONFIG)
+    losses, norms = _train(model, lambda t: t)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    return losses, norms, params, _biases(model)
+
+
+def _shards_differ_as_expected(model, mesh, ep: int) -> list[str]:
+    """Within an expert-dp group every rank holds the same expert shard; across the ep group they differ."""
+    errors = []
+    weight = model.blocks[0].mlp.moe.experts.down_proj
+    local = weight.to_local().contiguous()
+    if local.shape[0] != CONFIG.experts // ep:
+        errors.append(f"local experts {local.shape[0]} != {CONFIG.experts // ep}")
+    peers = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(peers, local)
+    dp_rank = lambda rank: rank // mesh.axis_size("tp")  # noqa: E731  (tp innermost)
+    for rank, peer in enumerate(peers):
+        same_experts = dp_rank(rank) % ep == mesh.dp_rank() % ep
+        if same_experts != torch.equal(peer, local):
+            errors.append(f"rank {rank}: shard {'differs' if same_experts else 'equal'} (same experts: {same_experts})")
+    return errors
+
+
+def ep_cases() -> list[tuple]:
+    """Every case of `CASES` on this worker: (case, losses, norms, whole parameters, biases, errors)."""
+    results = []
+    for dp, tp, ep, sequence_parallel, level in CASES:
+        mesh = loom.init({"dp": dp, "tp": tp} if tp > 1 else {"dp": dp})
+        model = GPT(CONFIG, Strategies(dp, tp, sequence_parallel, ep))
+        rows = lambda t, dp=dp, mesh=mesh: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+        ids, targets = _batches()[0]
+        loom.parallelize(model, mode="semi_auto", example_inputs=(rows(ids), rows(targets)))
+        assert connect_experts(model, mesh) == ep
+        losses, norms = _train(model, rows, level)
+        with model.loom.full_parameters():
+            params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+        errors = _shards_differ_as_expected(model, mesh, ep)
+        assert isinstance(model.blocks[0].mlp.moe.experts.up_proj, DTensor)
+        results.append(((dp, tp, ep, sequence_parallel, level), losses, norms, params, _biases(model), errors))
+    return results
+
+
+def test_expert_parallel_gpt_training_matches_one_device(dist_run):
+    expected, expected_norms, reference, biases = _reference()
+    for rank, cases in enumerate(dist_run(4, ep_cases)):
+        for case, losses, norms, params, bias, errors in cases:
+            where = f"rank {rank}, (dp, tp, ep, sp, level) = {case}"
+            assert not errors, f"{where}: {errors}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0, msg=where)
+            torch.testing.assert_close(
+                torch.tensor(norms), torch.tensor(expected_norms), rtol=RTOL, atol=0, msg=where
+            )
+            assert_params_close(params, reference, lr=ADAMW["lr"], steps=STEPS)
+            assert torch.equal(bias, biases), where
