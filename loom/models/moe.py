@@ -21,8 +21,9 @@ Keeping the output a plain tensor lets the layer drop into any model (`nn.Sequen
 
 The experts (`GroupedExperts`) hold their weights stacked, `[experts, ...]`, and run as one
 `torch._grouped_mm` over the tokens sorted by expert where that operator exists and runs for the device,
-dtype and sizes (probed once), a loop over the experts otherwise. `loom.parallel.experts` shards the
-stacked weights over an expert-parallel group and exchanges the tokens with all-to-alls.
+dtype and sizes (probed once) on an accelerator, a loop over the experts otherwise (on CPU unless
+`grouped_mm=True`). `loom.parallel.experts` shards the stacked weights over an expert-parallel group and
+exchanges the tokens with all-to-alls.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class MoEConfig:
     expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing bias
     bias_rate: float = 1e-3  # how far `update_bias` moves the bias by default
     shared_experts: int = 0  # an always-on MLP of shared_experts * ffn_hidden
-    grouped_mm: bool | None = None  # None: torch._grouped_mm where usable; False: the per-expert loop
+    grouped_mm: bool | None = None  # None: torch._grouped_mm where usable but on CPU; False: the loop
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -194,17 +195,17 @@ class GroupedExperts(nn.Module):
 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], config: MoEConfig):
     """Each expert's MLP on its rows (`rows` sorted by expert, `counts[e]` rows for expert `e`)."""
-    usable = config.grouped_mm is not False and grouped_mm_usable(
-        rows.device.type, rows.dtype, config.hidden, config.ffn_hidden
-    )
+    # automatic: not on CPU, where torch's grouped matmul is a slow reference kernel (hundreds of times
+    # the loop's time on small experts, seen on torch 2.13)
+    wanted = config.grouped_mm is True or (config.grouped_mm is None and rows.device.type != "cpu")
+    usable = wanted and grouped_mm_usable(rows.device.type, rows.dtype, config.hidden, config.ffn_hidden)
     if config.grouped_mm and not usable:
         raise ValueError(
             f"MoEConfig.grouped_mm = True: torch._grouped_mm does not run on {rows.device.type} in "
             f"{rows.dtype} with hidden {config.hidden} and ffn_hidden {config.ffn_hidden} (rows must be "
             f"16-byte aligned); set grouped_mm None (automatic) or False (the per-expert loop)"
         )
-    use_grouped = usable
-    if use_grouped:
+    if usable:
         ends = torch.cumsum(counts, 0).to(torch.int32)
         matmul = lambda x, w: _contiguous_grad(grouped_mm(x, w, ends))  # noqa: E731
     else:
