@@ -138,4 +138,3 @@ class GPTConfig:
     def ff_dim(self) -> int:
         """Hidden size of the MLP (d_ff, or 4 * d_model when unset)."""
         return self.d_ff or 4 * self.d_model
-

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.dist._torch_private import all_to_all_autograd
