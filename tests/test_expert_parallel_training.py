@@ -14,6 +14,7 @@ serves every case.
 
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
@@ -25,6 +26,7 @@ from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
 from loom.parallel.experts import connect_experts
 from loom.train import Trainer
+from loom.train.config import load_config
 
 STEPS, GLOBAL_BATCH, SEQ = 5, 8, 8
 CONFIG = GPTConfig(
@@ -118,3 +120,40 @@ def test_expert_parallel_gpt_training_matches_one_device(dist_run):
             )
             assert_params_close(params, reference, lr=ADAMW["lr"], steps=STEPS)
             assert torch.equal(bias, biases), where
+
+
+def _config(*overrides: str):
+    return load_config(None, ["--model.d_model", "32", "--train.global_batch", "12", *overrides])
+
+
+RULES = [
+    (["--parallel.ep", "2"], 4, "parallel.ep = 2 shards experts, but the model has none"),
+    (["--model.experts", "4", "--parallel.ep", "3"], 6, "parallel.ep = 3 must divide model.experts = 4"),
+    (["--model.experts", "4", "--parallel.ep", "4"], 2, "parallel.ep = 4 .* divide dp = 2"),
+    (
+        ["--model.experts", "4", "--parallel.ep", "2"],
+        6,
+        r"innermost factors of dp = 6 \(prime factors \[2, 3\]\)",
+    ),
+    (
+        ["--model.experts", "4", "--parallel.pp", "2", "--parallel.microbatches", "2"],
+        2,
+        "pipeline stages do not",
+    ),
+    (["--model.experts", "4", "--model.top_k", "5"], 1, "model.top_k = 5 is out of range"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), RULES)
+def test_expert_parallel_settings_that_cannot_run_are_refused_with_the_fix(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        _config(*overrides).validate(world)
+
+
+def test_a_config_with_experts_describes_the_model_once():
+    config = _config("--model.experts", "4", "--model.top_k", "1", "--parallel.ep", "2")
+    config.validate(4)
+    assert config.model.gpt_config().experts == 4
+    cost = config.model.transformer_config()
+    assert (cost.experts, cost.top_k) == (4, 1)
+    assert config.plan(4).ep == 2

@@ -597,9 +597,9 @@ class TrainConfig:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
         self.check_pipeline()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
+        model.gpt_config().check_expert_parallel(par.ep, dp)
         if dp is not None:
             self._check_batch_split(dp)
-        model.gpt_config().check_expert_parallel(par.ep, dp)
         return self
 
     def _check_hf_parallel(self, world_size: int | None) -> None:
