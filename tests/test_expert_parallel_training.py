@@ -9,7 +9,8 @@ dp 4 (no expert-dp replica) at optimizer level 2. Compared: losses
 and gradient norms (rtol 1e-5), every whole parameter (`assert_params_close`) and the balancing biases
 (exactly: the loads are integers); each rank's expert shards are the same within an expert-dp group and
 differ across the ep group. The balancing losses are the whole batch's on every mesh, so one reference
-serves every case.
+serves every case. The first case's checkpoint, loaded at the last case's mesh (ep 2 -> ep 4, optimizer
+level 1 -> 2), gives back the same whole parameters and biases, bitwise.
 """
 
 import functools
@@ -18,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
-from torch.distributed.tensor import DTensor
 
 import loom
+from loom.checkpoint import load_checkpoint, save_checkpoint
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
@@ -43,8 +44,12 @@ def _batches():
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def _train(model, rows, level=0):
-    trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, level, **ADAMW), clip_grad_norm=0.5)
+def _trainer(model, level=0):
+    optimizer = make_optimizer(model, torch.optim.AdamW, level, **ADAMW)
+    return Trainer(model, optimizer, clip_grad_norm=0.5)
+
+
+def _train(trainer, rows):
     results = [trainer.train_step([(rows(ids), rows(targets))]) for ids, targets in _batches()]
     return [r.loss for r in results], [r.grad_norm for r in results]
 
@@ -56,7 +61,7 @@ def _biases(model):
 @functools.cache
 def _reference():
     model = GPT(CONFIG)
-    losses, norms = _train(model, lambda t: t)
+    losses, norms = _train(_trainer(model), lambda t: t)
     params = {name: p.detach() for name, p in model.named_parameters()}
     return losses, norms, params, _biases(model)
 
@@ -80,35 +85,55 @@ def _shards_differ_as_expected(model, mesh, ep: int) -> list[str]:
     return errors
 
 
-def ep_cases() -> list[tuple]:
-    """Every case of `CASES` on this worker: (case, losses, norms, whole parameters, biases, errors)."""
+def _parallel_gpt(dp, tp, ep, sequence_parallel):
+    """The MoE GPT laid out on a dp x tp mesh with its experts over ep, and a function giving this rank's
+    rows of a global batch."""
+    mesh = loom.init({"dp": dp, "tp": tp} if tp > 1 else {"dp": dp})
+    model = GPT(CONFIG, Strategies(dp, tp, sequence_parallel, ep))
+    rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+    ids, targets = _batches()[0]
+    loom.parallelize(model, mode="semi_auto", example_inputs=(rows(ids), rows(targets)))
+    assert connect_experts(model, mesh) == ep
+    return model, mesh, rows
+
+
+def _whole(model):
+    with model.loom.full_parameters():
+        return {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+
+
+def ep_cases(root: str) -> tuple[list[tuple], list[str]]:
+    """Every case of `CASES` on this worker: (case, losses, norms, whole parameters, biases, errors); then
+    the first case's checkpoint (saved under `root`) loaded at the last case's mesh: what differs."""
     results = []
-    for dp, tp, ep, sequence_parallel, level in CASES:
-        mesh = loom.init({"dp": dp, "tp": tp} if tp > 1 else {"dp": dp})
-        model = GPT(CONFIG, Strategies(dp, tp, sequence_parallel, ep))
-        rows = lambda t, dp=dp, mesh=mesh: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
-        ids, targets = _batches()[0]
-        loom.parallelize(model, mode="semi_auto", example_inputs=(rows(ids), rows(targets)))
-        assert connect_experts(model, mesh) == ep
-        losses, norms = _train(model, rows, level)
-        with model.loom.full_parameters():
-            params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    for index, (dp, tp, ep, sequence_parallel, level) in enumerate(CASES):
+        model, mesh, rows = _parallel_gpt(dp, tp, ep, sequence_parallel)
+        trainer = _trainer(model, level)
+        losses, norms = _train(trainer, rows)
         errors = _shards_differ_as_expected(model, mesh, ep)
         if level:  # the experts' optimizer states and gradients are cut over their expert-dp group alone
             bucket = model.loom.grad_sync.bucket_of.get(model.blocks[0].mlp.moe.experts.up_proj)
             size = bucket.group_size if bucket is not None else 1
             if size != dp // ep:
                 errors.append(f"expert states sharded over {size} ranks, not dp / ep = {dp // ep}")
-        assert isinstance(model.blocks[0].mlp.moe.experts.up_proj, DTensor)
-        results.append(
-            ((dp, tp, ep, sequence_parallel, level), losses, norms, params, _biases(model), errors)
-        )
-    return results
+        case = (dp, tp, ep, sequence_parallel, level)
+        results.append((case, losses, norms, _whole(model), _biases(model), errors))
+        if index == 0:
+            save_checkpoint(root, trainer)
+    model, _, _ = _parallel_gpt(*CASES[-1][:4])
+    trainer = _trainer(model, CASES[-1][4])
+    load_checkpoint(root, trainer)
+    saved, loaded = results[0][3], _whole(model)
+    differ = [name for name in saved if not torch.equal(saved[name], loaded[name])]
+    if not torch.equal(_biases(model), results[0][4]):
+        differ.append("expert biases")
+    return results, differ
 
 
-def test_expert_parallel_gpt_training_matches_one_device(dist_run):
+def test_expert_parallel_gpt_training_matches_one_device_and_its_checkpoint_reshards(dist_run, tmp_path):
     expected, expected_norms, reference, biases = _reference()
-    for rank, cases in enumerate(dist_run(4, ep_cases)):
+    for rank, (cases, differ) in enumerate(dist_run(4, ep_cases, str(tmp_path))):
+        assert not differ, f"rank {rank}: loaded at another ep, these differ from what was saved: {differ}"
         for case, losses, norms, params, bias, errors in cases:
             where = f"rank {rank}, (dp, tp, ep, sp, level) = {case}"
             assert not errors, f"{where}: {errors}"
