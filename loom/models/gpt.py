@@ -345,11 +345,15 @@ class GPT(nn.Module):
                 full = torch.randn(param.shape, generator=generator) * std
             _assign(param, full.to(param.dtype))
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count of the whole (global) model."""
+    def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameter count of the whole (global) model; with `active`, the experts of each mixture count
+        `top_k / experts` of theirs (the parameters one token computes with: what model FLOPs count)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.embedding.numel() + (self.positions.numel() if hasattr(self, "positions") else 0)
+        if active and self.config.is_moe:
+            experts = sum(p.numel() for moe in moe_layers(self) for p in moe.experts.parameters())
+            total -= experts - experts * self.config.top_k // self.config.experts
         return total
 
 
