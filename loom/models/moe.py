@@ -264,9 +264,9 @@ def grouped_mm_usable(device_type: str, dtype: torch.dtype, hidden: int, ffn_hid
 class MoE(nn.Module):
     """A mixture-of-experts MLP (see the module's docstring). After each forward: `aux_loss` (weighted
     load-balancing plus z-loss, fp32, in the graph), `load` (pairs routed to each expert, before dropping)
-    and `dropped` (pairs dropped for capacity). In training mode, `load_total` (int64) accumulates `load`
-    for `update_bias`; a recomputed forward counts again, which scales every expert's load alike and so
-    leaves the update unchanged."""
+    and `dropped` (pairs dropped for capacity). In training mode with gradients on (not in an evaluation
+    under `torch.no_grad`), `load_total` (int64) accumulates `load` for `update_bias`; a recomputed
+    forward counts again, which scales every expert's load alike and so leaves the update unchanged."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -324,7 +324,7 @@ class MoE(nn.Module):
             weight = weight / weight.sum(-1, keepdim=True)
         load = torch.bincount(chosen.reshape(-1), minlength=config.experts)
         self.load = load
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # an evaluation between steps steers nothing
             self.load_total += load
         self.aux_loss = self._aux_loss(logits, scores, load)
         kept = self._kept = _kept(scores, chosen, config)
