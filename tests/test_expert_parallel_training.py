@@ -4,8 +4,8 @@ ranks, against one device.
 A tiny MoE GPT (2 layers, d_model 32, 4 SwiGLU experts, top-2, dropless, balancing loss, z-loss and the
 balancing bias) trains 5 steps of Lipschitz AdamW (tests/equivalence.py) on one device and, in one worker
 body, on each mesh of `CASES`: ep 2 of dp 4 at optimizer level 1 (the experts' states sharded over their
-expert-dp group of 2), ep 2 of dp 2 with tp 2 and sequence parallelism for the dense layers, and ep 4 of
-dp 4 (no expert-dp replica) at optimizer level 2. Compared: losses
+expert-dp group of 2), ep 2 of dp 2 with tp 2 and sequence parallelism for the dense layers and full
+recomputation, and ep 4 of dp 4 (no expert-dp replica) at optimizer level 2 with selective recomputation. Compared: losses
 and gradient norms (rtol 1e-5), every whole parameter (`assert_params_close`) and the balancing biases
 (exactly: the loads are integers); each rank's expert shards are the same within an expert-dp group and
 differ across the ep group. The balancing losses are the whole batch's on every mesh, so one reference
@@ -26,6 +26,7 @@ from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
 from loom.parallel.experts import connect_experts
+from loom.recompute import recompute
 from loom.train import Trainer
 from loom.train.config import load_config
 
@@ -34,8 +35,8 @@ CONFIG = GPTConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, mlp="swiglu", experts=4, top_k=2,
     z_loss_coef=1e-3, expert_bias_rate=1e-2,
 )  # fmt: skip
-# (dp, tp, ep, sequence parallel, optimizer level)
-CASES = [(4, 1, 2, False, 1), (2, 2, 2, True, 0), (4, 1, 4, False, 2)]
+# (dp, tp, ep, sequence parallel, optimizer level, recompute)
+CASES = [(4, 1, 2, False, 1, "none"), (2, 2, 2, True, 0, "full"), (4, 1, 4, False, 2, "selective")]
 
 
 def _batches():
@@ -106,8 +107,10 @@ def ep_cases(root: str) -> tuple[list[tuple], list[str]]:
     """Every case of `CASES` on this worker: (case, losses, norms, whole parameters, biases, errors); then
     the first case's checkpoint (saved under `root`) loaded at the last case's mesh: what differs."""
     results = []
-    for index, (dp, tp, ep, sequence_parallel, level) in enumerate(CASES):
+    for index, (dp, tp, ep, sequence_parallel, level, policy) in enumerate(CASES):
         model, mesh, rows = _parallel_gpt(dp, tp, ep, sequence_parallel)
+        for block in model.blocks:  # recomputed blocks exchange their tokens again in backward
+            recompute(block, policy)
         trainer = _trainer(model, level)
         losses, norms = _train(trainer, rows)
         errors = _shards_differ_as_expected(model, mesh, ep)
@@ -116,7 +119,7 @@ def ep_cases(root: str) -> tuple[list[tuple], list[str]]:
             size = bucket.group_size if bucket is not None else 1
             if size != dp // ep:
                 errors.append(f"expert states sharded over {size} ranks, not dp / ep = {dp // ep}")
-        case = (dp, tp, ep, sequence_parallel, level)
+        case = (dp, tp, ep, sequence_parallel, level, policy)
         results.append((case, losses, norms, _whole(model), _biases(model), errors))
         if index == 0:
             save_checkpoint(root, trainer)
@@ -135,7 +138,7 @@ def test_expert_parallel_gpt_training_matches_one_device_and_its_checkpoint_resh
     for rank, (cases, differ) in enumerate(dist_run(4, ep_cases, str(tmp_path))):
         assert not differ, f"rank {rank}: loaded at another ep, these differ from what was saved: {differ}"
         for case, losses, norms, params, bias, errors in cases:
-            where = f"rank {rank}, (dp, tp, ep, sp, level) = {case}"
+            where = f"rank {rank}, (dp, tp, ep, sp, level, recompute) = {case}"
             assert not errors, f"{where}: {errors}"
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0, msg=where
