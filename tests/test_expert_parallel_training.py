@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
+from job_cases import job_config
 
 import loom
 from loom.checkpoint import load_checkpoint, save_checkpoint
@@ -29,6 +30,7 @@ from loom.parallel.experts import connect_experts
 from loom.recompute import recompute
 from loom.train import Trainer
 from loom.train.config import load_config
+from loom.train.job import run
 
 STEPS, GLOBAL_BATCH, SEQ = 5, 8, 8
 CONFIG = GPTConfig(
@@ -185,3 +187,15 @@ def test_a_config_with_experts_describes_the_model_once():
     cost = config.model.transformer_config()
     assert (cost.experts, cost.top_k) == (4, 1)
     assert config.plan(4).ep == 2
+
+
+def test_loom_train_with_parallel_ep_follows_one_device(dist_run, tmp_path):
+    """The job `loom train` runs: `[model] experts` and `[parallel] ep = 2` of dp 4 at optimizer level 1
+    give the one-device losses."""
+    moe = {"experts": 4, "mlp": "swiglu", "z_loss_coef": 1e-3, "expert_bias_rate": 1e-2}
+    one = job_config(tmp_path, model=moe, parallel={"dp": 1}, train={"workers": 1, "steps": 4})
+    parallel = {"dp": 4, "ep": 2, "optimizer_level": 1}
+    four = job_config(tmp_path, model=moe, parallel=parallel, train={"workers": 4, "steps": 4})
+    expected = dist_run(1, run, one)[0]["losses"]
+    assert len(expected) == 4
+    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)
