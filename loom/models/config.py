@@ -22,7 +22,8 @@ class GPTConfig:
     """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
     swiglu, grouped-query attention with `n_kv_heads < n_heads`). `n_kv_heads=None` means n_heads,
     `d_ff=None` means 4 * d_model. `experts > 1` makes every block's MLP a mixture of `experts` MLPs of
-    d_ff (`loom.models.moe`), `top_k` per token. Errors name the `[model]` key of a config: `model.d_model = 30 ...`."""
+    d_ff (`loom.models.moe`), `top_k` per token. Errors name the `[model]` key of a config:
+    `model.d_model = 30 ...`."""
 
     vocab_size: int = 256
     d_model: int = 128

@@ -13,11 +13,18 @@ replaces the layer's experts by `ExpertParallelExperts`, which exchanges tokens 
 
 The row exchanges are autograd's functional all-to-all, whose backward is the reverse exchange: two
 all-to-alls forward, two backward, plus the counts forward (`loom.cost.moe.moe_collectives`). Routing,
-capacity and the auxiliary losses stay per rank, on the rank's own tokens, as in GShard.
+capacity and the auxiliary losses stay per rank, on the rank's own tokens, as in GShard (but see loom's
+GPT below).
 
 Gradients: the router and shared experts are replicated over every data-parallel rank, each expert shard
 over the ranks that hold the same experts (the expert-data-parallel group). `expert_groups` gives both
 partitions of a data-parallel world, and `sync_gradients` averages accordingly.
+
+loom's GPT (`GPTConfig.experts`, `Strategies(ep=...)`) takes another road to the same exchange: its
+stacked expert weights stay whole-shaped DTensors cut on the expert dim over the ep ranks, so that loom's
+gradient buckets, optimizer levels and checkpoints treat them as any cut parameter, and `connect_experts`
+gives each layer an `ExpertExchange` over the mesh dims of that cut (see docs/experts.md). There the
+balancing losses are the whole batch's (`MoE.reduce_sums`), not each rank's.
 """
 
 from __future__ import annotations
