@@ -23,8 +23,8 @@ partitions of a data-parallel world, and `sync_gradients` averages accordingly.
 loom's GPT (`GPTConfig.experts`, `Strategies(ep=...)`) takes another road to the same exchange: its
 stacked expert weights stay whole-shaped DTensors cut on the expert dim over the ep ranks, so that loom's
 gradient buckets, optimizer levels and checkpoints treat them as any cut parameter, and `connect_experts`
-gives each layer an `ExpertExchange` over the mesh dims of that cut (see docs/experts.md). There the
-balancing losses are the whole batch's (`MoE.reduce_sums`), not each rank's.
+gives each layer an `ExpertExchange` over the mesh dims of that cut (`loom.parallelize` calls it; see
+docs/experts.md). There the balancing losses are the whole batch's (`MoE.reduce_sums`), not each rank's.
 """
 
 from __future__ import annotations
@@ -200,8 +200,9 @@ def sync_gradients(
 def connect_experts(model: nn.Module, mesh: Mesh) -> int:
     """Give every mixture of experts in `model` whose stacked expert weights are DTensors cut on their
     expert dim (loom's GPT laid out with `Strategies(ep=...)`) the exchange over the ranks that cut them:
-    the mesh dims of that cut, one flattened sub-mesh of `mesh`, make its ep group. Call it on every rank
-    after `loom.parallelize`; returns ep (1: no layer's experts are cut, nothing to connect)."""
+    the mesh dims of that cut, one flattened sub-mesh of `mesh`, make its ep group (no collective: the
+    sub-meshes exist). `loom.parallelize` calls it once the parameters are laid out; returns ep (1: no
+    layer's experts are cut, nothing to connect)."""
     ep = 1
     for moe in moe_layers(model):
         weight = moe.experts.up_proj

@@ -39,7 +39,6 @@ from loom.models import hf
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
-from loom.parallel.experts import connect_experts
 from loom.parallel.pipeline import (
     SCHEDULES,
     BlockStage,
@@ -84,7 +83,6 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
         model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel, par.ep))
     loom.parallelize(model, mode="semi_auto", example_inputs=example)
     model.loom.materialize(model, "cpu")
-    connect_experts(model, mesh)  # with parallel.ep > 1: each layer's tokens go to the ranks of its experts
     model.init_weights(config.train.seed)
     for block in model.blocks:
         recompute(block, par.recompute)
