@@ -10,10 +10,12 @@ and gradient norms (rtol 1e-5), every whole parameter (`assert_params_close`) an
 (exactly: the loads are integers); each rank's expert shards are the same within an expert-dp group and
 differ across the ep group. The balancing losses are the whole batch's on every mesh, so one reference
 serves every case. The first case's checkpoint, loaded at the last case's mesh (ep 2 -> ep 4, optimizer
-level 1 -> 2), gives back the same whole parameters and biases, bitwise.
+level 1 -> 2), gives back the same whole parameters and biases, bitwise. One more forward and backward
+at the first mesh issues the all-to-alls `loom.cost.moe.moe_collectives` predicts.
 """
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from job_cases import job_config
 
 import loom
 from loom.checkpoint import load_checkpoint, save_checkpoint
+from loom.cost.moe import moe_collectives
+from loom.dist.comm import CollectiveRecorder
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
@@ -87,6 +91,24 @@ def _shards_differ_as_expected(model, mesh, ep: int) -> list[str]:
     return errors
 
 
+def _exchanges_as_predicted(model, rows, ep: int) -> list[str]:
+    """One more forward and backward: the all-to-alls this rank issues are those `moe_collectives`
+    predicts for the rows each layer moved (4 bytes an element, 8 a count)."""
+    ids, targets = _batches()[0]
+    with CollectiveRecorder() as recorder:
+        model(rows(ids), rows(targets)).backward()
+    got = Counter({key: n for key, n in recorder.summary().items() if key[0] == "all_to_all"})
+    want = Counter()
+    for moe in moe_layers(model):
+        moved = moe.experts.exchange
+        for c in moe_collectives(
+            experts=CONFIG.experts, hidden=CONFIG.d_model, sent_rows=moved.sent_rows,
+            received_rows=moved.received_rows, element_bytes=4, ep=ep,
+        ):  # fmt: skip
+            want[("all_to_all", ep, c.nbytes)] += c.count
+    return [] if got == want else [f"all-to-alls {dict(got)} != predicted {dict(want)}"]
+
+
 def _parallel_gpt(dp, tp, ep, sequence_parallel):
     """The MoE GPT laid out on a dp x tp mesh with its experts over ep, and a function giving this rank's
     rows of a global batch."""
@@ -124,6 +146,7 @@ def ep_cases(root: str) -> tuple[list[tuple], list[str]]:
         results.append((case, losses, norms, _whole(model), _biases(model), errors))
         if index == 0:
             save_checkpoint(root, trainer)
+            errors += _exchanges_as_predicted(model, rows, ep)
     model, _, _ = _parallel_gpt(*CASES[-1][:4])
     trainer = _trainer(model, CASES[-1][4])
     load_checkpoint(root, trainer)
