@@ -183,6 +183,8 @@ def transformer_config(config: GPTConfig, name: str = "gpt") -> TransformerConfi
         dropout=config.dropout > 0,
         learned_positions=config.max_seq_len if config.positions == "learned" else 0,
         tied_embeddings=config.tie_embeddings,
+        experts=config.experts,
+        top_k=config.top_k if config.is_moe else 1,
     )
 
 
