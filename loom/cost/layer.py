@@ -80,7 +80,9 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
 
 
 def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, float]:
-    dev, dt, e, t = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.tp
+    # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
+    dt = "fp8" if plan.fp8_matmuls else plan.dtype
+    dev, e, t = cluster.device, DTYPE_BYTES[plan.dtype], plan.tp
     h, d, tokens = model.hidden, model.head_dim, plan.seq * plan.micro_batch
     replicated = tokens / t if plan.sequence_parallel else tokens
     q, kv, f = model.heads * d, model.kv * d, model.ffn
