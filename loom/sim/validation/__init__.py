@@ -44,6 +44,8 @@ class Case:
     cluster: Cluster
     metric: str
     published: float
+    half: str = ""  # "fit" or "held-out": the source's half of the fixed split (split_by_source.csv)
+    kind: str = ""  # "dp", "fsdp", "3d", "interleaved", "moe" or "long-context"
 
 
 def read_rows(table: str) -> list[dict[str, str]]:
