@@ -45,6 +45,7 @@ class Device:
     fp8_efficiency: float = (
         fitted.FP8_MATMUL_EFFICIENCY
     )  # fp8 GEMMs: this times matmul_efficiency of the fp8 peak
+    attention_efficiency: float = fitted.ATTENTION_EFFICIENCY  # fused attention's speed relative to a GEMM's
     memory_efficiency: float = fitted.MEMORY_EFFICIENCY
     kernel_overhead_s: float = 0.0
     reserved_gib: float = 2.0  # runtime context, allocator slack and workspace, never usable by the model
@@ -57,7 +58,7 @@ class Device:
                 raise ValueError(f"Device {self.name!r}: bad peak {dtype}={flops}; dtypes are {DTYPES}")
         if self.memory_gib <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"Device {self.name!r}: memory capacity and bandwidth must be positive")
-        for name in ("matmul_efficiency", "fp8_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "fp8_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Device {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
         if self.matmul_knee < 0 or self.kernel_overhead_s < 0 or self.reserved_gib < 0:
