@@ -69,3 +69,13 @@ def test_all_to_all_across_nodes_goes_through_each_member_nic():
     span = group_span(16, 1, 8)  # two nodes of 8
     expected = 4 * cluster.inter.latency_s + 1e9 * (16 - 8) / 16 / cluster.inter.bus_bandwidth
     assert collective_time("all_to_all", 1e9, span, cluster) == pytest.approx(expected, rel=1e-12)
+
+
+def test_breakdown_names_the_exposed_gathers():
+    model = TransformerConfig(layers=4, hidden=1024, heads=16, vocab=32000, biases=False, dropout=False)
+    cluster = get_cluster("a100-80gb", gpus=64)
+    plan = ParallelPlan(dp=64, global_batch=64, seq=512, flash_attention=True, optimizer_level=3)
+    result = simulate(model, plan, cluster)
+    parts = result.breakdown
+    assert parts["fsdp_exposed_comm"] > 0
+    assert sum(parts.values()) == pytest.approx(result.iteration_s, rel=1e-9)

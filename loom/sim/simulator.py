@@ -117,9 +117,17 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
     backward[0] += _total(pieces.embed_bwd)
     forward[-1] += _total(pieces.head_fwd)
     backward[-1] += _total(pieces.head_bwd)
-    if plan.optimizer_level == 3 and plan.dp > 1:
-        forward, backward = _sharded_durations(model, plan, cluster, pieces, chunks)
     return forward, backward
+
+
+def _fsdp_exposed(
+    plan: ParallelPlan, rank: int, plain: tuple[list, list], sharded: tuple[list, list]
+) -> float:
+    """Seconds pipeline rank `rank` spends per iteration waiting on level-3 all-gathers and reduce-scatters
+    that compute did not hide (its tasks' sharded durations beyond their compute)."""
+    stages = range(rank, plan.virtual_stages, plan.pp)
+    extra = sum(sharded[k][v] - plain[k][v] for k in (0, 1) for v in stages)
+    return plan.micro_batches * extra
 
 
 def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cluster) -> float:
@@ -216,7 +224,10 @@ def simulate(
     if reasons:
         raise PlanError(reasons)
     pieces = piece_costs(model, plan, cluster)
-    forward, backward = _stage_durations(model, plan, cluster, pieces)
+    forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
+    if plan.optimizer_level == 3 and plan.dp > 1:
+        chunks = plan.chunk_layers(model.layers)
+        forward, backward = _sharded_durations(model, plan, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
     playback = play(
         orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
@@ -237,6 +248,8 @@ def simulate(
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
     breakdown = _breakdown(plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times)
+    # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
+    breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))
     return SimResult(
         iteration_s=iteration,
         tokens_per_s=tokens / iteration,
