@@ -117,13 +117,14 @@ def build_problem(
             decisions[sink] = _output_decision(sink, graph.tensor(ref), mesh)
             merged[(Ref(blocks.canon(ref.node), ref.index), sink, 0)] += 1.0
     spans = axis_spans(mesh, cluster)
+    cache: dict = {}
     edges = []
     for (ref, target, index), weight in merged.items():
         if target not in decisions:
             continue
         if ref.node not in decisions:
             decisions[ref.node] = _source_decision(graph, graph[ref.node], mesh, blocks)
-        edges.append(_edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans))
+        edges.append(_edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, cache))
     return Problem(graph=graph, mesh=mesh, cluster=cluster, space=space, decisions=decisions, edges=edges)
 
 
@@ -225,6 +226,22 @@ def requirement(
     return chosen.inputs[index], tuple(chosen.share[axis] < 1 for axis in mesh)
 
 
+def _price(nbytes, out, required, split, grads, mesh, cluster, spans) -> float:
+    """Seconds of the forward redistribution of a tensor of `nbytes`, and of the gradient's way back when
+    `grads`."""
+    seconds = sum(s.seconds for s in redistribution(nbytes, out, required, mesh, cluster, spans))
+    if grads:
+        left, wanted = gradient_layouts(out, required, split)
+        seconds += sum(s.seconds for s in redistribution(nbytes, left, wanted, mesh, cluster, spans))
+    return seconds
+
+
+def _code(placements: Placements) -> tuple[int, ...]:
+    """Placements as plain numbers (a dim for a cut, -1 whole, -2 partial): cheap to hash, so that
+    every block's edges, which repeat the same few sizes and layouts, are priced once."""
+    return tuple(p.dim if isinstance(p, Shard) else -2 if p.is_partial() else -1 for p in placements)
+
+
 def carries_gradient(graph: Graph, ref: Ref, target: str) -> bool:
     """Whether a gradient flows back over the edge from `ref` to operator `target` (or a graph output)."""
     source = graph[ref.node]
@@ -237,7 +254,7 @@ def carries_gradient(graph: Graph, ref: Ref, target: str) -> bool:
 # ---- edges ----
 
 
-def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans) -> EdgeCost:
+def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, cache) -> EdgeCost:
     info = graph.tensor(ref)
     producer, consumer = decisions[ref.node], decisions[target]
     out_groups: dict[Placements, list[int]] = defaultdict(list)
@@ -247,15 +264,17 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans) ->
     for i in range(len(consumer.options)):
         in_groups[requirement(consumer, i, index, mesh)].append(i)
     grads = carries_gradient(graph, ref, target)
+    codes = {ps: _code(ps) for ps in [*out_groups, *(required for required, _ in in_groups)]}
     cost = []
     for out in out_groups:
         row = []
         for required, split in in_groups:
-            seconds = sum(s.seconds for s in redistribution(info, out, required, mesh, cluster, spans))
-            if grads:
-                left, wanted = gradient_layouts(out, required, split)
-                seconds += sum(s.seconds for s in redistribution(info, left, wanted, mesh, cluster, spans))
-            row.append(weight * seconds)
+            key = (codes[out], codes[required], split if grads else None)
+            if key not in cache:  # seconds = fixed + per byte * size: price two sizes once
+                one, two = (_price(n, out, required, split, grads, mesh, cluster, spans) for n in (1.0, 2.0))
+                cache[key] = (2 * one - two, two - one)
+            fixed, per_byte = cache[key]
+            row.append(weight * (fixed + per_byte * info.nbytes) if info.nbytes else 0.0)
         cost.append(row)
     return EdgeCost(
         ref=ref,

@@ -31,7 +31,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.hardware import Cluster
-from loom.plan.graph import TensorInfo
 
 __all__ = ["Step", "axis_spans", "gradient_layouts", "redistribution"]
 
@@ -60,15 +59,15 @@ def axis_spans(mesh: Mapping[str, int], cluster: Cluster) -> dict[str, GroupSpan
 
 
 def redistribution(
-    info: TensorInfo,
+    nbytes: float,
     source: Placements,
     target: Placements,
     mesh: Mapping[str, int],
     cluster: Cluster,
     spans: Mapping[str, GroupSpan] | None = None,
 ) -> list[Step]:
-    """The collectives that move tensor `info` from placements `source` to `target` on `mesh` (empty
-    when nothing moves)."""
+    """The collectives that move a tensor of `nbytes` (whole) from placements `source` to `target` on
+    `mesh` (empty when nothing moves)."""
     spans = axis_spans(mesh, cluster) if spans is None else spans
     sizes = list(mesh.values())
     current = list(source)
@@ -77,10 +76,10 @@ def redistribution(
         kind = _kind(current[a], target[a])
         if kind is not None:
             # all-gather and reduce-scatter count the gathered buffer, the others the local one.
-            local = info.nbytes / _cuts(current, sizes)
-            nbytes = local * sizes[a] if kind == "all_gather" else local
+            local = nbytes / _cuts(current, sizes)
+            size = local * sizes[a] if kind == "all_gather" else local
             steps.append(
-                Step(axis=axis, kind=kind, nbytes=nbytes, seconds=_time(kind, nbytes, spans[axis], cluster))
+                Step(axis=axis, kind=kind, nbytes=size, seconds=_time(kind, size, spans[axis], cluster))
             )
         current[a] = target[a]
     return steps

@@ -74,11 +74,11 @@ class Solution:
             out = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
             required, split = requirement(consumer, self.choice[edge.target], edge.index, problem.mesh)
             where = f"{edge.ref!r} -> {edge.target}"
-            for step in redistribution(edge.tensor, out, required, problem.mesh, problem.cluster):
+            for step in redistribution(edge.tensor.nbytes, out, required, problem.mesh, problem.cluster):
                 found.append((where, "forward", step))
             if carries_gradient(problem.graph, edge.ref, edge.target):
                 left, wanted = gradient_layouts(out, required, split)
-                for step in redistribution(edge.tensor, left, wanted, problem.mesh, problem.cluster):
+                for step in redistribution(edge.tensor.nbytes, left, wanted, problem.mesh, problem.cluster):
                     found.append((where, "backward", step))
         return found
 
