@@ -86,6 +86,7 @@ class Problem:
     space: StrategySpace
     decisions: dict[str, Decision]
     edges: list[EdgeCost]
+    canon: dict[str, str]  # node -> the node whose decision stands for it (block 0's, a tied tensor's first)
 
 
 def build_problem(
@@ -125,7 +126,15 @@ def build_problem(
         if ref.node not in decisions:
             decisions[ref.node] = _source_decision(graph, graph[ref.node], mesh, blocks)
         edges.append(_edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, cache))
-    return Problem(graph=graph, mesh=mesh, cluster=cluster, space=space, decisions=decisions, edges=edges)
+    return Problem(
+        graph=graph,
+        mesh=mesh,
+        cluster=cluster,
+        space=space,
+        decisions=decisions,
+        edges=edges,
+        canon=blocks.to_zero,
+    )
 
 
 # ---- decisions ----
@@ -291,13 +300,27 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
 # ---- blocks ----
 
 
+def _tied(graph: Graph) -> dict[str, str]:
+    """Each parameter node lifted under another name of the same (tied) tensor -> the first such node:
+    one decision lays out, and one copy of memory holds, a tied embedding and head."""
+    first: dict[str, str] = {}
+    for param in graph.params.values():
+        for alias in param.aliases:
+            other = graph.params.get(alias)
+            if other is not None and graph.nodes.index(graph[other.node]) < graph.nodes.index(
+                graph[param.node]
+            ):
+                first[param.node] = first.get(other.node, other.node)
+    return first
+
+
 class _BlockMap:
     """Maps every node of a traced block to its counterpart in block 0, and weighs nodes and edges so that
     block 0 stands for all `Blocks.count` blocks (see the module notes)."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph, self.blocks = graph, graph.blocks
-        self.to_zero: dict[str, str] = {}
+        self.to_zero: dict[str, str] = _tied(graph)
         self.block_of: dict[str, int] = {}
         if self.blocks is None:
             return

@@ -59,9 +59,10 @@ class Solution:
     def layout(self, parameter: str) -> Placements:
         """The placements chosen for a parameter (by path, as `graph.params` names it)."""
         param = self.problem.graph.params.get(parameter)
-        if param is None or param.node not in self.choice:
+        node = self.problem.canon.get(param.node, param.node) if param is not None else None
+        if node not in self.choice:
             raise KeyError(f"{parameter!r} is not a parameter the solution lays out; see graph.params")
-        return self.option(param.node)
+        return self.option(node)
 
     def collectives(self) -> list[tuple[str, str, Step]]:
         """The collectives of the chosen layouts: (edge `producer -> consumer`, direction, step), for every

@@ -125,8 +125,9 @@ def _module_params(problem: Any, pattern: str, plan: Mapping[str, Any]) -> dict[
     found = {}
     for path, param in problem.graph.params.items():
         module, _, short = path.rpartition(".")
-        if short in plan and fnmatchcase(module, pattern) and param.node in problem.decisions:
-            found[param.node] = plan[short]
+        node = problem.canon.get(param.node, param.node)
+        if short in plan and fnmatchcase(module, pattern) and node in problem.decisions:
+            found[node] = plan[short]
     return found
 
 
@@ -159,8 +160,9 @@ def solution_plan(solution: Any) -> Plan:
         )
     layouts, owners = {}, set()
     for path, param in graph.params.items():
-        if param.node not in solution.choice or problem.decisions[param.node].kind != "parameter":
-            continue
+        decision = problem.decisions.get(param.node)
+        if decision is None or decision.kind != "parameter" or graph[param.node].target != path:
+            continue  # a later block's (block 0's stands for it), or the second name of a tied one
         ps = solution.option(param.node)
         if any(isinstance(p, Shard) for p in ps):
             layouts[_pattern(graph, path)] = tensor_spec(ps, param.info.ndim, mesh)
