@@ -161,3 +161,50 @@ def test_search_beats_megatron_on_hugging_face_gpt2():
     layouts_ = megatron.plan().parameter_layouts
     assert layouts_["transformer.h.*.mlp.c_fc.weight"] == ["None", "tp"]
     assert "lm_head.weight" not in layouts_ and layouts_["transformer.wte.weight"] == ["tp", "None"]  # tied
+
+
+def auto_plan_case(plan: Plan, steps: int = 3):
+    """The MLP regression trained `steps` SGD steps on one device and under `plan` on 4 ranks (dp 2 x tp 2,
+    each data-parallel replica reading its rows): losses and first-step gradients of both."""
+    import copy
+
+    import loom
+
+    torch.manual_seed(0)
+    reference = Regression(d=16)
+    model = copy.deepcopy(reference)
+    data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
+    expected = _sgd(reference, data, lambda t: t)
+    mesh = loom.init(MESH)
+    loom.parallelize(model, plan=plan)
+    actual = _sgd(model, data, lambda t: t.chunk(2)[mesh.dp_rank()])
+    return expected, actual
+
+
+def _sgd(model, data, rows):
+    import loom
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for step, (x, y) in enumerate(data):
+        loss = model(rows(x), rows(y))
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    return losses, grads
+
+
+@pytest.mark.slow  # 4 ranks
+def test_a_propagated_plan_trains_as_one_device(dist_run):
+    x = torch.randn(8, 16)
+    problem = build_problem(capture(Regression(d=16), (x, x)), MESH)
+    solution = solve(problem, pinned=pins(problem, {"mlp.0": {"parameter_plan": {"weight": ["tp", "None"]}}}))
+    plan = solution.plan()
+    assert plan.parameter_layouts["mlp.0.weight"][0] == "tp"
+    for (ref_losses, ref_grads), (losses, grads) in dist_run(4, auto_plan_case, plan):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
