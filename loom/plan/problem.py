@@ -5,8 +5,9 @@ options, and priced edges between them. Built from a captured `Graph` and its st
 - An operator's options are its candidates (`loom.plan.space`); each costs its compute time, forward and
   backward, at the candidate's share of the work (a roofline: flops over the device's achieved peak, or
   bytes over its achieved memory bandwidth, whichever is longer), and keeps activation bytes for backward.
-- A source's options (a parameter, an input, a buffer) are its free layouts (`space.layouts`); a trainable
-  parameter keeps 4 copies of its local slice (weights, gradient, two optimizer states).
+- A source's options (a parameter, a buffer) are its free layouts (`space.layouts`); a trainable
+  parameter keeps 4 copies of its local slice (weights, gradient, two optimizer states). An input has one:
+  its rows cut along `BATCH_AXIS`, as `loom.parallelize` hands a batch over.
 - An edge (an output read as an operator's input) costs, for each pair of producer output layout and
   consumer requirement, the forward redistribution plus, when gradients flow over it, the gradient's way
   back (`loom.plan.redistribute`): a data-parallel weight's gradient all-reduce is such an edge cost.
@@ -23,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
@@ -42,6 +43,9 @@ __all__ = [
 
 OPTIMIZER_COPIES = 4
 """Copies of a trainable parameter each device keeps: weights, gradient, Adam's two moments."""
+
+BATCH_AXIS = "dp"
+"""The mesh axis inputs arrive cut along (their rows), as `loom.parallelize` distributes a batch."""
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -197,7 +201,7 @@ def local_bytes(info: TensorInfo, placements: Placements, mesh: Mapping[str, int
 
 def _source_decision(graph: Graph, node: Node, mesh: dict[str, int], blocks: _BlockMap) -> Decision:
     info = node.output(0)
-    options = layouts(info, mesh)
+    options = [_batch_layout(info, mesh)] if node.kind == "input" else layouts(info, mesh)
     param = graph.params.get(node.target)
     copies = OPTIMIZER_COPIES if param is not None and param.trainable else 1 if param is not None else 0
     weight = blocks.weight(node.name)
@@ -210,6 +214,14 @@ def _source_decision(graph: Graph, node: Node, mesh: dict[str, int], blocks: _Bl
         memory=[weight * copies * b for b in local],
         weight=weight,
     )
+
+
+def _batch_layout(info: TensorInfo, mesh: Mapping[str, int]) -> Placements:
+    """An input as `loom.parallelize` hands it over: rows cut along `BATCH_AXIS` (when they divide),
+    whole along the other axes."""
+    rows = info.shape[0] if info.ndim else 0
+    cut = BATCH_AXIS in mesh and rows >= mesh[BATCH_AXIS] and rows % mesh[BATCH_AXIS] == 0
+    return tuple(Shard(0) if axis == BATCH_AXIS and cut else Replicate() for axis in mesh)
 
 
 def _output_decision(name: str, info: TensorInfo, mesh: dict[str, int]) -> Decision:
