@@ -19,7 +19,7 @@ from loom.plan.capture import capture
 from loom.plan.problem import OPTIMIZER_COPIES, build_problem
 from loom.plan.redistribute import gradient_layouts, redistribution
 from loom.plan.solve import propagate, solve
-from loom.plan.to_plan import pins
+from loom.plan.to_plan import pins, placements, tensor_spec
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 MESH = {"dp": 2, "tp": 2}
@@ -63,6 +63,17 @@ def test_redistributions_are_the_collectives_of_each_axis():
     assert kinds((R, R), (S0, P)) == []
     # a data-parallel weight: read whole by an operator that cuts its work along dp -> its gradient sums
     assert gradient_layouts((R, R), (R, R), (True, False)) == ((P, R), (R, R))
+
+
+def test_tensor_specs_and_placements_translate_both_ways():
+    assert placements([2, 1], 2, MESH, "w") == (S0, R)  # a cut of 2: the first free axis of that size
+    assert placements([2, 2], 2, MESH, "w") == (S0, S1)
+    assert placements([["dp", "tp"], "None"], 2, MESH, "w") == (S0, S0)
+    assert placements(["None", "cp"], 2, MESH, "w") == (R, R)  # an axis the mesh lacks cuts nothing
+    assert tensor_spec((S0, S0), 2, MESH) == [["dp", "tp"], "None"]
+    assert tensor_spec((R, S1), 2, MESH) == ["None", "tp"] and tensor_spec((P, R), 2, MESH) is None
+    with pytest.raises(ValueError, match="no unused mesh axis"):
+        placements([3, 1], 2, MESH, "w")
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,10 @@ from loom.plan.to_plan import pins, solution_plan
 
 __all__ = ["Solution", "propagate", "search", "solve"]
 
+# HiGHS's tolerances are absolute (about 1e-7): seconds (1e-6 for a small collective) and bytes (1e9) would
+# drown in them, so the program counts microseconds and GiB.
+US, GIB = 1e6, 2.0**30
+
 
 @dataclass(frozen=True, kw_only=True)
 class Solution:
@@ -140,9 +144,9 @@ def solve(
         memory = np.zeros(len(cost))
         for name, decision in problem.decisions.items():
             memory[offsets[name] : offsets[name] + len(decision.options)] = decision.memory
-        constraints.append(LinearConstraint(memory[None, :], -np.inf, memory_limit))
+        constraints.append(LinearConstraint(memory[None, :] / GIB, -np.inf, memory_limit / GIB))
     result = milp(
-        cost,
+        cost * US,
         integrality=integral,
         bounds=Bounds(lower, upper),
         constraints=constraints,
@@ -156,15 +160,16 @@ def solve(
     }
     compute = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
     memory = sum(d.memory[choice[name]] for name, d in problem.decisions.items())
+    total = float(cost @ result.x)
     bound = getattr(result, "mip_dual_bound", None)
-    bound = result.fun if bound is None or not math.isfinite(bound) else bound
+    bound = total if bound is None or not math.isfinite(bound) else min(total, bound / US)
     return Solution(
         problem=problem,
         choice=choice,
-        cost_s=float(result.fun),
+        cost_s=total,
         compute_s=compute,
-        comm_s=float(result.fun) - compute,
-        bound_s=float(bound),
+        comm_s=total - compute,
+        bound_s=bound,
         gap=float(getattr(result, "mip_gap", 0.0) or 0.0),
         memory_bytes=memory,
         status=result.message,
