@@ -28,8 +28,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
-from loom.plan.redistribute import Placements, axis_spans, gradient_layouts, redistribution
-from loom.plan.space import Candidate, StrategySpace, layouts, strategy_space
+from loom.plan.redistribute import axis_spans, gradient_layouts, redistribution
+from loom.plan.space import Candidate, Placements, StrategySpace, layouts, strategy_space
 
 __all__ = [
     "OPTIMIZER_COPIES",

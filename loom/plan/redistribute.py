@@ -31,10 +31,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.hardware import Cluster
+from loom.plan.space import Placements
 
 __all__ = ["Step", "axis_spans", "gradient_layouts", "redistribution"]
-
-Placements = tuple[Placement, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +78,12 @@ def redistribution(
             local = nbytes / _cuts(current, sizes)
             size = local * sizes[a] if kind == "all_gather" else local
             steps.append(
-                Step(axis=axis, kind=kind, nbytes=size, seconds=_time(kind, size, spans[axis], cluster))
+                Step(
+                    axis=axis,
+                    kind=kind,
+                    nbytes=size,
+                    seconds=collective_time(kind, size, spans[axis], cluster),
+                )
             )
         current[a] = target[a]
     return steps
@@ -101,10 +105,6 @@ def _kind(have: Placement, want: Placement) -> str | None:
 
 def _cuts(placements: Sequence[Placement], sizes: Sequence[int]) -> int:
     return math.prod(size for p, size in zip(placements, sizes, strict=True) if isinstance(p, Shard))
-
-
-def _time(kind: str, nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
-    return collective_time(kind, nbytes, span, cluster)
 
 
 def gradient_layouts(

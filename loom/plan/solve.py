@@ -28,8 +28,8 @@ from scipy.sparse import coo_array
 from loom.cost.hardware import Cluster
 from loom.plan.graph import Graph
 from loom.plan.problem import Problem, build_problem, carries_gradient, requirement
-from loom.plan.redistribute import Placements, Step, gradient_layouts, redistribution
-from loom.plan.space import StrategySpace
+from loom.plan.redistribute import Step, gradient_layouts, redistribution
+from loom.plan.space import Placements, StrategySpace
 from loom.plan.to_plan import pins, solution_plan
 
 __all__ = ["Solution", "propagate", "search", "solve"]

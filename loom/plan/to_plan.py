@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from loom.plan.graph import Graph
 from loom.plan.plan import Plan
 from loom.plan.problem import requirement
-from loom.plan.redistribute import Placements
+from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
 __all__ = ["pins", "placements", "solution_plan", "tensor_spec"]
