@@ -31,6 +31,7 @@ from loom.plan.problem import Problem, build_problem, carries_gradient, requirem
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements, StrategySpace
 from loom.plan.to_plan import pins, solution_plan
+from loom.plan.tree import tree_choice
 
 __all__ = ["Solution", "propagate", "search", "solve"]
 
@@ -42,8 +43,9 @@ US, GIB = 1e6, 2.0**30
 @dataclass(frozen=True, kw_only=True)
 class Solution:
     """The chosen option of every decision (`choice`: node name -> option index), with the predicted step
-    time (`cost_s`: compute plus communication, whole model), its parts, the LP lower bound (`bound_s`)
-    and the relative optimality `gap`, memory per device, and the solver's status message."""
+    time (`cost_s`: compute plus communication, whole model), its parts, the lower bound (`bound_s`) and
+    the relative optimality `gap`, memory per device, how it was found (`method`: "tree" or "milp") and
+    the solver's status message."""
 
     problem: Problem
     choice: dict[str, int]
@@ -53,6 +55,7 @@ class Solution:
     bound_s: float
     gap: float
     memory_bytes: float
+    method: str
     status: str
 
     def option(self, name: str) -> Any:
@@ -136,8 +139,17 @@ def solve(
     time_limit: float = 60.0,
     gap: float = 1e-4,
 ) -> Solution:
-    """Solve `problem` with HiGHS; `pinned` restricts some decisions to some options."""
+    """Solve `problem`: by dynamic programming when its decisions form a forest and no memory limit is
+    given (exact, `method="tree"`), else with HiGHS (`method="milp"`); `pinned` restricts some decisions
+    to some options."""
     pinned = pinned or {}
+    if memory_limit is None:
+        choice = tree_choice(problem, pinned)
+        if choice is not None:
+            total = _total(problem, choice)
+            return _solution(
+                problem, choice, total, total, 0.0, "tree", "exact dynamic programming over a forest"
+            )
     cost, lower, upper, integral, rows, offsets = _program(problem, pinned)
     constraints = [LinearConstraint(*rows)]
     if memory_limit is not None:
@@ -158,11 +170,15 @@ def solve(
         name: int(np.argmax(result.x[offsets[name] : offsets[name] + len(d.options)]))
         for name, d in problem.decisions.items()
     }
-    compute = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
-    memory = sum(d.memory[choice[name]] for name, d in problem.decisions.items())
-    total = float(cost @ result.x)
+    total = _total(problem, choice)
     bound = getattr(result, "mip_dual_bound", None)
     bound = total if bound is None or not math.isfinite(bound) else min(total, bound / US)
+    gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
+    return _solution(problem, choice, total, bound, gap, "milp", result.message)
+
+
+def _solution(problem, choice, total, bound, gap, method, status) -> Solution:
+    compute = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
     return Solution(
         problem=problem,
         choice=choice,
@@ -170,10 +186,21 @@ def solve(
         compute_s=compute,
         comm_s=total - compute,
         bound_s=bound,
-        gap=float(getattr(result, "mip_gap", 0.0) or 0.0),
-        memory_bytes=memory,
-        status=result.message,
+        gap=gap,
+        memory_bytes=sum(d.memory[choice[name]] for name, d in problem.decisions.items()),
+        method=method,
+        status=status,
     )
+
+
+def _total(problem: Problem, choice: Mapping[str, int]) -> float:
+    """Seconds of the chosen options and of the edges between them."""
+    total = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
+    for edge in problem.edges:
+        out = next(g for g, (_, options) in enumerate(edge.producer) if choice[edge.ref.node] in options)
+        need = next(g for g, (_, options) in enumerate(edge.consumer) if choice[edge.target] in options)
+        total += edge.cost[out][need]
+    return total
 
 
 def _program(problem: Problem, pinned: Mapping[str, set[int]]):
