@@ -5,13 +5,13 @@ the least predicted step time, optionally under a memory limit per device.
     solution = propagate(graph, mesh, fixed={"mlp.fc1": {"parameter_plan": {"weight": ["tp", "None"]}}})
     solution.cost_s, solution.gap, solution.layout("fc2.weight"), solution.plan()
 
-Both solve one integer program (`loom.plan.problem` builds its terms) with HiGHS, through
-`scipy.optimize.milp`: a binary per option of every decision (exactly one chosen), and per edge a
+Both solve one problem (`loom.plan.problem` builds its terms): exactly by dynamic programming when its
+decisions form a forest and no memory limit applies (`loom.plan.tree`), else as an integer program with
+HiGHS, through `scipy.optimize.milp`: a binary per option of every decision (exactly one chosen), and per edge a
 continuous variable per pair (producer output layout, consumer requirement) whose marginals equal the two
 sides' choices. With binary choices the pair variables are exact; their LP relaxation is the local
-polytope, tight on chains and trees, so sharding propagation on such graphs (MindSpore's
-`sharding_propagation`, where a dynamic program would also do) closes at the root. `propagate` is `search`
-with the fixed operators and parameters pinned.
+polytope, tight on chains and trees. `propagate` (MindSpore's `sharding_propagation`) is `search` with
+the fixed operators and parameters pinned.
 """
 
 from __future__ import annotations
