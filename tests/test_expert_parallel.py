@@ -32,7 +32,7 @@ from loom.parallel.experts import (
 WORLD, TOL, TOKENS, HIDDEN = 4, 1e-5, 6, 8
 BASE = {"hidden": HIDDEN, "ffn_hidden": 12, "experts": 4, "top_k": 2, "z_loss_coef": 1e-3, "init_std": 0.5}
 CASES = {
-    "dropless swiglu grouped": {},
+    "dropless swiglu grouped": {"grouped_mm": True},
     "dropless gelu loop": {"activation": "gelu", "grouped_mm": False, "experts": 8},
     "capacity by probability": {"capacity_factor": 0.75},
     "capacity by position": {"capacity_factor": 0.75, "drop_policy": "position", "score": "sigmoid"},

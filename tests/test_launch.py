@@ -365,3 +365,10 @@ def test_an_unknown_start_method_is_named(monkeypatch):
     monkeypatch.setenv("LOOM_START_METHOD", "fork")
     with pytest.raises(ValueError, match="LOOM_START_METHOD='fork': use 'forkserver'"):
         launch(_rank_info, 2)
+
+
+def test_forkserver_preload_adds_the_modules_named_in_the_environment(monkeypatch):
+    monkeypatch.setenv("LOOM_FORKSERVER_PRELOAD", " loom.train.job, ,json ")
+    assert launch_module.forkserver_preload() == ["torch", "loom.dist.launch", "loom.train.job", "json"]
+    monkeypatch.delenv("LOOM_FORKSERVER_PRELOAD")
+    assert launch_module.forkserver_preload() == ["torch", "loom.dist.launch"]

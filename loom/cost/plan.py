@@ -133,6 +133,9 @@ class ParallelPlan:
     overlap_grad_sync: bool = True
     flash_attention: bool = False  # fused attention: no s x s tensors stored or moved
     dtype: str = "bf16"
+    fp8_matmuls: bool = (
+        False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
+    )
     stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.cost.traffic` only)
     attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS

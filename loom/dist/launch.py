@@ -7,8 +7,9 @@ what it would see under torchrun.
 
 Workers are started by multiprocessing's "spawn" (each imports torch itself: about 1.5 s of CPU per
 worker). `LOOM_START_METHOD=forkserver` (Linux, macOS) forks them instead from a server process, started
-once per caller, that imported torch and loom: a group of 4 then starts in a tenth of a second, and so does
-a restart after a failure. It is not the default yet: in seven runs of the test suite with it, one worker of
+once per caller, that imported torch and loom's launcher (and the modules named in
+`LOOM_FORKSERVER_PRELOAD`, e.g. `loom.train.job` for training jobs): a group of 4 then starts in a tenth of
+a second, and so does a restart after a failure. It is not the default yet: in seven runs of the test suite with it, one worker of
 a long-lived group died once of SIGSEGV, not reproduced since (workers now print their Python stacks on a
 native crash). A forked worker takes the caller's environment, directory and output as they are when it
 starts (not the server's) and, as with "spawn", imports the caller's script as `__mp_main__`; settings that
@@ -522,8 +523,16 @@ def _context() -> Any:
         )
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "loom.dist.launch"])  # used when the server starts
+        ctx.set_forkserver_preload(forkserver_preload())  # used when the server starts
     return ctx
+
+
+def forkserver_preload() -> list[str]:
+    """The modules a forkserver imports before it forks workers: torch and this launcher, then those listed
+    in `LOOM_FORKSERVER_PRELOAD` (comma-separated, e.g. `loom.train.job`: what every worker of a training
+    job imports, about 1.5 s of CPU each, then paid once by the server instead)."""
+    extra = os.environ.get("LOOM_FORKSERVER_PRELOAD", "")
+    return ["torch", "loom.dist.launch", *(name.strip() for name in extra.split(",") if name.strip())]
 
 
 def _leave() -> None:

@@ -21,7 +21,9 @@ MLPS: tuple[str, ...] = ("gelu", "swiglu")
 class GPTConfig:
     """Shape and flavour of the decoder (GPT-2: layernorm, learned positions, gelu; Llama: rmsnorm, rotary,
     swiglu, grouped-query attention with `n_kv_heads < n_heads`). `n_kv_heads=None` means n_heads,
-    `d_ff=None` means 4 * d_model. Errors name the `[model]` key of a config: `model.d_model = 30 ...`."""
+    `d_ff=None` means 4 * d_model. `experts > 1` makes every block's MLP a mixture of `experts` MLPs of
+    d_ff (`loom.models.moe`), `top_k` per token. Errors name the `[model]` key of a config:
+    `model.d_model = 30 ...`."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -36,6 +38,14 @@ class GPTConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     norm_eps: float = 1e-5
+    # mixture of experts (`experts > 1`): every block's MLP becomes a `loom.models.moe.MoE` of `experts`
+    # MLPs of d_ff each (of kind `mlp`), `top_k` of them per token
+    experts: int = 1
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    expert_bias_rate: float = 0.0  # > 0: DeepSeek-V3's balancing bias, moved by this much after each step
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -59,6 +69,46 @@ class GPTConfig:
             self._fail("dropout", "dropout > 0 is not supported yet; use 0.0")
         if self.norm_eps <= 0:
             self._fail("norm_eps", "use a value > 0")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.experts < 1:
+            self._fail("experts", "use 1 (a dense MLP) or more experts")
+        if self.is_moe and not 1 <= self.top_k <= self.experts:
+            self._fail("top_k", f"choose between 1 and model.experts = {self.experts} experts per token")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            self._fail("capacity_factor", "use a number > 0, or none for dropless routing")
+        for key in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+            if not getattr(self, key) >= 0:
+                self._fail(key, "use a value >= 0")
+
+    def check_expert_parallel(self, ep: int, dp: int | None) -> None:
+        """A ValueError unless `ep` ranks can share the experts out of `dp` data-parallel ranks (None: not
+        known yet): the model has experts, `ep` divides them, and `ep` is made of the last prime factors of
+        `dp` (ep groups are blocks of consecutive data-parallel ranks, the innermost canonical dims of the
+        mesh's "dp" axis: always true for powers of two). That `ep` divides `dp` is the Plan's rule."""
+        if ep == 1:
+            return
+        if not self.is_moe:
+            raise ValueError(
+                f"parallel.ep = {ep} shards experts, but the model has none (model.experts = {self.experts}); "
+                "set model.experts > 1 or parallel.ep = 1"
+            )
+        if self.experts % ep:
+            raise ValueError(
+                f"parallel.ep = {ep} must divide model.experts = {self.experts}; choose ep in "
+                f"{[d for d in range(1, self.experts + 1) if self.experts % d == 0 and (dp or d) % d == 0]}"
+            )
+        if dp is None:
+            return
+        from loom.dist.mesh import prime_factors  # the mesh's own factoring (imports torch: only here)
+
+        factors, inner = prime_factors(dp), prime_factors(ep)
+        if inner != factors[len(factors) - len(inner) :]:
+            raise ValueError(
+                f"parallel.ep = {ep}: expert groups are made of the innermost factors of dp = {dp} "
+                f"(prime factors {list(factors)}); choose an ep that is a product of its last factors"
+            )
 
     def _fail(self, key: str, fix: str) -> None:
         raise ValueError(f"model.{key} = {getattr(self, key)!r} is out of range: {fix}")
@@ -69,6 +119,11 @@ class GPTConfig:
         keys that describe no shape (`name`) are left out."""
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the blocks' MLPs are mixtures of experts."""
+        return self.experts > 1
 
     @property
     def kv_heads(self) -> int:

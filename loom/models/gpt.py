@@ -11,6 +11,9 @@ one device (strategies ignored) and on a dp x tp mesh:
   a reduction over the cut dim);
 - sequence parallelism (optional): norms and residual additions work on the sequence cut over `tp`; the
   pending sums become reduce-scatters and the column-parallel inputs all-gathers, as in Megatron;
+- a mixture of experts in place of each MLP (`GPTConfig.experts > 1`, `MoEMLP`): computed on each rank's
+  own tokens, its stacked expert weights cut over `ep` consecutive data-parallel ranks (expert parallelism,
+  the tokens exchanged by `loom.parallel.experts`), replicated over the rest;
 - context parallelism (optional, `cp > 1`): each rank of the mesh's `cp` axis brings a shard of every
   sequence (`shard_inputs`), which the model treats as rows of their own: the batch is cut over dp x cp, so
   the mean loss is over every token and the parameter gradients are reduced over dp x cp like any pending sum.
@@ -28,12 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.func import functional_call
 
 from loom import ops
 from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
+from loom.models.moe import MoE, MoEConfig, moe_layers
 from loom.parallel.context import chunk_count, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.local_region import contiguous_strides
@@ -49,12 +54,15 @@ class Strategies:
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism: ranks sharing the experts, carved out of dp
     cp: int = 1
     attention: str = "ulysses"  # how attention spans the sequence cut over cp: "ulysses" or "ring"
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.tp < 1 or self.cp < 1:
-            raise ValueError(f"dp {self.dp}, tp {self.tp} and cp {self.cp} must be positive")
+        if self.dp < 1 or self.tp < 1 or self.ep < 1 or self.cp < 1:
+            raise ValueError(f"dp {self.dp}, tp {self.tp}, ep {self.ep} and cp {self.cp} must be positive")
+        if self.dp % self.ep:
+            raise ValueError(f"ep {self.ep} must divide dp {self.dp} (experts shard the data-parallel ranks)")
         if self.attention not in CONTEXT_ATTENTIONS:
             raise ValueError(f"attention {self.attention!r} is not one of {sorted(CONTEXT_ATTENTIONS)}")
 
@@ -86,6 +94,13 @@ class Strategies:
     def columns(self):
         """Outputs of column-parallel projections: last dim cut over tp."""
         return self.map("dp", "None", "tp")
+
+    @property
+    def experts(self):
+        """Stacked expert weights [experts, in, out]: the experts cut over the `ep` innermost data-parallel
+        ranks (blocks of consecutive ones), replicated over the others and over tp."""
+        layout = Layout((self.dp // self.ep, self.ep, self.tp), ("edp", "ep", "tp"))
+        return layout("ep", "None", "None")
 
     @property
     def heads(self):
@@ -232,14 +247,76 @@ class MLP(nn.Module):
         return self.down(hidden, self.w_down)
 
 
+def moe_config(config: GPTConfig) -> MoEConfig:
+    """The `MoEConfig` of each block's mixture of experts: experts of d_ff, of the model's MLP kind."""
+    return MoEConfig(
+        hidden=config.d_model, ffn_hidden=config.ff_dim, experts=config.experts, top_k=config.top_k,
+        activation=config.mlp, normalize_weights=config.top_k > 1, capacity_factor=config.capacity_factor,
+        aux_loss_coef=config.aux_loss_coef, z_loss_coef=config.z_loss_coef,
+        expert_bias=config.expert_bias_rate > 0, bias_rate=config.expert_bias_rate or 1e-3,
+    )  # fmt: skip
+
+
+class MoEMLP(nn.Module):
+    """The MLP as a mixture of experts (`loom.models.moe.MoE`, as `self.moe`), computed on each rank's own
+    tokens whatever the mesh: on DTensors the layer runs on the local pieces of its input and parameters
+    and returns a DTensor laid out as its input.
+
+    Gradients: a parameter's local gradient is one part of the whole batch's where the input is cut (so
+    pending, `Partial`, over those mesh dims: the data-parallel replicas reduce it), complete where it is
+    replicated, and the expert weights keep their cut over ep (their rows' gradients come back through the
+    exchange). The balancing losses are summed over the ranks holding other tokens before they are formed
+    (`MoE.reduce_sums`), so that `aux_loss` is the whole batch's, as on one device."""
+
+    def __init__(self, config: GPTConfig, s: Strategies) -> None:
+        super().__init__()
+        self.moe = MoE(moe_config(config))
+        # no operator of loom's consumes the expert weights: this declares their layout to the dry run
+        self.place_experts = ops.Identity().shard((s.experts,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # `loom.parallelize`'s dry run: only the experts' layout is recorded
+            for weight in self.moe.experts.weights():
+                self.place_experts(weight)
+            return torch.zeros_like(x)
+        if not isinstance(x, DTensor):
+            return self.moe(x)
+        mesh, cut = x.device_mesh, [p.is_shard() for p in x.placements]
+        local = {name: _local_piece(p, cut) for name, p in self.moe.named_parameters()}
+        cut_experts = local["experts.up_proj"].shape[0] != self.moe.config.experts
+        assert not cut_experts or self.moe.experts.exchange is not None, "loom.parallelize connects experts"
+        self.moe.reduce_sums = lambda sums: {k: _sum_over(v, mesh, cut) for k, v in sums.items()}
+        out = functional_call(self.moe, local, (x.to_local(),))
+        return DTensor.from_local(out, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _local_piece(param: torch.Tensor, cut: list[bool]) -> torch.Tensor:
+    """The local piece of a DTensor parameter used on this rank's tokens; its gradient stays cut where the
+    parameter is, pending where the tokens are cut (see `MoEMLP`)."""
+    grads = [
+        p if p.is_shard() else Partial() if tokens_cut else Replicate()
+        for p, tokens_cut in zip(param.placements, cut, strict=True)
+    ]
+    return param.to_local(grad_placements=grads)
+
+
+def _sum_over(value: torch.Tensor, mesh, cut: list[bool]) -> DTensor:  # noqa: ANN001  (a DeviceMesh)
+    """A sum over this rank's tokens summed over the mesh dims that cut the tokens (differentiable)."""
+    pending = [Partial() if tokens_cut else Replicate() for tokens_cut in cut]
+    return DTensor.from_local(value, mesh, pending, run_check=False).redistribute(
+        mesh, [Replicate()] * mesh.ndim
+    )
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)) (the MLP a mixture of
+    experts when the config has experts)."""
 
     def __init__(self, config: GPTConfig, s: Strategies, mesh: Mesh | None = None) -> None:
         super().__init__()
         self.norm1, self.norm2 = Norm(config, s), Norm(config, s)
         self.attention = Attention(config, s, mesh)
-        self.mlp = MLP(config, s)
+        self.mlp = MoEMLP(config, s) if config.is_moe else MLP(config, s)
         self.residual1 = ops.Add().shard((s.stream, s.stream))
         self.residual2 = ops.Add().shard((s.stream, s.stream))
 
@@ -265,6 +342,7 @@ class GPT(nn.Module):
                 f"tp {s.tp} must divide n_heads {config.n_heads} and n_kv_heads {config.kv_heads} "
                 f"(attention heads are cut over tp)"
             )
+        config.check_expert_parallel(s.ep, s.dp)
         _check_context(config, s, mesh)
         self.config, self.strategies, self.mesh = config, s, mesh
         self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
@@ -352,6 +430,9 @@ class GPT(nn.Module):
         on any mesh (a DTensor keeps the slice of the full draw that it holds)."""
         if not self.causal_mask.is_meta:  # constant tables, recomputed after `to_empty`
             self.causal_mask.copy_(_causal_mask(self.config.max_seq_len))
+            for moe in moe_layers(self):  # the balancing state starts at zero
+                moe.expert_bias.zero_()
+                moe.load_total.zero_()
             if self.config.positions == "rotary":
                 cos, sin = _rotary_tables(self.config.max_seq_len, self.config.head_dim)
                 self.rope_cos.copy_(cos)
@@ -365,15 +446,19 @@ class GPT(nn.Module):
             if leaf in ("weight", "bias") and param.ndim == 1:
                 full = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
             else:
-                std = residual_std if leaf in ("wo", "w_down") else 0.02
+                std = residual_std if leaf in ("wo", "w_down", "down_proj") else 0.02
                 full = torch.randn(param.shape, generator=generator) * std
             _assign(param, full.to(param.dtype))
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count of the whole (global) model."""
+    def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameter count of the whole (global) model; with `active`, the experts of each mixture count
+        `top_k / experts` of theirs (the parameters one token computes with: what model FLOPs count)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.embedding.numel() + (self.positions.numel() if hasattr(self, "positions") else 0)
+        if active and self.config.is_moe:
+            experts = sum(p.numel() for moe in moe_layers(self) for p in moe.experts.parameters())
+            total -= experts - experts * self.config.top_k // self.config.experts
         return total
 
 
@@ -381,6 +466,11 @@ def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:
     """What context parallelism needs of the model and the mesh, refused at construction."""
     if s.cp == 1:
         return
+    if config.is_moe:
+        raise ValueError(
+            f"cp {s.cp}: a mixture of experts does not run with context parallelism yet; use cp = 1 "
+            f"or no experts"
+        )
     if s.attention == "ulysses" and config.n_heads % (s.tp * s.cp):
         raise ValueError(
             f"Ulysses attention cuts each tp rank's heads over cp: tp x cp = {s.tp * s.cp} must divide n_heads "

@@ -21,14 +21,15 @@ Keeping the output a plain tensor lets the layer drop into any model (`nn.Sequen
 
 The experts (`GroupedExperts`) hold their weights stacked, `[experts, ...]`, and run as one
 `torch._grouped_mm` over the tokens sorted by expert where that operator exists and runs for the device,
-dtype and sizes (probed once), a loop over the experts otherwise. `loom.parallel.experts` shards the
-stacked weights over an expert-parallel group and exchanges the tokens with all-to-alls.
+dtype and sizes (probed once) on an accelerator, a loop over the experts otherwise (on CPU unless
+`grouped_mm=True`). `loom.parallel.experts` shards the stacked weights over an expert-parallel group and
+exchanges the tokens with all-to-alls.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -38,7 +39,18 @@ from torch import nn
 
 from loom.dist._torch_private import grouped_mm
 
-__all__ = ["GroupedExperts", "MoE", "MoEConfig", "Routing", "expert_mlp", "grouped_mm_usable", "moe_layers"]
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "MoEConfig",
+    "Routing",
+    "aux_losses",
+    "balance_sums",
+    "expert_mlp",
+    "grouped_mm_usable",
+    "moe_layers",
+    "update_biases",
+]
 
 SCORES = ("softmax", "sigmoid")
 DROP_POLICIES = ("probability", "position")
@@ -65,8 +77,9 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing bias
+    bias_rate: float = 1e-3  # how far `update_bias` moves the bias by default
     shared_experts: int = 0  # an always-on MLP of shared_experts * ffn_hidden
-    grouped_mm: bool | None = None  # None: torch._grouped_mm where usable; False: the per-expert loop
+    grouped_mm: bool | None = None  # None: torch._grouped_mm where usable but on CPU; False: the loop
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -84,7 +97,7 @@ class MoEConfig:
             _fail("drop_policy", self.drop_policy, f"use one of {DROP_POLICIES}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             _fail("capacity_factor", self.capacity_factor, "give a positive number, or None for dropless")
-        for field in ("aux_loss_coef", "z_loss_coef", "init_std"):
+        for field in ("aux_loss_coef", "z_loss_coef", "init_std", "bias_rate"):
             if not getattr(self, field) >= 0:
                 _fail(field, getattr(self, field), "give a number >= 0")
         if self.shared_experts < 0:
@@ -146,6 +159,9 @@ class GroupedExperts(nn.Module):
             self.gate_proj = nn.Parameter(torch.empty(e, h, f))
         self.up_proj = nn.Parameter(torch.empty(e, h, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, h))
+        # `loom.parallel.experts` sets a callable `(rows, counts, weights, config) -> outputs` here that
+        # exchanges the rows with the ranks holding the other experts; None: every expert is here
+        self.exchange: Callable | None = None
         if init:
             self.reset_parameters()
 
@@ -172,22 +188,24 @@ class GroupedExperts(nn.Module):
         return self.up_proj.shape[0]
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.exchange is not None:
+            return self.exchange(rows, counts, self.weights(), self.config)
         return expert_mlp(rows, counts, self.weights(), self.config)
 
 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], config: MoEConfig):
     """Each expert's MLP on its rows (`rows` sorted by expert, `counts[e]` rows for expert `e`)."""
-    usable = config.grouped_mm is not False and grouped_mm_usable(
-        rows.device.type, rows.dtype, config.hidden, config.ffn_hidden
-    )
+    # automatic: not on CPU, where torch's grouped matmul is a slow reference kernel (hundreds of times
+    # the loop's time on small experts, seen on torch 2.13)
+    wanted = config.grouped_mm is True or (config.grouped_mm is None and rows.device.type != "cpu")
+    usable = wanted and grouped_mm_usable(rows.device.type, rows.dtype, config.hidden, config.ffn_hidden)
     if config.grouped_mm and not usable:
         raise ValueError(
             f"MoEConfig.grouped_mm = True: torch._grouped_mm does not run on {rows.device.type} in "
             f"{rows.dtype} with hidden {config.hidden} and ffn_hidden {config.ffn_hidden} (rows must be "
             f"16-byte aligned); set grouped_mm None (automatic) or False (the per-expert loop)"
         )
-    use_grouped = usable
-    if use_grouped:
+    if usable:
         ends = torch.cumsum(counts, 0).to(torch.int32)
         matmul = lambda x, w: _contiguous_grad(grouped_mm(x, w, ends))  # noqa: E731
     else:
@@ -246,9 +264,9 @@ def grouped_mm_usable(device_type: str, dtype: torch.dtype, hidden: int, ffn_hid
 class MoE(nn.Module):
     """A mixture-of-experts MLP (see the module's docstring). After each forward: `aux_loss` (weighted
     load-balancing plus z-loss, fp32, in the graph), `load` (pairs routed to each expert, before dropping)
-    and `dropped` (pairs dropped for capacity). In training mode, `load_total` (int64) accumulates `load`
-    for `update_bias`; a recomputed forward counts again, which scales every expert's load alike and so
-    leaves the update unchanged."""
+    and `dropped` (pairs dropped for capacity). In training mode with gradients on (not in an evaluation
+    under `torch.no_grad`), `load_total` (int64) accumulates `load` for `update_bias`; a recomputed
+    forward counts again, which scales every expert's load alike and so leaves the update unchanged."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -269,6 +287,8 @@ class MoE(nn.Module):
         # int64: a model cast to bf16 keeps exact counts
         self.register_buffer("load_total", torch.zeros(config.experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # sums over this rank's tokens -> sums over the whole batch (see `balance_sums`); None: this rank's
+        self.reduce_sums: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
         self.load: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None
         self.reset_parameters()
@@ -304,7 +324,7 @@ class MoE(nn.Module):
             weight = weight / weight.sum(-1, keepdim=True)
         load = torch.bincount(chosen.reshape(-1), minlength=config.experts)
         self.load = load
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # an evaluation between steps steers nothing
             self.load_total += load
         self.aux_loss = self._aux_loss(logits, scores, load)
         kept = self._kept = _kept(scores, chosen, config)
@@ -315,17 +335,19 @@ class MoE(nn.Module):
         return Routing(token=token[order], expert=expert[order], weight=weight[order], counts=counts)
 
     def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """The weighted balancing losses from sums over tokens (`balance_sums`), summed over the ranks that
+        hold other tokens first when `reduce_sums` is set, so that they are those of the whole batch."""
         config = self.config
-        loss = logits.sum() * 0.0  # zero, yet in the graph: the router gets a gradient even from no tokens
-        if logits.shape[0] == 0:  # the means below would be 0/0
-            return loss
+        sums = balance_sums(logits, scores, load, config)
+        if self.reduce_sums is not None:
+            sums = self.reduce_sums(sums)
+        tokens = sums["tokens"].clamp(min=1)  # no token: every sum is 0, and so is the loss (in the graph)
+        loss = sums["probs"].sum() * 0.0  # zero, yet in the graph: the router gets a gradient from no tokens
         if config.aux_loss_coef:
-            # sigmoid scores are normalised per token so that P_i is a share, as with softmax
-            probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            share = load.float() / (logits.shape[0] * config.top_k)
-            loss = loss + config.aux_loss_coef * config.experts * (share * probs.mean(0)).sum()
+            share = sums["load"] / (tokens * config.top_k)
+            loss = loss + config.aux_loss_coef * config.experts * (share * sums["probs"] / tokens).sum()
         if config.z_loss_coef:
-            loss = loss + config.z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+            loss = loss + config.z_loss_coef * sums["z"] / tokens
         return loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,14 +366,16 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
     @torch.no_grad()
-    def update_bias(self, rate: float, group=None) -> torch.Tensor:
-        """DeepSeek-V3's update: each expert's bias moves by `rate` up if its load since the last update
+    def update_bias(self, rate: float | None = None, group=None) -> torch.Tensor:
+        """DeepSeek-V3's update: each expert's bias moves by `rate` (default: the config's `bias_rate`) up
+        if its load since the last update
         is below the mean, down if above (`load_total`, summed over `group` first when given so that every
         replica moves its bias alike); `load_total` restarts at zero. Returns the load used."""
         if not self.config.expert_bias:
             raise ValueError(
                 "MoE.update_bias: the layer has no bias; build it with MoEConfig(expert_bias=True)"
             )
+        rate = self.config.bias_rate if rate is None else rate
         load = self.load_total.clone()
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
@@ -361,6 +385,22 @@ class MoE(nn.Module):
         return load
 
 
+def balance_sums(
+    logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor, config: MoEConfig
+) -> dict[str, torch.Tensor]:
+    """What the balancing losses need, as sums over the tokens of `logits` (so that sums over several
+    ranks' tokens give the whole batch's losses): `tokens`, `load` (pairs per expert, before dropping),
+    `probs` (routing probabilities per expert; sigmoid scores normalised per token, so that each is a
+    share as with softmax) and `z` (the squared log-sum-exp of the logits)."""
+    probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    return {
+        "tokens": torch.tensor(float(logits.shape[0]), device=logits.device),
+        "load": load.float(),
+        "probs": probs.sum(0),
+        "z": torch.logsumexp(logits, -1).square().sum(),
+    }
+
+
 def _fields(config: MoEConfig) -> dict:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
@@ -368,3 +408,19 @@ def _fields(config: MoEConfig) -> dict:
 def moe_layers(model: nn.Module) -> Iterator[MoE]:
     """Every `MoE` in `model` (for summing their `aux_loss` or updating their biases)."""
     return (m for m in model.modules() if isinstance(m, MoE))
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the balancing losses of `model`'s mixtures of experts after its last forward (what a
+    training loop adds to the loss it differentiates); None for a model without any."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return sum(losses[1:], losses[0]) if losses else None
+
+
+def update_biases(model: nn.Module, group=None) -> None:
+    """After an optimizer step: `update_bias` every mixture of experts of `model` that balances by bias,
+    with the loads summed over `group` (the ranks holding other tokens; ranks counting the same tokens
+    scale every load alike, which leaves the update unchanged)."""
+    for moe in moe_layers(model):
+        if moe.config.expert_bias:
+            moe.update_bias(group=group)

@@ -13,11 +13,18 @@ replaces the layer's experts by `ExpertParallelExperts`, which exchanges tokens 
 
 The row exchanges are autograd's functional all-to-all, whose backward is the reverse exchange: two
 all-to-alls forward, two backward, plus the counts forward (`loom.cost.moe.moe_collectives`). Routing,
-capacity and the auxiliary losses stay per rank, on the rank's own tokens, as in GShard.
+capacity and the auxiliary losses stay per rank, on the rank's own tokens, as in GShard (but see loom's
+GPT below).
 
 Gradients: the router and shared experts are replicated over every data-parallel rank, each expert shard
 over the ranks that hold the same experts (the expert-data-parallel group). `expert_groups` gives both
 partitions of a data-parallel world, and `sync_gradients` averages accordingly.
+
+loom's GPT (`GPTConfig.experts`, `Strategies(ep=...)`) takes another road to the same exchange: its
+stacked expert weights stay whole-shaped DTensors cut on the expert dim over the ep ranks, so that loom's
+gradient buckets, optimizer levels and checkpoints treat them as any cut parameter, and `connect_experts`
+gives each layer an `ExpertExchange` over the mesh dims of that cut (`loom.parallelize` calls it; see
+docs/experts.md). There the balancing losses are the whole batch's (`MoE.reduce_sums`), not each rank's.
 """
 
 from __future__ import annotations
@@ -25,11 +32,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from loom.dist._torch_private import all_to_all_autograd
-from loom.models.moe import GroupedExperts, MoE, expert_mlp
+from loom.dist.mesh import Mesh
+from loom.models.moe import GroupedExperts, MoE, MoEConfig, expert_mlp, moe_layers
 
 __all__ = [
+    "connect_experts",
+    "ExpertExchange",
     "ExpertParallelExperts",
     "expert_groups",
     "expert_parallel",
@@ -53,23 +64,59 @@ def shard_range(experts: int, ep: int, ep_rank: int) -> range:
     return range(ep_rank * local, (ep_rank + 1) * local)
 
 
+class ExpertExchange:
+    """The exchange around the local experts of one rank of `group` (a `GroupedExperts.exchange`):
+    `(rows, counts, weights, config)` takes this rank's rows sorted by global expert, `counts` per global
+    expert and this rank's slice of the stacked weights, and returns the rows' outputs in the same order
+    (see the module's docstring). After a call, `sent_rows` and `received_rows` say how many rows it sent
+    and received (what `loom.cost.moe.moe_collectives` takes)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.sent_rows = self.received_rows = 0
+
+    def __call__(
+        self, rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], config: MoEConfig
+    ) -> torch.Tensor:
+        send_counts = counts.reshape(self.ep, -1)  # [destination rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        self.sent_rows, self.received_rows = sum(send), sum(recv)
+        arrived = all_to_all_autograd(rows, recv, send, self.group)
+        order = _by_local_expert(recv_counts)
+        local = expert_mlp(arrived[order], recv_counts.sum(0), weights, config)
+        back = torch.empty_like(local).index_copy(0, order, local)  # undo the regrouping
+        return all_to_all_autograd(back, send, recv, self.group)
+
+
 class ExpertParallelExperts(GroupedExperts):
-    """The local slice of a `GroupedExperts` on one rank of `group`; `forward(rows, counts)` takes this
-    rank's rows sorted by global expert and `counts` per global expert, and returns their outputs in the
-    same order, the exchanges done (see the module's docstring). After a call, `sent_rows` and
-    `received_rows` say how many rows it sent and received (what `loom.cost.moe.moe_collectives` takes)."""
+    """The local slice of a `GroupedExperts` on one rank of `group`, its rows exchanged by an
+    `ExpertExchange` (`sent_rows` and `received_rows` after a call)."""
 
     def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup) -> None:
         nn.Module.__init__(self)
         self.config = experts.config
         self.group = group
-        self.ep = dist.get_world_size(group)
+        self.exchange = ExpertExchange(group)
+        self.ep = self.exchange.ep
         self.global_experts = experts.num_experts
         self.local = shard_range(self.global_experts, self.ep, dist.get_rank(group))
-        self.sent_rows = self.received_rows = 0
         for name, weight in zip(experts.weight_names(), experts.weights(), strict=True):
             piece = weight.detach()[self.local.start : self.local.stop].clone()
             setattr(self, name, nn.Parameter(piece, requires_grad=weight.requires_grad))
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows the last call sent to the group."""
+        return self.exchange.sent_rows
+
+    @property
+    def received_rows(self) -> int:
+        """Rows the last call received from the group."""
+        return self.exchange.received_rows
 
     def reset_parameters(self) -> None:
         """Draw the whole stack as `GroupedExperts` does and keep this rank's slice: the same RNG state gives
@@ -81,19 +128,6 @@ class ExpertParallelExperts(GroupedExperts):
             nn.init.normal_(full, std=self.config.init_std)
             with torch.no_grad():
                 weight.copy_(full[self.local.start : self.local.stop])
-
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        send_counts = counts.reshape(self.ep, -1)  # [destination rank, its local expert]
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
-        send = send_counts.sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
-        self.sent_rows, self.received_rows = sum(send), sum(recv)
-        arrived = all_to_all_autograd(rows, recv, send, self.group)
-        order = _by_local_expert(recv_counts)
-        local = expert_mlp(arrived[order], recv_counts.sum(0), self.weights(), self.config)
-        back = torch.empty_like(local).index_copy(0, order, local)  # undo the regrouping
-        return all_to_all_autograd(back, send, recv, self.group)
 
 
 def _by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -161,3 +195,21 @@ def sync_gradients(
             continue
         dist.all_reduce(param.grad, group=edp_group if param in experts else dp_group)
         param.grad.div_(world)
+
+
+def connect_experts(model: nn.Module, mesh: Mesh) -> int:
+    """Give every mixture of experts in `model` whose stacked expert weights are DTensors cut on their
+    expert dim (loom's GPT laid out with `Strategies(ep=...)`) the exchange over the ranks that cut them:
+    the mesh dims of that cut, one flattened sub-mesh of `mesh`, make its ep group (no collective: the
+    sub-meshes exist). `loom.parallelize` calls it once the parameters are laid out; returns ep (1: no
+    layer's experts are cut, nothing to connect)."""
+    ep = 1
+    for moe in moe_layers(model):
+        weight = moe.experts.up_proj
+        if not isinstance(weight, DTensor):
+            continue
+        dims = tuple(i for i, p in enumerate(weight.placements) if p == Shard(0))
+        if dims:
+            moe.experts.exchange = ExpertExchange(mesh.sub_mesh(dims).get_group())
+            ep = moe.experts.exchange.ep
+    return ep

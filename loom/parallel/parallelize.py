@@ -6,7 +6,9 @@ The order of transforms, fixed:
    replicated, so that each rank keeps only its shards;
 3. inputs become global DTensors: each rank's local batch (global batch = local batches concatenated on
    dim 0), or the whole batch on every rank with `full_batch=True`;
-4. gradients that replicas computed in parts are reduced by bucketed all-reduce overlapped with backward.
+4. gradients that replicas computed in parts are reduced by bucketed all-reduce overlapped with backward;
+5. (semi_auto) mixtures of experts whose expert weights came out cut on their expert dim (loom's GPT with
+   `Strategies(ep=...)`) get their token exchange over the ranks of that cut (`connect_experts`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from loom.layout.tensor_layout import TensorLayout
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
 from loom.parallel.batch_check import BatchRows, check_even_batches
+from loom.parallel.experts import connect_experts
 from loom.parallel.grad_sync import GradSync
 from loom.parallel.lift import LiftPlainTensors
 from loom.parallel.module_plan import (
@@ -256,6 +259,7 @@ def _parallelize(
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
+    connect_experts(model, mesh)
     all_layouts = {name: layout_of(p) for name, p in model.named_parameters()}
     model.loom = ParallelState(
         mode=mode,

@@ -188,6 +188,14 @@ class ModelConfig(_Section):
     mlp: Literal[MLPS] = _key("gelu", "MLP kind: GELU or gated SwiGLU")
     tie_embeddings: bool = _key(True, "share the input embedding with the output head")
     dropout: float = _key(0.0, "dropout probability in [0, 1)")
+    experts: int = _key(1, "experts per block: > 1 makes every MLP a mixture of experts of d_ff each")
+    top_k: int = _key(2, "experts each token is routed to (<= experts)")
+    capacity_factor: float | None = _key(
+        None, "cap each expert at capacity_factor * tokens * top_k / experts pairs (none: dropless)"
+    )
+    aux_loss_coef: float = _key(0.01, "weight of the experts' load-balancing loss")
+    z_loss_coef: float = _key(0.0, "weight of the router z-loss")
+    expert_bias_rate: float = _key(0.0, "> 0: balance experts by a routing bias moved this much per step")
 
     def check(self) -> None:
         if self.is_hf:
@@ -305,8 +313,9 @@ class DataConfig(_Section):
 
 @dataclass(kw_only=True)
 class ParallelConfig(_Section):
-    """`[parallel]`: mesh sizes (`dp = -1` takes the devices left by tp and pp), the pipeline schedule and
-    micro-batches, sequence parallelism, the optimizer level (ZeRO stage 0-3) and recomputation.
+    """`[parallel]`: mesh sizes (`dp = -1` takes the devices left by tp and pp; `ep` carves expert
+    parallelism out of dp), the pipeline schedule and micro-batches, sequence parallelism, the optimizer
+    level (ZeRO stage 0-3) and recomputation.
 
     The TOML surface of a `loom.plan.Plan`: its rules are the Plan's, reported under `parallel.<key>`."""
 
@@ -314,6 +323,7 @@ class ParallelConfig(_Section):
     dp: int = _key(-1, "data-parallel size (-1: the devices left by tp and pp)")
     tp: int = _key(1, "tensor-parallel size (divides heads, kv heads, d_ff and vocab_size)")
     pp: int = _key(1, "pipeline-parallel size (stages over ranks)")
+    ep: int = _key(1, "expert-parallel size: data-parallel ranks sharing a model's experts (divides dp)")
     schedule: Literal[CONFIG_SCHEDULES] = _key("1f1b", "pipeline schedule when pp > 1")
     microbatches: int = _key(1, "micro-batches per pipeline step (>= pp when pp > 1)")
     sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
@@ -336,6 +346,7 @@ class ParallelConfig(_Section):
                 dp=self.dp,
                 tp=self.tp,
                 pp=self.pp,
+                ep=self.ep,
                 schedule=self.schedule,
                 virtual_stages=SCHEDULE_VIRTUAL[self.schedule][0],
                 micro_batches=self.microbatches if self.pp > 1 else 1,
@@ -591,6 +602,7 @@ class TrainConfig:
         self._check_context()
         self.check_pipeline()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
+        model.gpt_config().check_expert_parallel(par.ep, dp)
         if dp is not None:
             self._check_batch_split(dp)
         return self
@@ -600,6 +612,11 @@ class TrainConfig:
         model, data, par = self.model, self.data, self.parallel
         if par.cp == 1:
             return
+        if model.experts > 1:
+            raise ValueError(
+                f"parallel.cp = {par.cp}: a mixture of experts (model.experts = {model.experts}) does not run "
+                "with context parallelism yet; set parallel.cp = 1"
+            )
         # the GPT cuts for ring attention head-tail (2 * cp chunks), for Ulysses contiguously (cp chunks):
         # `Strategies.sequence_layout`, `loom.parallel.context.chunk_count` (not imported here: no torch)
         chunks = 2 * par.cp if par.attention == "ring" else par.cp
@@ -636,6 +653,11 @@ class TrainConfig:
                 "laid out tensor-parallel yet; set parallel.tp = 1, or parallel.pp = 1, or untie it "
                 '("tie_word_embeddings": false in its config.json)'
             )
+        if par.ep > 1:
+            raise ValueError(
+                f"parallel.ep = {par.ep}: expert parallelism runs on loom's GPT (model.experts) for now; "
+                "set parallel.ep = 1 for a Hugging Face model"
+            )
         if par.pp > 1:
             self._check_hf_pipeline()
 
@@ -671,6 +693,11 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.pp == 1:
             return
+        if model.experts > 1:
+            raise ValueError(
+                f"parallel.pp = {par.pp} with model.experts = {model.experts}: pipeline stages do not carry "
+                "the experts' balancing losses yet; set parallel.pp = 1 (data, tensor and expert parallel)"
+            )
         virtual = par.plan().virtual_stages  # micro-batches against pp: a rule of the Plan
         if par.stages is not None and sum(par.stages) != model.n_layers:
             raise ValueError(

@@ -76,9 +76,12 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
 
 
 def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
-    """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised."""
+    """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised (its experts cut
+    over `parallel.ep` data-parallel ranks)."""
     par = config.parallel
-    strategies = Strategies(mesh.dp_size, par.tp, par.sequence_parallel, cp=par.cp, attention=par.attention)
+    strategies = Strategies(
+        mesh.dp_size, par.tp, par.sequence_parallel, par.ep, cp=par.cp, attention=par.attention
+    )
     with torch.device("meta"):
         model = GPT(gpt_config(config), strategies, mesh=mesh)
     loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(*example))
@@ -248,7 +251,7 @@ def build_trainer(
     )
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
     flops_per_token = model_flops_per_token(
-        model.num_parameters(exclude_embeddings=True), config.model.n_layers, config.model.d_model,
+        _active_parameters(model), config.model.n_layers, config.model.d_model,
         config.data.seq_len,
     )  # fmt: skip
     options = dict(
@@ -263,6 +266,14 @@ def build_trainer(
         named = stage_parameters(model, pipeline.modules, pipeline.full_parameters)
         return Trainer(pipeline, optimizer, named_as=named, **options)
     return Trainer(model, optimizer, **options)
+
+
+def _active_parameters(model: nn.Module) -> int:
+    """Parameters (embeddings left out) one token computes with: loom's GPT counts `top_k` of each
+    mixture's experts."""
+    if isinstance(model, GPT):
+        return model.num_parameters(exclude_embeddings=True, active=True)
+    return model.num_parameters(exclude_embeddings=True)
 
 
 @torch.no_grad()
@@ -459,9 +470,11 @@ def plan_text(config: TrainConfig, model: GPT, verbose: bool = False) -> str:
     par = config.parallel
     lines = [
         f"plan: {state.mesh}, optimizer level {par.optimizer_level}, recompute {par.recompute}, "
-        f"sequence parallel {'on' if par.sequence_parallel else 'off'}, precision {config.train.precision}",
+        f"sequence parallel {'on' if par.sequence_parallel else 'off'}, precision {config.train.precision}"
+        + (f", experts over ep = {par.ep} data-parallel ranks" if par.ep > 1 else ""),
         f"model: {_model_name(config, model)}{model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{config.model.n_layers} layers, d_model {config.model.d_model}, {config.model.n_heads} heads",
+        f"{config.model.n_layers} layers, d_model {config.model.d_model}, {config.model.n_heads} heads"
+        + (f", {config.model.experts} experts top-{config.model.top_k}" if config.model.experts > 1 else ""),
         "parameters" + ("" if verbose else " by layout (loom train --verbose lists each one)") + ":",
     ]
     names, shape = state.mesh.device_mesh.mesh_dim_names, state.mesh.canonical_shape

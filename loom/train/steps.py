@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.dist import env
 from loom.dist.context import unsharded
+from loom.models.moe import aux_losses
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.zero import ZeroOptimizer
@@ -43,7 +44,9 @@ def steps_for(parts: nn.Module | Pipeline) -> ModuleSteps | PipelineSteps:
 
 class ModuleSteps:
     """One module made parallel by `loom.parallelize` (or a plain one): its forward takes one micro-batch
-    and returns the mean loss over it."""
+    and returns the mean loss over it. The balancing losses of its mixtures of experts
+    (`loom.models.moe.aux_losses`) are added to what backward differentiates; the loss reported is the
+    model's own."""
 
     def __init__(self, model: nn.Module) -> None:
         self.module = model
@@ -58,7 +61,9 @@ class ModuleSteps:
             with self._sync_gradients(index == count - 1):
                 with autocast(trainer.precision, env.device_type()):
                     loss = self.module(*batch)
-                (loss * (scale / count)).backward()
+                # mixtures of experts: their balancing losses join the gradient, not the reported loss
+                aux = aux_losses(self.module)
+                ((loss if aux is None else loss + aux) * (scale / count)).backward()
             losses.append(loss.detach())
         return global_mean(losses)
 

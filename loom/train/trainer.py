@@ -4,9 +4,10 @@ One step: seed the random generators for the step (with a `seed`: see `loom.dist
 batch into micro-batches; for each, forward under autocast and backward of the
 (scaled) loss, letting gradients synchronise only on the last one; then, on the whole step's gradients
 (`_update`): check finiteness (fp16), unscale, skip a step whose loss or gradient norm is not finite, clip to
-a global norm taken across every shard and rank, update (unless skipped), adjust the loss scale and the
-learning rate, and tell the callbacks. A run is a list of model parts: one module, or this rank's pipeline
-stages (a `Pipeline`, whose schedule runs the first half); `loom.train.steps` holds the first half for each.
+a global norm taken across every shard and rank, update (unless skipped) and move the experts' balancing
+biases, adjust the loss scale and the learning rate, and tell the callbacks. A run is a list of model parts:
+one module, or this rank's pipeline stages (a `Pipeline`, whose schedule runs the first half);
+`loom.train.steps` holds the first half for each.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from loom.dist import env
 from loom.dist.context import current_mesh
 from loom.dist.mesh import Mesh
 from loom.dist.rng import StepSeeds
+from loom.models.moe import update_biases
 from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, scale_grads_
 from loom.parallel.pipeline import Pipeline
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
@@ -121,6 +124,8 @@ class Trainer:
             clip_grads_(views, self.clip_grad_norm, norm)
         if finite:
             self.optimizer.step()
+            # the experts' balancing biases, from the loads of every rank's tokens
+            update_biases(self.steps.module, dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler:
             self.scaler.update(finite)
