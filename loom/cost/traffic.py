@@ -77,6 +77,7 @@ __all__ = [
     "layer_collectives",
     "pipeline_collectives",
     "stage_layers",
+    "stage_stream_bytes",
     "step_collectives",
     "summary",
 ]
@@ -142,6 +143,14 @@ def _times(items: Iterable[StepCollective], n: int) -> list[StepCollective]:
 def _stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
     """The residual stream of one micro-batch on one data-parallel replica (tokens x hidden)."""
     return DTYPE_BYTES[plan.dtype] * plan.micro_batch * plan.seq * model.hidden
+
+
+def stage_stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
+    """What one rank sends to the next pipeline stage per micro-batch (and receives back as the gradient):
+    its piece of the residual stream, its rows whole over tp (every tp rank sends the same stream: loom
+    moves plain tensors between stages and does not split them over tp), with sequence parallelism its cut
+    of the sequence. `loom.cost.layer` prices pipeline sends with it."""
+    return _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
 
 
 def _norm_backward(model: TransformerConfig, plan: ParallelPlan, count: int, source: str) -> list:
@@ -489,7 +498,7 @@ def _stage_work(
                                   phase="forward", source="even-batch check of the stage's input"))  # fmt: skip
     if last:
         out += head_collectives(model, plan, counted_loss=counted_loss and plan.tp > 1)
-    stream = _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
+    stream = stage_stream_bytes(model, plan)
     p2p = [("recv", "forward"), ("send", "backward")] if not first else []
     p2p += [("send", "forward"), ("recv", "backward")] if not last else []
     source = "the residual stream between pipeline stages (an activation forward, its gradient backward)"
