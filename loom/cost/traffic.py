@@ -27,30 +27,32 @@ What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e byte
 - optimizer: at levels 1-2 one all-gather per bucket of the updated parameters; at level 3 none after the
   step, but one all-gather per bucket before each unit's forward and again before its backward.
 
-A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of `micro_batches` micro-batches,
-gpipe, 1f1b or interleaved), per pipeline rank, for each of its stages (stage v on rank v % pp):
+A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of one or several pipeline runs of
+`micro_batches` micro-batches each, under any of loom's schedules), per pipeline rank, for each of its
+stages (stage v on rank v % pp; zbv's V: stages v and 2pp-1-v on rank v):
 - per micro-batch, the stage's forward and backward: its layers' tensor-parallel collectives as above, the
   embedding's on the first stage, the head's and the loss's on the last; only on a stage mesh (tp > 1),
-  where the loss is global, the count of targets over dp and, with dp > 1, the even-batch check of the
-  first stage's one input; the residual stream (this rank's rows, with sequence parallelism its cut of the
-  sequence) received from the stage before and sent to the one after, and its gradient the other way
-  (send and receive over pp);
-- gradient sync: one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
+  the count of targets over dp (the loss itself is not reduced per micro-batch: each rank keeps its share;
+  the first stage checks its input's rows once per input shape, in the first step, not in the steady step
+  predicted here); the residual stream (`stage_stream_bytes`: this rank's rows, whole over tp, with
+  sequence parallelism its cut of the sequence) received from the stage before and sent to the one after,
+  and its gradient the other way (send and receive over pp; none between two stages of one rank);
+- gradient sync (once, in the step's last run): one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
   with tp = 1 every gradient over dp, one group); a table tied to the head (copies on the first and the
-  last stage) in its own bucket over both holders' replicas ("pp+dp"); the agreement over dp+tp. A plain
+  last stage) in its own bucket over both holders' replicas ("pp+dp"; zbv holds both on one rank: one
+  tensor, reduced as the token table is); the agreement over dp+tp. A plain
   stage (tp = 1) fixes its buckets in registration order, which the description knows by piece (blocks,
   then embedding, norm, head) but not inside a layer (a Hugging Face Llama registers its norms last): its
   buckets are exact when none is cut inside a layer (the default 25 MB holds a small stage whole);
 - optimizer: levels 1-2 as above (a stage run by one rank alone keeps a plain optimizer); at level 3 a
-  stage is one unit, gathered before each forward and each backward of each micro-batch, and a tied table
-  is gathered once per run;
+  stage is one unit, gathered before each forward and each backward pass of each micro-batch (a
+  zero-bubble schedule's backward is two: input, then weight gradient), and a tied table is gathered once
+  per run;
 - the step: the loss summed over the world (`Pipeline.global_loss`), and the squared gradient norm
   (`Trainer`'s global norm).
 
-Not predicted: experts, context parallelism, gradient accumulation, recomputation (its forward collectives
-run again in backward), mixed precision's fp32 gradients, zero-bubble schedules (weight passes apart, a V
-placement); on a stage mesh with dp > 1, the last stage's all-reduce of each micro-batch's loss over dp
-(`sharded_loss` makes it global, a sum `Pipeline.global_loss` makes again over the world).
+Not predicted: experts, context parallelism, gradient accumulation without a pipeline, recomputation (its
+forward collectives run again in backward), mixed precision's fp32 gradients.
 """
 
 from __future__ import annotations
