@@ -37,10 +37,10 @@ stages (stage v on rank v % pp; zbv's V: stages v and 2pp-1-v on rank v):
   predicted here); the residual stream (`stage_stream_bytes`: this rank's rows, whole over tp, with
   sequence parallelism its cut of the sequence) received from the stage before and sent to the one after,
   and its gradient the other way (send and receive over pp; none between two stages of one rank);
-- gradient sync (once, in the step's last run): one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
-  with tp = 1 every gradient over dp, one group); a table tied to the head (copies on the first and the
-  last stage) in its own bucket over both holders' replicas ("pp+dp"; zbv holds both on one rank: one
-  tensor, reduced as the token table is); the agreement over dp+tp. A plain
+- gradient sync (once, in the step's last run): one `GradSync` over the rank's stages, buckets as above
+  over the stage's ranks (dp+tp; with tp = 1 every gradient over dp, one group); a table tied to the head
+  (copies on the first and the last stage) in its own bucket over both holders' replicas ("pp+dp"; zbv
+  holds both on one rank: one tensor, reduced as the token table is); the agreement over dp+tp. A plain
   stage (tp = 1) fixes its buckets in registration order, which the description knows by piece (blocks,
   then embedding, norm, head) but not inside a layer (a Hugging Face Llama registers its norms last): its
   buckets are exact when none is cut inside a layer (the default 25 MB holds a small stage whole);

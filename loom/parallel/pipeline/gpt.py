@@ -68,8 +68,9 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def sharded_gpt_loss(mesh: Mesh):
     """The last stage's loss function on a stage mesh: the vocab-parallel cross-entropy of the logits
     (a DTensor) against this rank's rows of the targets, as this rank's plain share of the mean over the
-    micro-batch's rows of every data-parallel replica (`local_share`). Its backward gives each replica the gradient of that global mean,
-    so the stages' gradients are summed over the replicas (pending sums, as in `loom.parallelize`)."""
+    micro-batch's rows of every data-parallel replica (`local_share`). Its backward gives each replica the
+    gradient of that global mean, so the stages' gradients are summed over the replicas (pending sums, as
+    in `loom.parallelize`)."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = DTensor.from_local(
