@@ -185,7 +185,9 @@ def parallelize_part(
     the tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing
     reads the current mesh (the part's primitives compute on `mesh` from now on). `check_once_per_shape`:
     the even-batch check of the inputs' sizes runs once per distinct shape of the inputs, not every forward
-    (for parts whose input shapes are fixed by other means, as a pipeline schedule fixes its stages')."""
+    (for parts whose input shapes are fixed by other means, as a pipeline schedule fixes its stages'). A rank
+    whose shape was checked before takes no part, so it must not change on some ranks only: a rank that
+    brings a new shape while the others bring a checked one waits for them instead of failing."""
     return _parallelize(
         part, mesh, "semi_auto", example_inputs, False, None, bucket_mb, None, batch_axes, module_plan,
         plan_root=root, check_once_per_shape=check_once_per_shape,
