@@ -179,16 +179,21 @@ def parallelize_part(
     example_inputs: Sequence[Any] | None = None,
     bucket_mb: float = 25.0,
     batch_axes: str | Sequence[str] | None = None,
+    check_once_per_shape: bool = False,
 ) -> nn.Module:
     """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica; default: `part` itself), on
     `mesh` in semi_auto mode: by `module_plan`, whose patterns are matched against `root`'s module paths
     (modules outside `part` are skipped), and by its primitives' strategies seen in a dry run on
     `example_inputs`. `batch_axes` as in `parallelize` (`()`: every rank of `mesh` brings the same batch, as
     the tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing
-    reads the current mesh (the part's primitives compute on `mesh` from now on)."""
+    reads the current mesh (the part's primitives compute on `mesh` from now on). `check_once_per_shape`:
+    the even-batch check of the inputs' sizes runs once per distinct shape of the inputs, not every forward
+    (for parts whose input shapes are fixed by other means, as a pipeline schedule fixes its stages'). A rank
+    whose shape was checked before takes no part, so it must not change on some ranks only: a rank that
+    brings a new shape while the others bring a checked one waits for them instead of failing."""
     return _parallelize(
         part, mesh, "semi_auto", example_inputs, False, None, bucket_mb, None, batch_axes, module_plan,
-        plan_root=root,
+        plan_root=root, check_once_per_shape=check_once_per_shape,
     )  # fmt: skip
 
 
@@ -204,6 +209,7 @@ def _parallelize(
     batch_axes: str | Sequence[str] | None,
     module_plan: dict[str, Any] | None,
     plan_root: nn.Module | None = None,
+    check_once_per_shape: bool = False,
 ) -> nn.Module:
     if mode == "data_parallel":
         if parameter_plan or module_plan:
@@ -253,7 +259,7 @@ def _parallelize(
         )
     lay_out_parameters(model, layouts, mesh)
     apply_module_plan(model, resolved, mesh)
-    first_forward = FirstForwardCheck(mesh, batch_dims, full_batch)
+    first_forward = FirstForwardCheck(mesh, batch_dims, full_batch, once_per_shape=check_once_per_shape)
     model.register_forward_pre_hook(first_forward.before, with_kwargs=True)
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -466,8 +472,12 @@ class FirstForwardCheck:
     (every forward with LOOM_CHECK=1) the ranks also check, in one all-gather at its end, that the ranks that
     must bring the same inputs did, and that the operators ran with the same strategies everywhere."""
 
-    def __init__(self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool) -> None:
+    def __init__(
+        self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool, *, once_per_shape: bool = False
+    ) -> None:
         self.mesh, self.batch_dims, self.full_batch = mesh, batch_dims, full_batch
+        # the input shapes whose even-batch check passed (None: check every forward)
+        self.checked: set[tuple] | None = set() if once_per_shape else None
         self.check = consistency.FirstCall()
         self.tokens: list[tuple[object, consistency.Scope, list | None, LiftPlainTensors]] = []
 
@@ -487,7 +497,7 @@ class FirstForwardCheck:
                 consistency.tensor_claim(f"{label} (a plain tensor)", x, fix, peers=bool(self.batch_dims))
                 for label, x in plain
             ]
-        result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims)
+        result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims, checked=self.checked)
         if not torch.compiler.is_compiling():
             scope, token = consistency.enter_scope(collect=due)
             lift = LiftPlainTensors(scope)
@@ -519,16 +529,25 @@ def _batch_index(mesh: Mesh, batch_dims: tuple[int, ...]) -> int:
 
 
 def _distribute_inputs(
-    args: tuple, kwargs: dict, mesh: Mesh, batch_dims: tuple[int, ...]
+    args: tuple,
+    kwargs: dict,
+    mesh: Mesh,
+    batch_dims: tuple[int, ...],
+    *,
+    checked: set[tuple] | None = None,
 ) -> tuple[tuple, dict]:
     """Plain tensor inputs (positional or keyword) become global DTensors: the local batches of the batch
     axes' ranks stacked on dim 0 (ranks along other axes read the same batch), or, without batch dims, the
-    full batch on every rank."""
+    full batch on every rank. Their sizes are checked to be even (`check_even_batches`) every time, or, with
+    `checked` (the shapes checked before), once per distinct shape."""
     tensors = [
         x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
     ]
-    if batch_dims and tensors:
+    shapes = tuple(tuple(x.shape) for x in tensors)
+    if batch_dims and tensors and (checked is None or shapes not in checked):
         check_even_batches(tensors, mesh)
+        if checked is not None:
+            checked.add(shapes)
 
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
