@@ -230,3 +230,44 @@ def test_a_solved_plan_trains_as_one_device(dist_run, how):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def auto_mode_case(memory_limit, steps: int = 3):
+    """`loom.parallelize(mode="auto")` on the MLP regression (dp 2 x tp 2, each replica its rows): the one
+    device's and the parallel run's losses and first-step gradients, the plan chosen, and whether this rank
+    holds a strict part of every weight."""
+    import copy
+
+    import loom
+
+    torch.manual_seed(0)
+    reference = Regression(d=16)
+    model = copy.deepcopy(reference)
+    data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
+    expected = _sgd(reference, data, lambda t: t)
+    mesh = loom.init(MESH)
+    rows = lambda t: t.chunk(2)[mesh.dp_rank()]
+    loom.parallelize(model, mode="auto", example_inputs=(rows(data[0][0]), rows(data[0][1])),
+                     memory_limit=memory_limit)  # fmt: skip
+    actual = _sgd(model, data, rows)
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    strict = all(p.to_local().numel() < p.numel() for p in weights)
+    return expected, actual, model.loom.plan.to_json(), strict
+
+
+def test_auto_mode_trains_as_one_device_and_keeps_to_a_memory_limit(dist_run):
+    """mode="auto" on 4 ranks: the chosen plan (the same on every rank) gives one device's losses and
+    gradients; with a memory limit below the replicated weights' states, every rank holds a strict part of
+    each weight and the plan's predicted memory is under the limit."""
+    problem = build_problem(capture(Regression(d=16), (torch.randn(8, 16), torch.randn(8, 16))), MESH)
+    states = sum(d.memory[0] for d in problem.decisions.values() if d.kind == "parameter")
+    for limit in (None, states / 3):
+        results = dist_run(4, auto_mode_case, limit)
+        assert len({plan for *_, plan, _ in results}) == 1, "every rank applies the same plan"
+        for (ref_losses, ref_grads), (losses, grads), plan, strict in results:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+            for name, grad in ref_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+            if limit is not None:
+                assert strict, plan
+                assert Plan.from_json(plan).predicted_memory_bytes <= limit

@@ -17,7 +17,13 @@ from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
 from loom.cost.plan import ParallelPlan
-from loom.cost.traffic import StepCollective, embedding_collectives, head_collectives, layer_collectives
+from loom.cost.traffic import (
+    StepCollective,
+    embedding_collectives,
+    head_collectives,
+    layer_collectives,
+    stage_stream_bytes,
+)
 from loom.cost.transformer import TransformerConfig
 
 __all__ = ["Costs", "PieceCosts", "piece_costs"]
@@ -169,9 +175,9 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         recompute = {"matmul": 0.0, "elementwise": core}  # attention core; priced as one lump
     else:
         recompute = {}
-    e, tokens = DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
-    # Megatron's scatter/gather: each tensor-parallel rank sends 1/t of the activations between stages
-    p2p_bytes = e * tokens * model.hidden / plan.tp
+    # what loom sends between stages (the prediction's figure): without sequence parallelism every
+    # tensor-parallel rank sends the whole stream, not Megatron's 1/tp scatter and gather
+    p2p_bytes = stage_stream_bytes(model, plan)
     span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
     (embed_fwd, embed_bwd), (head_fwd, head_bwd) = (
         _embedding(model, plan, cluster),
