@@ -101,13 +101,12 @@ class GPTConfig:
             )
         if dp is None:
             return
-        from loom.dist.mesh import prime_factors  # the mesh's own factoring (imports torch: only here)
+        from loom.dist.mesh import is_inner_factor, prime_factors  # the mesh's own factoring (imports torch)
 
-        factors, inner = prime_factors(dp), prime_factors(ep)
-        if inner != factors[len(factors) - len(inner) :]:
+        if not is_inner_factor(ep, dp):
             raise ValueError(
                 f"parallel.ep = {ep}: expert groups are made of the innermost factors of dp = {dp} "
-                f"(prime factors {list(factors)}); choose an ep that is a product of its last factors"
+                f"(prime factors {list(prime_factors(dp))}); choose an ep that is a product of its last factors"
             )
 
     def _fail(self, key: str, fix: str) -> None:
