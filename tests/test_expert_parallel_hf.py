@@ -13,9 +13,11 @@ refused first, naming the fix.
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
+from hf_job_cases import hf_job
 from hf_models import batches, build
 
 import loom
@@ -26,6 +28,7 @@ from loom.models.recipes import tensor_plan
 from loom.parallel import make_optimizer
 from loom.plan import Plan
 from loom.train import Trainer
+from loom.train.job import run
 
 STEPS, EP, EXPERTS, HIDDEN = 4, 2, 4, 64
 MESHES = [(4, 1), (2, 2)]  # (dp, tp), each with ep 2
@@ -116,8 +119,10 @@ def test_hugging_face_mixtral_with_expert_parallel_experts_matches_one_device(di
     for rank, (refusals, results) in enumerate(dist_run(4, mixtral_ep_cases)):
         assert "LlamaForCausalLM has no experts module loom recognises" in refusals[0], refusals[0]
         assert "set ep = 1, or give its family a Recipe with experts=" in refusals[0], refusals[0]
-        assert "holds 6 experts, which do not split over 4 ranks" in refusals[1], refusals[1]
-        assert "one of [1, 2]" in refusals[1], refusals[1]
+        assert (
+            "ep = 4 must divide the experts of model.layers.0.mlp.experts = 6; choose ep in [1, 2]"
+            in (refusals[1])
+        ), refusals[1]
         for mesh, losses, norms, whole, errors in results:
             where = f"rank {rank}, (dp, tp) = {mesh}, ep {EP}"
             assert not errors, f"{where}: {errors}"
@@ -128,3 +133,18 @@ def test_hugging_face_mixtral_with_expert_parallel_experts_matches_one_device(di
                 torch.tensor(norms), torch.tensor(expected_norms), rtol=RTOL, atol=0, msg=where
             )
             assert_params_close(whole, params, lr=ADAMW["lr"], steps=STEPS)
+
+
+def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_device(dist_run, tmp_path):
+    """`loom train` on a Mixtral config.json with `[parallel] dp = 4, ep = 2` at optimizer level 1 gives
+    the one-device losses."""
+    one = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train={"workers": 1, "steps": 3})
+    four = hf_job(
+        tmp_path,
+        "mixtral",
+        parallel={"dp": 4, "ep": 2, "optimizer_level": 1},
+        train={"workers": 4, "steps": 3},
+    )
+    expected = dist_run(1, run, one)[0]["losses"]
+    assert len(expected) == 3
+    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)

@@ -47,6 +47,7 @@ __all__ = [
     "Routing",
     "aux_losses",
     "balance_sums",
+    "check_expert_split",
     "chosen_routing",
     "combine",
     "expert_mlp",
@@ -165,6 +166,23 @@ def local_parameter(param: torch.Tensor, tokens_cut: list[bool]) -> torch.Tensor
         for p, cut in zip(param.placements, tokens_cut, strict=True)
     ]
     return param.to_local(grad_placements=grads)
+
+
+def check_expert_split(ep: int, experts: int, dp: int | None, *, ep_name: str, experts_name: str) -> None:
+    """A ValueError unless `ep` ranks can share `experts` experts out of `dp` data-parallel ranks (None: not
+    known yet): `ep` divides the experts and is made of the last prime factors of `dp` (ep groups are blocks
+    of consecutive data-parallel ranks, the innermost canonical dims of the mesh's "dp" axis: always true for
+    powers of two). `ep_name` and `experts_name` say where the two numbers come from in the message."""
+    from loom.dist.mesh import is_inner_factor, prime_factors
+
+    if experts % ep:
+        choices = [d for d in range(1, experts + 1) if experts % d == 0 and (dp or d) % d == 0]
+        raise ValueError(f"{ep_name} = {ep} must divide {experts_name} = {experts}; choose ep in {choices}")
+    if dp is not None and not is_inner_factor(ep, dp):
+        raise ValueError(
+            f"{ep_name} = {ep}: expert groups are made of the innermost factors of dp = {dp} (prime factors "
+            f"{list(prime_factors(dp))}); choose an ep that is a product of its last factors"
+        )
 
 
 def _kept(scores: torch.Tensor, chosen: torch.Tensor, config: MoEConfig) -> torch.Tensor:

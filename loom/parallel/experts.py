@@ -45,11 +45,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.dist._torch_private import all_to_all_autograd
-from loom.dist.mesh import Mesh, is_inner_factor, prime_factors
+from loom.dist.mesh import Mesh
 from loom.models.moe import (
     GroupedExperts,
     MoE,
     MoEConfig,
+    check_expert_split,
     chosen_routing,
     combine,
     expert_mlp,
@@ -280,20 +281,9 @@ def expert_module_plan(
             f"{known}, and loom's GPT with GPTConfig.experts); set ep = 1, or give its family a Recipe with "
             f"experts=ExpertsRecipe(...) in loom.models.recipes.RECIPES"
         )
-    dp = mesh.dp_size
-    if not is_inner_factor(ep, dp):
-        raise ValueError(
-            f"ep = {ep}: expert groups are made of the innermost factors of dp = {dp} (prime factors "
-            f"{list(prime_factors(dp))}); choose an ep that is a product of its last factors"
-        )
     for path, module in modules:
         count = experts.config(module).experts
-        if count % ep:
-            raise ValueError(
-                f"ep = {ep}: {path} holds {count} experts, which do not split over {ep} ranks; choose an ep "
-                f"that divides {count} (and dp = {dp}): one of "
-                f"{[d for d in range(1, count + 1) if count % d == 0 and dp % d == 0]}"
-            )
+        check_expert_split(ep, count, mesh.dp_size, ep_name="ep", experts_name=f"the experts of {path}")
     entry = experts.module_plan()
     plan = {pattern: data for pattern, data in plan.items() if pattern not in entry} | entry
     return plan, experts
