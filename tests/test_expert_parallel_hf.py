@@ -137,14 +137,19 @@ def test_hugging_face_mixtral_with_expert_parallel_experts_matches_one_device(di
 
 def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_device(dist_run, tmp_path):
     """`loom train` on a Mixtral config.json with `[parallel] dp = 4, ep = 2` at optimizer level 1 gives
-    the one-device losses."""
-    one = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train={"workers": 1, "steps": 3})
+    the one-device losses; its checkpoint, its experts cut over ep, resumes on one device (every expert
+    whole, optimizer level 0) with the one-device loss of the next step."""
+    checkpoint = {"dir": str(tmp_path / "ckpt"), "every_steps": 3}
+    train = {"workers": 1, "steps": 4, "schedule": "constant"}  # the 3-step run's rates are the 4-step run's
+    one = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train=train)
     four = hf_job(
-        tmp_path,
-        "mixtral",
-        parallel={"dp": 4, "ep": 2, "optimizer_level": 1},
-        train={"workers": 4, "steps": 3},
-    )
+        tmp_path, "mixtral", parallel={"dp": 4, "ep": 2, "optimizer_level": 1},
+        train=train | {"workers": 4, "steps": 3}, checkpoint=checkpoint,
+    )  # fmt: skip
+    again = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train=train, checkpoint=checkpoint)
     expected = dist_run(1, run, one)[0]["losses"]
-    assert len(expected) == 3
-    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)
+    assert len(expected) == 4
+    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected[:3], rel=RTOL)
+    resumed = dist_run(1, run, again)[0]
+    assert resumed["first_step"] == 4
+    assert resumed["losses"] == pytest.approx(expected[3:], rel=RTOL)
