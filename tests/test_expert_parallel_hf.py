@@ -153,3 +153,20 @@ def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_devic
     resumed = dist_run(1, run, again)[0]
     assert resumed["first_step"] == 4
     assert resumed["losses"] == pytest.approx(expected[3:], rel=RTOL)
+
+
+@pytest.mark.parametrize(
+    ("family", "parallel", "message"),
+    [
+        (
+            "llama",
+            {"dp": 2, "ep": 2},
+            r"loom knows no experts module in LlamaForCausalLM .*set parallel.ep = 1",
+        ),
+        ("mixtral", {"dp": 6, "ep": 3}, r"parallel.ep = 3 must divide num_local_experts in .* = 4"),
+        ("mixtral", {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2}, "pipeline stages do not cut experts"),
+    ],
+)
+def test_loom_train_refuses_an_ep_a_hugging_face_model_cannot_take(tmp_path, family, parallel, message):
+    with pytest.raises(ValueError, match=message):
+        hf_job(tmp_path, family, parallel=parallel)
