@@ -1,7 +1,7 @@
 """Tier 2: a Hugging Face Mixtral, unedited, with its experts under expert parallelism through a Plan, on 4
 ranks against one device.
 
-A tiny Mixtral (2 layers, hidden 64, 4 experts, top-2: tests/hf_models.py) trains 4 Trainer steps of
+A tiny Mixtral (2 layers, hidden 64, 4 experts, top-2: tests/hf_models.py) trains 3 Trainer steps of
 Lipschitz AdamW (tests/equivalence.py) with its gradient norm clipped, on one device and, in one worker body,
 at `Plan(dp=4, ep=2)` (nothing else planned) and at `Plan(dp=2, tp=2, ep=2)` with Megatron's layouts for
 attention. Compared: losses and gradient norms (rtol 1e-5: the norm counts each expert shard once per
@@ -30,7 +30,7 @@ from loom.plan import Plan
 from loom.train import Trainer
 from loom.train.job import run
 
-STEPS, EP, EXPERTS, HIDDEN = 4, 2, 4, 64
+STEPS, EP, EXPERTS, HIDDEN = 3, 2, 4, 64
 MESHES = [(4, 1), (2, 2)]  # (dp, tp), each with ep 2
 
 
