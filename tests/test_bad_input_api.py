@@ -116,13 +116,17 @@ CASES = {
         lambda: loom.parallelize("model.pt"),
         ["got str 'str'", "pass the nn.Module itself"],
     ),
-    "parallelize mode auto": (
+    "parallelize mode auto without inputs": (
         lambda: loom.parallelize(nn.Linear(2, 2), mode="auto"),
-        ["unknown mode 'auto'", "'auto' is not built yet", "semi_auto"],
+        ["mode='auto') needs example_inputs", "example_inputs=(x,)"],
+    ),
+    "memory_limit without auto": (
+        lambda: loom.parallelize(nn.Linear(2, 2), memory_limit=2**20),
+        ["memory_limit is the planner's (mode='auto')"],
     ),
     "parallelize unknown mode": (
         lambda: loom.parallelize(nn.Linear(2, 2), mode="tensor"),
-        ["unknown mode 'tensor'", "('data_parallel', 'semi_auto')"],
+        ["unknown mode 'tensor'", "('data_parallel', 'semi_auto', 'auto')"],
     ),
     "example_inputs a dict": (
         lambda: loom.parallelize(nn.Linear(2, 2), "semi_auto", example_inputs={"x": torch.ones(2, 2)}),

@@ -65,7 +65,7 @@ def test_matmul_efficiency_rises_with_size_and_roofline_applies():
     assert thin == pytest.approx(
         (8192 * 8192 + 8192 + 8192) * 2 / (device.memory_bandwidth * device.memory_efficiency)
     )
-    assert memory_time(device, 2.039e12 * 0.85) == pytest.approx(1.0)
+    assert memory_time(device, 2.039e12 * device.memory_efficiency) == pytest.approx(1.0)
 
 
 def test_every_profile_is_valid_and_round_trips_through_json(tmp_path):

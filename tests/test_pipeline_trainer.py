@@ -22,15 +22,19 @@ import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
 from job_cases import job_config
-from test_pipeline_equivalence import CONFIG, STEPS, batches, optimizer
+from test_pipeline_equivalence import BATCH, CONFIG, SEQ, STEPS, batches, optimizer
 from torch.distributed.tensor import DTensor
 
 import loom
 from loom.checkpoint.export import read_model_tensors
 from loom.cli.main import main
+from loom.cost.traffic import summary
+from loom.cost.transformer import transformer_config
+from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import gpt_pipeline, source_names
+from loom.plan import Plan
 from loom.train.config import TrainConfig, load_config
 from loom.train.data import micro_batches
 from loom.train.job import all_stages, check_pipeline, run
@@ -65,7 +69,12 @@ def pipeline_trainer_case(
     optim = make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
     trainer = Trainer(pipe, optim, grad_accum=accum, clip_grad_norm=CLIP)
     rows = [tuple(t.chunk(dp)[mesh.dp_rank()] for t in batch) for batch in batches()]
-    metrics = [trainer.train_step(micro_batches(batch, accum)) for batch in rows]
+    metrics = []
+    for batch in rows:
+        with CollectiveRecorder() as recorder:  # the last step's collectives are compared with the Plan's
+            metrics.append(trainer.train_step(micro_batches(batch, accum)))
+    sizes = {axis: size for axis, size in {"pp": pp, "dp": dp, "tp": tp}.items() if size > 1}
+    recorded = recorder.summary(mesh_axes(tuple(sizes), tuple(sizes.values()), dist.get_rank()))
     if level:  # each replica keeps states for its chunk of the stage's elements only
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pipe.parameters())
         assert sum(shard.master.numel() for shard in optim.shards) < local * 0.6
@@ -76,7 +85,7 @@ def pipeline_trainer_case(
     }
     # torch's zbv schedule has no forward-only path (Pipeline.evaluate says so)
     evaluation = trainer.evaluate([rows[0]]) if schedule != "zbv" else None
-    return [m.loss for m in metrics], [m.grad_norm for m in metrics], evaluation, params
+    return [m.loss for m in metrics], [m.grad_norm for m in metrics], evaluation, params, recorded
 
 
 CASES = [  # (schedule, dp, pp, virtual stages per rank, pipeline micro-batches, Trainer micro-batches, tied)
@@ -141,14 +150,34 @@ def _check_against_one_device(dist_run, case):
     assert min(expected_norms) > CLIP, "the case must clip"
     tp = tensor_parallel[0] if tensor_parallel else 1
     results = dist_run(dp * tp * pp, pipeline_trainer_case, *case)
-    for losses, norms, evaluation, params in results:
+    if dp > 1 and tp > 1:  # dp x tp x pp: one loss reduction per step, no per-micro-batch batch check
+        _check_collectives(case, [recorded for *_, recorded in results])
+    for losses, norms, evaluation, params, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=RTOL, atol=0)
         if evaluation is not None:
             assert evaluation == pytest.approx(expected_eval, rel=RTOL)
         assert_params_close(params, {name: reference[name] for name in params}, lr=ADAMW["lr"], steps=STEPS)
-    trained = set().union(*(params for *_, params in results))
+    trained = set().union(*(params for *_, params, _ in results))
     assert trained == set(reference), "every parameter lives on some stage"
+
+
+def _check_collectives(case, recorded: list) -> None:
+    """Each rank's last step issued the collectives the Plan predicts for its pipeline rank."""
+    schedule, dp, pp, virtual, microbatches, accum, tied, tp, sequence_parallel, *level = case
+    plan = Plan(
+        dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual, micro_batches=microbatches,
+        sequence_parallel=sequence_parallel, optimizer_level=level[0] if level else 0,
+    )  # fmt: skip
+    model = transformer_config(_gpt_config(tied))
+    for rank, counts in enumerate(recorded):
+        expected = summary(
+            plan.predicted_collectives(
+                model, global_batch=BATCH, seq=SEQ, counted_loss=False, pp_rank=rank // (dp * tp),
+                accumulation=accum,
+            )
+        )  # fmt: skip
+        assert counts == expected, (rank, counts - expected, expected - counts)
 
 
 def nonfinite_case():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import pytest
 
@@ -46,9 +45,8 @@ def test_gpt3_on_1024_h100_simulates_quickly():
         recompute="selective",
         sequence_parallel=True,
     )
-    start = time.perf_counter()
+    # its speed is measured by benchmarks/simulator_validation.py (tests never assert on time)
     result = simulate(get_model("gpt3-175b"), plan, get_cluster("h100-sxm", gpus=1024))
-    assert time.perf_counter() - start < 5.0  # loose; benchmarks/simulator_validation.py measures it exactly
     assert result.fits and 0.2 < result.mfu < 0.7
 
 

@@ -1,4 +1,4 @@
-"""The held-out FSDP rows (MosaicML llm-foundry) load as simulator cases and every one of them simulates."""
+"""The FSDP rows (MosaicML llm-foundry) load as simulator cases and every one of them simulates."""
 
 from collections import Counter
 

@@ -7,7 +7,10 @@ bandwidth exactly as nccl-tests does (all-reduce 2(n-1)/n, all-gather and reduce
 
 A group that stays inside a node runs at the intra-node link's bus bandwidth. A group that crosses nodes is
 limited by the NICs its members use: with `k` members per node and one NIC per device, a ring crosses each
-node boundary on `k` rails at once, so its bus bandwidth is `min(intra, k * inter)`.
+node boundary on `k` rails at once, so its bus bandwidth is `min(intra, k * inter)`. An all-to-all is not a
+ring: every member sends the share of its buffer meant for other nodes, `(n - k) / n`, through its own NIC,
+and the share for its own node's other members, `(k - 1) / n`, over the intra-node link at the same time; the
+slower of the two sets its time.
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def collective_time(kind: str, nbytes: float, span: GroupSpan, cluster: Cluster)
     if nbytes <= 0:
         return 0.0
     link: Link = cluster.inter if span.crosses_nodes else cluster.intra
+    if kind == "all_to_all" and span.crosses_nodes:
+        k = span.per_node
+        wire = max(
+            nbytes * (n - k) / n / cluster.inter.bus_bandwidth,
+            nbytes * (k - 1) / n / cluster.intra.bus_bandwidth,
+        )
+        return _latency_steps(kind, n) * link.latency_s + wire
     bandwidth = cluster.intra.bus_bandwidth
     if span.crosses_nodes:
         rails = 1 if kind == "send_recv" else span.per_node

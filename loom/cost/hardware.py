@@ -5,8 +5,9 @@ a two-level interconnect: `intra` links the devices of a node (NVLink/NVSwitch, 
 (InfiniBand/RoCE), given as bandwidth per device (one NIC per device in rail-optimised clusters).
 
 The built-in numbers are vendor data-sheet peaks. The efficiencies (`matmul_efficiency`, `matmul_knee`,
-`memory_efficiency`, `Link.efficiency`) are what well-tuned kernels reach of those peaks; they are the only
-knobs of the cost model, one set per profile and never per run. `loom bench` measures them for this machine
+`fp8_efficiency`, `memory_efficiency`, `Link.efficiency`) are what well-tuned kernels reach of those peaks;
+they are the only knobs of the cost model, one set per profile and never per run, and their values live in
+`loom.cost.efficiency` (with how they were fitted). `loom bench` measures them for this machine
 and writes a profile that `load_cluster` reads back.
 """
 
@@ -17,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.cost import efficiency as fitted
 from loom.files import read_table
 
 __all__ = ["Cluster", "Device", "Link", "PROFILES", "cluster_from_dict", "get_cluster", "save_cluster"]
@@ -38,9 +40,13 @@ class Device:
     peak_flops: dict[str, float]  # FLOP/s per dtype, dense
     memory_gib: float
     memory_bandwidth: float  # bytes/s
-    matmul_efficiency: float = 0.70
-    matmul_knee: float = 32.0
-    memory_efficiency: float = 0.85
+    matmul_efficiency: float = fitted.MATMUL_EFFICIENCY["a100"]
+    matmul_knee: float = fitted.MATMUL_KNEE
+    fp8_efficiency: float = (
+        fitted.FP8_MATMUL_EFFICIENCY
+    )  # fp8 GEMMs: this times matmul_efficiency of the fp8 peak
+    attention_efficiency: float = fitted.ATTENTION_EFFICIENCY  # fused attention's speed relative to a GEMM's
+    memory_efficiency: float = fitted.MEMORY_EFFICIENCY
     kernel_overhead_s: float = 0.0
     reserved_gib: float = 2.0  # runtime context, allocator slack and workspace, never usable by the model
 
@@ -52,7 +58,7 @@ class Device:
                 raise ValueError(f"Device {self.name!r}: bad peak {dtype}={flops}; dtypes are {DTYPES}")
         if self.memory_gib <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"Device {self.name!r}: memory capacity and bandwidth must be positive")
-        for name in ("matmul_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "fp8_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Device {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
         if self.matmul_knee < 0 or self.kernel_overhead_s < 0 or self.reserved_gib < 0:
@@ -73,7 +79,9 @@ class Link:
     name: str
     bandwidth: float
     latency_s: float
-    efficiency: float = 0.9  # fraction of `bandwidth` that collectives reach as bus bandwidth
+    efficiency: float = (
+        fitted.LINK_EFFICIENCY
+    )  # fraction of `bandwidth` that collectives reach as bus bandwidth
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency_s < 0:
@@ -148,13 +156,25 @@ PROFILES: dict[str, Cluster] = {
         "DGX A100 80GB: 8 GPUs, NVSwitch, one HDR NIC per GPU",
     ),
     "h100-sxm": _node(
-        Device(name="h100-sxm", peak_flops=_H100, memory_gib=80, memory_bandwidth=3.35e12),
+        Device(
+            name="h100-sxm",
+            peak_flops=_H100,
+            memory_gib=80,
+            memory_bandwidth=3.35e12,
+            matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
+        ),  # fmt: skip
         _NVLINK4,
         _NDR,
         "DGX H100: 8 GPUs, NVSwitch, one NDR NIC per GPU",
     ),
     "h200": _node(
-        Device(name="h200", peak_flops=_H100, memory_gib=141, memory_bandwidth=4.8e12),
+        Device(
+            name="h200",
+            peak_flops=_H100,
+            memory_gib=141,
+            memory_bandwidth=4.8e12,
+            matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
+        ),  # fmt: skip
         _NVLINK4,
         _NDR,
         "HGX H200: H100 compute with 141 GB HBM3e, NVSwitch, one NDR NIC per GPU",

@@ -17,12 +17,19 @@ from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
 from loom.cost.plan import ParallelPlan
-from loom.cost.traffic import StepCollective, embedding_collectives, head_collectives, layer_collectives
+from loom.cost.traffic import (
+    StepCollective,
+    embedding_collectives,
+    head_collectives,
+    layer_collectives,
+    stage_stream_bytes,
+)
 from loom.cost.transformer import TransformerConfig
 
 __all__ = ["Costs", "PieceCosts", "piece_costs"]
 
 Costs = dict[str, float]
+CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
 
 
@@ -72,7 +79,9 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
     heads = b * model.heads / plan.tp
     matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     if plan.flash_attention:
-        return {"matmul": matmul, "elementwise": 0.0}
+        # a fused causal kernel computes only the score blocks on and below the diagonal, at its own
+        # fraction of the GEMMs' speed (softmax and masking inside the kernel)
+        return {"matmul": CAUSAL_SHARE * matmul / dev.attention_efficiency, "elementwise": 0.0}
     scores = heads * s * s
     # scale+mask+softmax reads and writes the scores; dropout reads, writes and stores a byte mask
     moved = 2 * e * scores + ((2 * e + 1) * scores if model.dropout else 0.0)
@@ -80,7 +89,9 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
 
 
 def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, float]:
-    dev, dt, e, t = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.tp
+    # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
+    dt = "fp8" if plan.fp8_matmuls else plan.dtype
+    dev, e, t = cluster.device, DTYPE_BYTES[plan.dtype], plan.tp
     h, d, tokens = model.hidden, model.head_dim, plan.seq * plan.micro_batch
     replicated = tokens / t if plan.sequence_parallel else tokens
     q, kv, f = model.heads * d, model.kv * d, model.ffn
@@ -164,9 +175,9 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         recompute = {"matmul": 0.0, "elementwise": core}  # attention core; priced as one lump
     else:
         recompute = {}
-    e, tokens = DTYPE_BYTES[plan.dtype], plan.seq * plan.micro_batch
-    # Megatron's scatter/gather: each tensor-parallel rank sends 1/t of the activations between stages
-    p2p_bytes = e * tokens * model.hidden / plan.tp
+    # what loom sends between stages (the prediction's figure): without sequence parallelism every
+    # tensor-parallel rank sends the whole stream, not Megatron's 1/tp scatter and gather
+    p2p_bytes = stage_stream_bytes(model, plan)
     span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
     (embed_fwd, embed_bwd), (head_fwd, head_bwd) = (
         _embedding(model, plan, cluster),

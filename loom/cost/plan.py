@@ -131,6 +131,9 @@ class ParallelPlan:
     overlap_grad_sync: bool = True
     flash_attention: bool = False  # fused attention: no s x s tensors stored or moved
     dtype: str = "bf16"
+    fp8_matmuls: bool = (
+        False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
+    )
     stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -27,30 +27,32 @@ What runs, per micro-batch (h hidden, t tokens per data-parallel replica, e byte
 - optimizer: at levels 1-2 one all-gather per bucket of the updated parameters; at level 3 none after the
   step, but one all-gather per bucket before each unit's forward and again before its backward.
 
-A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of `micro_batches` micro-batches,
-gpipe, 1f1b or interleaved), per pipeline rank, for each of its stages (stage v on rank v % pp):
+A pipeline's step (pp > 1: `loom.parallel.pipeline`, one `Trainer` step of one or several pipeline runs of
+`micro_batches` micro-batches each, under any of loom's schedules), per pipeline rank, for each of its
+stages (stage v on rank v % pp; zbv's V: stages v and 2pp-1-v on rank v):
 - per micro-batch, the stage's forward and backward: its layers' tensor-parallel collectives as above, the
   embedding's on the first stage, the head's and the loss's on the last; only on a stage mesh (tp > 1),
-  where the loss is global, the count of targets over dp and, with dp > 1, the even-batch check of the
-  first stage's one input; the residual stream (this rank's rows, with sequence parallelism its cut of the
-  sequence) received from the stage before and sent to the one after, and its gradient the other way
-  (send and receive over pp);
-- gradient sync: one `GradSync` over the rank's stages, buckets as above over the stage's ranks (dp+tp;
-  with tp = 1 every gradient over dp, one group); a table tied to the head (copies on the first and the
-  last stage) in its own bucket over both holders' replicas ("pp+dp"); the agreement over dp+tp. A plain
+  the count of targets over dp (the loss itself is not reduced per micro-batch: each rank keeps its share;
+  the first stage checks its input's rows once per input shape, in the first step, not in the steady step
+  predicted here); the residual stream (`stage_stream_bytes`: this rank's rows, whole over tp, with
+  sequence parallelism its cut of the sequence) received from the stage before and sent to the one after,
+  and its gradient the other way (send and receive over pp; none between two stages of one rank);
+- gradient sync (once, in the step's last run): one `GradSync` over the rank's stages, buckets as above
+  over the stage's ranks (dp+tp; with tp = 1 every gradient over dp, one group); a table tied to the head
+  (copies on the first and the last stage) in its own bucket over both holders' replicas ("pp+dp"; zbv
+  holds both on one rank: one tensor, reduced as the token table is); the agreement over dp+tp. A plain
   stage (tp = 1) fixes its buckets in registration order, which the description knows by piece (blocks,
   then embedding, norm, head) but not inside a layer (a Hugging Face Llama registers its norms last): its
   buckets are exact when none is cut inside a layer (the default 25 MB holds a small stage whole);
 - optimizer: levels 1-2 as above (a stage run by one rank alone keeps a plain optimizer); at level 3 a
-  stage is one unit, gathered before each forward and each backward of each micro-batch, and a tied table
-  is gathered once per run;
+  stage is one unit, gathered before each forward and each backward pass of each micro-batch (a
+  zero-bubble schedule's backward is two: input, then weight gradient), and a tied table is gathered once
+  per run;
 - the step: the loss summed over the world (`Pipeline.global_loss`), and the squared gradient norm
   (`Trainer`'s global norm).
 
-Not predicted: experts, context parallelism, gradient accumulation, recomputation (its forward collectives
-run again in backward), mixed precision's fp32 gradients, zero-bubble schedules (weight passes apart, a V
-placement); on a stage mesh with dp > 1, the last stage's all-reduce of each micro-batch's loss over dp
-(`sharded_loss` makes it global, a sum `Pipeline.global_loss` makes again over the world).
+Not predicted: experts, context parallelism, gradient accumulation without a pipeline, recomputation (its
+forward collectives run again in backward), mixed precision's fp32 gradients.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "layer_collectives",
     "pipeline_collectives",
     "stage_layers",
+    "stage_stream_bytes",
     "step_collectives",
     "summary",
 ]
@@ -91,6 +94,7 @@ DP, TP, PP, WORLD = "dp", "tp", "pp", "dp+tp"
 PIPELINE_WORLD = "pp+dp+tp"  # every rank of a pipeline run
 TIED = "pp+dp"  # the replicas of the pipeline ranks that hold a tied table's copies (the first and the last)
 LOSS_BYTES, NORM_BYTES = 4, 8  # the step's loss (fp32) and its squared gradient norm (fp64), summed
+SPLIT_BACKWARD = ("zero_bubble", "zbv")  # schedules whose backward is two passes (input, then weight)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +146,14 @@ def _times(items: Iterable[StepCollective], n: int) -> list[StepCollective]:
 def _stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
     """The residual stream of one micro-batch on one data-parallel replica (tokens x hidden)."""
     return DTYPE_BYTES[plan.dtype] * plan.micro_batch * plan.seq * model.hidden
+
+
+def stage_stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
+    """What one rank sends to the next pipeline stage per micro-batch (and receives back as the gradient):
+    its piece of the residual stream, its rows whole over tp (every tp rank sends the same stream: loom
+    moves plain tensors between stages and does not split them over tp), with sequence parallelism its cut
+    of the sequence. `loom.cost.layer` prices pipeline sends with it."""
+    return _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
 
 
 def _norm_backward(model: TransformerConfig, plan: ParallelPlan, count: int, source: str) -> list:
@@ -368,15 +380,21 @@ def step_collectives(
     inputs: int = 2,
     counted_loss: bool = True,
     pp_rank: int = 0,
+    schedule: str | None = None,
+    accumulation: int = 1,
 ) -> list[StepCollective]:
     """Every collective of one training step of `model` under `plan` on one rank (see the module's
     docstring): `plan.micro_batch` sequences of `plan.seq` tokens per data-parallel replica, Megatron's
     layouts over tp (tp > 1: loom lays the model out with DTensor), gradient buckets of `bucket_mb`, a
     forward that takes `inputs` tensors (token ids and labels), and a loss that is a mean over counted
     targets (`counted_loss`, Hugging Face's) or a plain mean (loom's GPT). With pp > 1: one `Trainer` step
-    of a rank of pipeline rank `pp_rank` (`pipeline_collectives`)."""
+    of a rank of pipeline rank `pp_rank` under `schedule` (default the plan's), in `accumulation` runs
+    (`pipeline_collectives`)."""
     if plan.pp > 1:
-        return pipeline_collectives(model, plan, pp_rank, bucket_mb=bucket_mb, counted_loss=counted_loss)
+        return pipeline_collectives(
+            model, plan, pp_rank, bucket_mb=bucket_mb, counted_loss=counted_loss, schedule=schedule,
+            accumulation=accumulation,
+        )  # fmt: skip
     if plan.ep > 1 or plan.micro_batches > 1:
         raise ValueError(
             "step_collectives predicts one micro-batch per replica on dp x tp (pp = ep = 1), or a "
@@ -405,22 +423,32 @@ def stage_layers(model: TransformerConfig, plan: ParallelPlan) -> list[int]:
     return plan.chunk_layers(model.layers)
 
 
-def _rank_stages(plan: ParallelPlan, pp_rank: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` runs: stage v on rank v % pp (the placement of the schedules a
-    `ParallelPlan` takes: gpipe, 1f1b, interleaved)."""
+def _stage_rank(plan: ParallelPlan, schedule: str, stage: int) -> int:
+    """The pipeline rank that runs stage `stage`: stage v on rank v % pp, or, in zbv's V placement, stage v
+    on rank v for v < pp and on rank 2pp-1-v after (`loom.parallel.pipeline.stage_indices`)."""
+    if schedule == "zbv" and stage >= plan.pp:
+        return 2 * plan.pp - 1 - stage
+    return stage % plan.pp
+
+
+def _rank_stages(plan: ParallelPlan, schedule: str, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs, in the order its `Pipeline` takes them."""
     if not 0 <= pp_rank < plan.pp:
         raise ValueError(f"pp_rank {pp_rank} is not a pipeline rank of pp = {plan.pp}")
+    if schedule == "zbv":
+        return [pp_rank, 2 * plan.pp - 1 - pp_rank]
     return list(range(pp_rank, plan.virtual_stages, plan.pp))
 
 
 def _stage_params(
-    model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int]
+    model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int], *, tied_here: bool = False
 ) -> list[_Param]:
     """Stage `stage`'s parameters in the order its buckets take them reversed: a plain stage's buckets are
     fixed in its registration order (a `BlockStage`: its layers, then the embedding on the first stage, the
     final norm and the head on the last), a stage mesh's (tp > 1) learnt from backward's order, the model's
     reversed. At level 3 a stage is one unit; a tied table (a copy on the first and on the last stage) is
-    its own, reduced over both holders' replicas."""
+    its own, reduced over both holders' replicas, or, when one rank runs both stages (`tied_here`: zbv's V),
+    one tensor reduced over the stage's ranks as the token table is; the last stage's use adds none."""
     start, last = sum(layers[:stage]), len(layers) - 1
     params = [p for layer in range(start, start + layers[stage]) for p in _layer_params(model, plan, "")]
     if stage == 0:
@@ -428,8 +456,8 @@ def _stage_params(
         params = embedding + params if plan.tp > 1 else params + embedding
     if stage == last:
         params += _final_params(model, plan)
-        params += _embedding_params(model, plan)[:1] if model.tied_embeddings else []
-    tied = dict(axis=TIED, unit="shared", ranks=2 * plan.dp)
+        params += _embedding_params(model, plan)[:1] if model.tied_embeddings and not tied_here else []
+    tied = dict(unit="shared") if tied_here else dict(axis=TIED, unit="shared", ranks=2 * plan.dp)
     return [
         dataclasses.replace(p, **tied) if p.unit == "root" else dataclasses.replace(p, unit=f"stage{stage}")
         for p in params
@@ -443,25 +471,39 @@ def pipeline_collectives(
     *,
     bucket_mb: float = 25.0,
     counted_loss: bool = True,
+    schedule: str | None = None,
+    accumulation: int = 1,
 ) -> list[StepCollective]:
     """Every collective of one `Trainer` step of a pipeline (`loom.parallel.pipeline.model_pipeline` or
     `gpt_pipeline`) on a rank of pipeline rank `pp_rank`: `plan.micro_batches` micro-batches of
-    `plan.micro_batch` sequences per replica through this rank's stages (see the module's docstring)."""
-    stages, layers = _rank_stages(plan, pp_rank), stage_layers(model, plan)
+    `plan.micro_batch` sequences per replica through this rank's stages (see the module's docstring), in
+    `accumulation` runs of the pipeline (the `Trainer`'s micro-batches, each one schedule run of
+    `plan.micro_batches / accumulation` micro-batches; the gradients reduced in the last). `schedule`: any
+    of loom's (`loom.plan.SCHEDULES`; default the plan's), the zero-bubble ones included."""
+    schedule = schedule or plan.schedule
+    stages, layers = _rank_stages(plan, schedule, pp_rank), stage_layers(model, plan)
     if plan.ep > 1:
         raise ValueError("pipeline_collectives does not predict experts (ep > 1)")
+    if accumulation < 1 or plan.micro_batches % accumulation:
+        raise ValueError(
+            f"{plan.micro_batches} micro-batches per replica do not split into {accumulation} pipeline runs"
+        )
     if plan.dp * plan.tp == 1:  # a stage run by one rank: a plain optimizer, nothing to shard over
         plan = plan.replace(optimizer_level=0)
     micro_batches, out = plan.micro_batches, []
     for stage in stages:
-        out += _times(_stage_work(model, plan, stage, layers, counted_loss), micro_batches)
-    params = [p for stage in stages for p in _stage_params(model, plan, stage, layers)]
-    pieces = [("forward", micro_batches), ("backward", micro_batches)]
+        work = _stage_work(model, plan, stage, layers, counted_loss, lambda v: _stage_rank(plan, schedule, v))
+        out += _times(work, micro_batches)
+    tied_here = len(layers) - 1 in stages and 0 in stages and model.tied_embeddings
+    params = [p for stage in stages for p in _stage_params(model, plan, stage, layers, tied_here=tied_here)]
+    # level 3: a stage is gathered around each of its pieces of work (a zero-bubble schedule's backward is
+    # two: the input gradient, then the weight gradient); a table two stages use once per run (pinned)
+    passes = 2 if schedule in SPLIT_BACKWARD else 1
+    pieces = [("forward", micro_batches), ("backward", passes * micro_batches)]
     agreed = len(params) + (_unbucketed(model, plan) if 0 in stages else 0)
-    # level 3: a stage is gathered around each of its pieces of work; a tied table once per run (pinned)
     out += _sync_collectives(
         params, plan, bucket_mb=bucket_mb, agreed=agreed,
-        gathers=lambda unit: [("forward", 1)] if unit == "shared" else pieces,
+        gathers=lambda unit: [("forward", accumulation)] if unit == "shared" else pieces,
     )  # fmt: skip
     out += [
         StepCollective(kind="all_reduce", axis=PIPELINE_WORLD, nbytes=LOSS_BYTES, count=1, phase="step",
@@ -473,30 +515,33 @@ def pipeline_collectives(
 
 
 def _stage_work(
-    model: TransformerConfig, plan: ParallelPlan, stage: int, layers: list[int], counted_loss: bool
+    model: TransformerConfig,
+    plan: ParallelPlan,
+    stage: int,
+    layers: list[int],
+    counted_loss: bool,
+    rank_of: Callable[[int], int],
 ) -> list[StepCollective]:
     """One micro-batch through stage `stage`, forward and backward: its tensor-parallel collectives (its
     layers, the embedding on the first stage, the head and loss on the last: a loss over counted targets
-    sums their count over dp only on a stage mesh, tp > 1, whose first stage also checks its input's rows
-    when they are cut over dp) and its sends and receives of the residual stream (this rank's piece: its
-    rows, whole over tp, or with sequence parallelism its cut of the sequence)."""
+    sums their count over dp only on a stage mesh, tp > 1) and its sends and receives of the residual stream
+    (`stage_stream_bytes`) to and from the neighbouring stages that another pipeline rank runs (`rank_of`:
+    a stage's pipeline rank; a neighbour on this rank takes the stream in memory)."""
     first, last = stage == 0, stage == len(layers) - 1
     out = _times(layer_collectives(model, plan), layers[stage])
     if first:
         out += embedding_collectives(model, plan)
-    if first and plan.tp > 1 and plan.dp > 1:  # a stage mesh's rows cut over dp: its input's size checked
-        out.append(StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT, count=1,
-                                  phase="forward", source="even-batch check of the stage's input"))  # fmt: skip
     if last:
         out += head_collectives(model, plan, counted_loss=counted_loss and plan.tp > 1)
-    stream = _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
-    p2p = [("recv", "forward"), ("send", "backward")] if not first else []
-    p2p += [("send", "forward"), ("recv", "backward")] if not last else []
+    here = rank_of(stage)
+    p2p = [("recv", "forward"), ("send", "backward")] if not first and rank_of(stage - 1) != here else []
+    p2p += [("send", "forward"), ("recv", "backward")] if not last and rank_of(stage + 1) != here else []
     source = "the residual stream between pipeline stages (an activation forward, its gradient backward)"
     out += [
-        StepCollective(kind=kind, axis=PP, nbytes=stream, count=1, phase=phase, source=source)
+        StepCollective(kind=kind, axis=PP, nbytes=stage_stream_bytes(model, plan), count=1, phase=phase,
+                       source=source)
         for kind, phase in p2p
-    ]
+    ]  # fmt: skip
     return out
 
 

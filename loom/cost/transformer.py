@@ -44,6 +44,7 @@ class TransformerConfig:
     learned_positions: int = 0  # rows of a learned position embedding (GPT: the sequence length)
     tied_embeddings: bool = True
     fused_qkv: bool = False  # one matrix projects query, key and value, its output split (GPT-2's c_attn)
+    head_size: int | None = None  # None: hidden // heads (Qwen3 uses 128 with hidden / heads = 64)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
@@ -75,7 +76,7 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         """Size of one attention head."""
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def is_moe(self) -> bool:

@@ -38,6 +38,7 @@ from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
+from loom.parallel.auto import auto_plan, global_meta
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.experts import connect_experts, expert_module_plan
 from loom.parallel.grad_sync import GradSync
@@ -53,7 +54,7 @@ from loom.parallel.module_plan import (
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
 from loom.plan import Plan
 
-MODES = ("data_parallel", "semi_auto")
+MODES = ("data_parallel", "semi_auto", "auto")
 
 
 @dataclass(kw_only=True)
@@ -121,6 +122,8 @@ def parallelize(
     batch_axes: str | Sequence[str] | None = None,
     module_plan: dict[str, Any] | None = None,
     plan: Plan | str | Path | None = None,
+    memory_limit: float | None = None,
+    cluster: str = "h100-sxm",
 ) -> nn.Module:
     """Make `model` train on every rank of the current mesh; returns the same module, changed in place.
 
@@ -148,11 +151,21 @@ def parallelize(
     Hugging Face model's experts over them as its family's recipe says (Mixtral: `loom.models.recipes.
     ExpertsRecipe`), the tokens exchanged by `loom.parallel.experts`.
     `model.loom.plan` holds the plan applied.
+
+    `auto`: the planner chooses the parameters' layouts and the modules' output strategies (the full search
+    of `loom.plan.solve` on the example batch, priced on `cluster`'s hardware profile, each device keeping
+    at most `memory_limit` bytes of parameters, gradients, AdamW states and activations when given), and
+    the chosen Plan is applied as above (`model.loom.plan`, with its predicted step time and memory).
     """
     example_inputs = _check_arguments(
         model, mode or "data_parallel", example_inputs, example_kwargs, bucket_mb
     )
+    _check_auto(mode, example_inputs, example_kwargs, memory_limit, plan or module_plan or parameter_plan)
     mesh = require_mesh("loom.parallelize")
+    if mode == "auto":
+        plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
+                         memory_limit=memory_limit, cluster=cluster)  # fmt: skip
+        mode = "semi_auto"
     ep = 1
     if plan is not None:
         plan = plan_for_mesh(plan, mesh)
@@ -184,16 +197,21 @@ def parallelize_part(
     example_inputs: Sequence[Any] | None = None,
     bucket_mb: float = 25.0,
     batch_axes: str | Sequence[str] | None = None,
+    check_once_per_shape: bool = False,
 ) -> nn.Module:
     """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica; default: `part` itself), on
     `mesh` in semi_auto mode: by `module_plan`, whose patterns are matched against `root`'s module paths
     (modules outside `part` are skipped), and by its primitives' strategies seen in a dry run on
     `example_inputs`. `batch_axes` as in `parallelize` (`()`: every rank of `mesh` brings the same batch, as
     the tensor-parallel ranks of one replica do). The mesh is an argument: below the API surface nothing
-    reads the current mesh (the part's primitives compute on `mesh` from now on)."""
+    reads the current mesh (the part's primitives compute on `mesh` from now on). `check_once_per_shape`:
+    the even-batch check of the inputs' sizes runs once per distinct shape of the inputs, not every forward
+    (for parts whose input shapes are fixed by other means, as a pipeline schedule fixes its stages'). A rank
+    whose shape was checked before takes no part, so it must not change on some ranks only: a rank that
+    brings a new shape while the others bring a checked one waits for them instead of failing."""
     return _parallelize(
         part, mesh, "semi_auto", example_inputs, False, None, bucket_mb, None, batch_axes, module_plan,
-        plan_root=root,
+        plan_root=root, check_once_per_shape=check_once_per_shape,
     )  # fmt: skip
 
 
@@ -209,6 +227,7 @@ def _parallelize(
     batch_axes: str | Sequence[str] | None,
     module_plan: dict[str, Any] | None,
     plan_root: nn.Module | None = None,
+    check_once_per_shape: bool = False,
     ep: int = 1,
 ) -> nn.Module:
     if mode == "data_parallel":
@@ -260,7 +279,7 @@ def _parallelize(
         )
     lay_out_parameters(model, layouts, mesh)
     apply_module_plan(model, resolved, mesh, ep)
-    first_forward = FirstForwardCheck(mesh, batch_dims, full_batch)
+    first_forward = FirstForwardCheck(mesh, batch_dims, full_batch, once_per_shape=check_once_per_shape)
     model.register_forward_pre_hook(first_forward.before, with_kwargs=True)
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -306,23 +325,14 @@ def _dry_run(
             nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
         )
     meta_model = copy.deepcopy(model, memo)
-    inputs = [_global_meta(x, batch_factor) for x in example_inputs]
-    kwargs = {key: _global_meta(x, batch_factor) for key, x in example_kwargs.items()}
+    inputs = [global_meta(x, batch_factor) for x in example_inputs]
+    kwargs = {key: global_meta(x, batch_factor) for key, x in example_kwargs.items()}
     with torch.no_grad(), record() as recording:
         meta_model(*inputs, **kwargs)
     names: dict[int, str] = {}
     for name, param in meta_model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)  # a tied parameter goes by its first name, as layouts are keyed
     return recording, names
-
-
-def _global_meta(x: Any, batch_factor: int) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    shape = list(x.shape)
-    if shape:
-        shape[0] *= batch_factor
-    return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
 def _parameter_layouts(
@@ -379,8 +389,7 @@ def _check_arguments(
         )
         raise TypeError(f"loom.parallelize takes an nn.Module; got {type(model).__name__} {what!r}: {hint}")
     if mode not in MODES:
-        hint = " ('auto' is not built yet)" if mode == "auto" else ""
-        raise ValueError(f"parallelize: unknown mode {mode!r}; choose one of {MODES}{hint}")
+        raise ValueError(f"parallelize: unknown mode {mode!r}; choose one of {MODES}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     elif example_inputs is not None and not isinstance(example_inputs, tuple | list):
@@ -399,6 +408,31 @@ def _check_arguments(
             f"parallelize: bucket_mb must be a positive number of megabytes (default 25.0); got {bucket_mb!r}"
         )
     return example_inputs
+
+
+def _check_auto(
+    mode: str | None, example_inputs: object, example_kwargs: object, memory_limit: object, given: object
+) -> None:
+    """Clear errors for `mode="auto"`'s arguments (and for the planner's arguments without it)."""
+    if mode != "auto":
+        if memory_limit is not None:
+            raise ValueError("parallelize: memory_limit is the planner's (mode='auto')")
+        return
+    if given:
+        raise ValueError(
+            "parallelize(mode='auto') chooses the plan itself: leave out plan, module_plan and parameter_plan"
+        )
+    if example_inputs is None and not example_kwargs:
+        raise ValueError(
+            "parallelize(mode='auto') needs example_inputs (and example_kwargs): the planner traces the "
+            "model on them; pass this rank's batch, e.g. example_inputs=(x,)"
+        )
+    if memory_limit is not None and not (
+        isinstance(memory_limit, int | float) and not isinstance(memory_limit, bool) and memory_limit > 0
+    ):
+        raise ValueError(
+            f"parallelize: memory_limit is bytes per device, a positive number; got {memory_limit!r}"
+        )
 
 
 def _batch_dims(mesh: Mesh, batch_axes: str | Sequence[str] | None, full_batch: bool) -> tuple[int, ...]:
@@ -479,8 +513,12 @@ class FirstForwardCheck:
     (every forward with LOOM_CHECK=1) the ranks also check, in one all-gather at its end, that the ranks that
     must bring the same inputs did, and that the operators ran with the same strategies everywhere."""
 
-    def __init__(self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool) -> None:
+    def __init__(
+        self, mesh: Mesh, batch_dims: tuple[int, ...], full_batch: bool, *, once_per_shape: bool = False
+    ) -> None:
         self.mesh, self.batch_dims, self.full_batch = mesh, batch_dims, full_batch
+        # the input shapes whose even-batch check passed (None: check every forward)
+        self.checked: set[tuple] | None = set() if once_per_shape else None
         self.check = consistency.FirstCall()
         self.tokens: list[tuple[object, consistency.Scope, list | None, LiftPlainTensors]] = []
 
@@ -500,7 +538,7 @@ class FirstForwardCheck:
                 consistency.tensor_claim(f"{label} (a plain tensor)", x, fix, peers=bool(self.batch_dims))
                 for label, x in plain
             ]
-        result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims)
+        result = _distribute_inputs(args, kwargs, self.mesh, self.batch_dims, checked=self.checked)
         if not torch.compiler.is_compiling():
             scope, token = consistency.enter_scope(collect=due)
             lift = LiftPlainTensors(scope)
@@ -532,16 +570,25 @@ def _batch_index(mesh: Mesh, batch_dims: tuple[int, ...]) -> int:
 
 
 def _distribute_inputs(
-    args: tuple, kwargs: dict, mesh: Mesh, batch_dims: tuple[int, ...]
+    args: tuple,
+    kwargs: dict,
+    mesh: Mesh,
+    batch_dims: tuple[int, ...],
+    *,
+    checked: set[tuple] | None = None,
 ) -> tuple[tuple, dict]:
     """Plain tensor inputs (positional or keyword) become global DTensors: the local batches of the batch
     axes' ranks stacked on dim 0 (ranks along other axes read the same batch), or, without batch dims, the
-    full batch on every rank."""
+    full batch on every rank. Their sizes are checked to be even (`check_even_batches`) every time, or, with
+    `checked` (the shapes checked before), once per distinct shape."""
     tensors = [
         x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
     ]
-    if batch_dims and tensors:
+    shapes = tuple(tuple(x.shape) for x in tensors)
+    if batch_dims and tensors and (checked is None or shapes not in checked):
         check_even_batches(tensors, mesh)
+        if checked is not None:
+            checked.add(shapes)
 
     def convert(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):

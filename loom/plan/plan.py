@@ -24,11 +24,13 @@ from loom.cost.plan import (
     OPTIMIZER_LEVELS,
     PRECISIONS,
     RECOMPUTE,
+    SIMULATED_SCHEDULES,
     FieldError,
     ParallelPlan,
     check_choice,
     check_schedule,
     check_sizes,
+    default_schedule,
 )
 from loom.cost.traffic import StepCollective, step_collectives
 from loom.cost.transformer import TransformerConfig
@@ -247,6 +249,7 @@ class Plan:
         inputs: int = 2,
         counted_loss: bool = True,
         pp_rank: int = 0,
+        accumulation: int = 1,
     ) -> list[StepCollective]:
         """The collectives one training step of `model` (a `TransformerConfig`: `transformer_config` for
         loom's GPT, `hf_transformer_config` for a Hugging Face model) issues on one rank under this plan,
@@ -255,14 +258,20 @@ class Plan:
         `bucket_mb` as given to `loom.parallelize` or the pipeline; `inputs` tensors to the forward;
         `counted_loss`: a mean over counted targets (Hugging Face's loss) rather than a plain mean (loom's
         GPT). With pp > 1, one `Trainer` step on a rank of pipeline rank `pp_rank` (the pipeline ranks
-        differ: the first embeds, the last computes the loss)."""
+        differ: the first embeds, the last computes the loss), under any of loom's schedules, in
+        `accumulation` pipeline runs of `micro_batches` each (a `Trainer` step of that many micro-batches)."""
+        # the simulator plays only some schedules; the prediction takes the plan's, on a plan of its shape
+        played = self.schedule in SIMULATED_SCHEDULES
+        shape = self if played else self.replace(schedule=default_schedule(self.virtual_stages))
         return step_collectives(
             model,
-            self.parallel_plan(global_batch=global_batch, seq=seq),
+            shape.parallel_plan(global_batch=global_batch, seq=seq, accumulation=accumulation),
             bucket_mb=bucket_mb,
             inputs=inputs,
             counted_loss=counted_loss,
             pp_rank=pp_rank,
+            schedule=self.schedule,
+            accumulation=accumulation,
         )
 
     # ---- plain data and JSON ----

@@ -20,8 +20,10 @@ from loom.cost.layer import Costs, PieceCosts, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
+from loom.cost.zero3 import UnitBytes, embedding_unit_bytes, head_unit_bytes, layer_unit_bytes
 from loom.sim.engine import Playback, play
 from loom.sim.memory import stage_memory, stage_parameters
+from loom.sim.overlap import sharded_pass
 from loom.sim.schedule import device_orders, peak_in_flight
 
 __all__ = ["PlanError", "SimResult", "check_plan", "simulate"]
@@ -115,20 +117,49 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
     backward[0] += _total(pieces.embed_bwd)
     forward[-1] += _total(pieces.head_fwd)
     backward[-1] += _total(pieces.head_bwd)
-    if plan.optimizer_level == 3 and plan.dp > 1:
-        # parameters are gathered before each chunk's forward and backward, gradients reduce-scattered after
-        # backward; prefetching overlaps this with compute, so a task costs the longer of the two
-        span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
-        for stage in range(plan.virtual_stages):
-            chunk_bytes = (
-                DTYPE_BYTES[plan.dtype]
-                * sum(stage_parameters(model, plan, stage % plan.pp))
-                / plan.interleave
-            )
-            gather = collective_time("all_gather", chunk_bytes, span, cluster)
-            scatter = collective_time("reduce_scatter", chunk_bytes, span, cluster)
-            forward[stage] = max(forward[stage], gather)
-            backward[stage] = max(backward[stage], gather + scatter)
+    return forward, backward
+
+
+def _fsdp_exposed(
+    plan: ParallelPlan, rank: int, plain: tuple[list, list], sharded: tuple[list, list]
+) -> float:
+    """Seconds pipeline rank `rank` spends per iteration waiting on level-3 all-gathers and reduce-scatters
+    that compute did not hide (its tasks' sharded durations beyond their compute)."""
+    stages = range(rank, plan.virtual_stages, plan.pp)
+    extra = sum(sharded[k][v] - plain[k][v] for k in (0, 1) for v in stages)
+    return plan.micro_batches * extra
+
+
+def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cluster) -> float:
+    """Seconds of one unit's all-gather or reduce-scatter: dense parameters over the data-parallel group,
+    experts over the expert-data-parallel group, one after the other on the communication stream."""
+    dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
+    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
+    return collective_time(kind, unit.dense, dp_span, cluster) + collective_time(
+        kind, unit.expert, edp_span, cluster
+    )
+
+
+def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[int]):
+    """Forward and backward task durations of each virtual stage under optimizer level 3: every unit
+    (embedding, layers, head) gathers its parameters before its forward and again before its backward, and
+    reduce-scatters its gradients after its backward, prefetched one unit ahead (`loom.sim.overlap`); a task
+    lasts until both its compute and its communication are done."""
+    layer = (_total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute))
+    embed = (_total(pieces.embed_fwd), _total(pieces.embed_bwd))
+    head = (_total(pieces.head_fwd), _total(pieces.head_bwd))
+    layer_bytes = layer_unit_bytes(model, plan)
+    forward, backward = [], []
+    for stage, n in enumerate(chunks):
+        units = [(layer, layer_bytes)] * n
+        if stage == 0:
+            units.insert(0, (embed, embedding_unit_bytes(model, plan)))
+        if stage == len(chunks) - 1:
+            units.append((head, head_unit_bytes(model, plan)))
+        gather = [_unit_collective("all_gather", b, plan, cluster) for _, b in units]
+        scatter = [_unit_collective("reduce_scatter", b, plan, cluster) for _, b in units]
+        forward.append(sharded_pass([c[0] for c, _ in units], gather).end)
+        backward.append(sharded_pass([c[1] for c, _ in units][::-1], gather[::-1], scatter[::-1]).end)
     return forward, backward
 
 
@@ -193,7 +224,10 @@ def simulate(
     if reasons:
         raise PlanError(reasons)
     pieces = piece_costs(model, plan, cluster)
-    forward, backward = _stage_durations(model, plan, cluster, pieces)
+    forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
+    if plan.optimizer_level == 3 and plan.dp > 1:
+        chunks = plan.chunk_layers(model.layers)
+        forward, backward = _sharded_durations(model, plan, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
     playback = play(
         orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
@@ -214,6 +248,8 @@ def simulate(
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
     breakdown = _breakdown(plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times)
+    # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
+    breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))
     return SimResult(
         iteration_s=iteration,
         tokens_per_s=tokens / iteration,

@@ -34,7 +34,7 @@ from loom.parallel.parallelize import parallelize_part
 from loom.parallel.pipeline.blocks import BlockStage, rank_pipeline, source_names
 from loom.parallel.pipeline.schedule import Pipeline, stage_indices
 from loom.parallel.pipeline.stages import balanced_partition, group_blocks
-from loom.parallel.pipeline.tensor_stages import enter_stream, stream_placements
+from loom.parallel.pipeline.tensor_stages import enter_stream, local_share, stream_placements
 
 
 def gpt_stage(model: GPT, block_indices: Sequence[int], *, first: bool, last: bool) -> BlockStage:
@@ -67,15 +67,16 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def sharded_gpt_loss(mesh: Mesh):
     """The last stage's loss function on a stage mesh: the vocab-parallel cross-entropy of the logits
-    (a DTensor) against this rank's rows of the targets, as a plain scalar, the mean over the micro-batch's
-    rows of every data-parallel replica. Its backward gives each replica the gradient of that global mean,
-    so the stages' gradients are summed over the replicas (pending sums, as in `loom.parallelize`)."""
+    (a DTensor) against this rank's rows of the targets, as this rank's plain share of the mean over the
+    micro-batch's rows of every data-parallel replica (`local_share`). Its backward gives each replica the
+    gradient of that global mean, so the stages' gradients are summed over the replicas (pending sums, as
+    in `loom.parallelize`)."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = DTensor.from_local(
             targets, mesh.device_mesh, stream_placements(mesh, False), run_check=False
         )
-        return vocab_parallel_cross_entropy(logits, targets).full_tensor()
+        return local_share(vocab_parallel_cross_entropy(logits, targets))
 
     return loss
 
@@ -138,7 +139,9 @@ def shard_stages(
     stages = [gpt_stage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
     names = [source_names(model, stage) for stage in stages]
     for stage in stages:  # each laid out on the stage mesh, given explicitly
-        parallelize_part(stage, mesh, example_inputs=(_example_input(model, stage),))
+        # the first stage checks each shape of its input once (the schedule keeps the shapes from run to run)
+        example = (_example_input(model, stage),)
+        parallelize_part(stage, mesh, example_inputs=example, check_once_per_shape=True)
         stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
         materialize(stage, device)
         stage.boundary = stream_placements(mesh, s.sequence_parallel)

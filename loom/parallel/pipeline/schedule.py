@@ -118,7 +118,7 @@ class Pipeline:
     it); `stage_group` every rank that runs these stages (replicas x tensor-parallel ranks; needed when
     there is anything to reduce). `tied` lists the parameters whose copies other pipeline ranks hold (see
     `Tied`). `mesh`: the stage mesh (dp x tp ranks of this pipeline rank) when the stages are laid out on
-    it; their losses are then global already and their gradients' pending sums are reduced.
+    it; their losses are then shares of the global loss and their gradients' pending sums are reduced.
     """
 
     def __init__(
@@ -321,8 +321,9 @@ class Pipeline:
 
     def global_loss(self, losses: Sequence[torch.Tensor]) -> float:
         """The global mean of `run`'s losses (one per batch of a step), on every rank: one all-reduce over
-        the world, every rank of which runs one pipeline rank. The ranks with the last stage hold the loss
-        of their replica's rows (with tensor-parallel stages, the global loss already); the others zeros."""
+        the world, every rank of which runs one pipeline rank. The ranks with the last stage hold shares whose
+        mean over the ranks that run it is the global loss (plain stages: each replica's mean over its rows;
+        tensor-parallel stages: `tensor_stages.local_share`); the others zeros."""
         loss = torch.stack(list(losses)).mean()
         dist.all_reduce(loss)
         return (loss * self.pp / dist.get_world_size()).item()

@@ -13,6 +13,7 @@ plain tensors (`loom.parallel.lift`), so that a vocabulary cut by the head stays
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,18 +53,39 @@ def lay_out_stages(
     them (see `loom.parallel.pipeline.reduction`)."""
     boundary = stream_placements(mesh, False)
     for stage in stages:
-        parallelize_part(stage, mesh, module_plan=module_plan, root=model)
+        # a schedule keeps its stages' shapes from run to run (torch sizes the buffers between stages by its
+        # first run), so the first stage checks each shape of its input once, not every micro-batch
+        parallelize_part(stage, mesh, module_plan=module_plan, root=model, check_once_per_shape=True)
         stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
         stage.boundary = boundary
         if not stage.first:  # before parallelize's hook, which would take the stream as plain rows
             stage.register_forward_pre_hook(enter_stream(mesh, boundary), prepend=True)
 
 
+def local_share(value: torch.Tensor) -> torch.Tensor:
+    """A loss on the stage mesh as this rank's plain share of it, without a collective: its local value,
+    scaled so that the mean of the shares over the stage mesh's ranks is the global loss (a sum pending
+    over mesh dims of n ranks: times n; a pending average or a replicated value: as it is), with the
+    gradient `full_tensor()` would give it. `Pipeline.global_loss` sums the shares over the world once per
+    step, so each micro-batch's loss needs no reduction of its own."""
+    if not isinstance(value, DTensor):
+        return value
+    placements = value.placements
+    grads = tuple(Replicate() if p.is_partial() else p for p in placements)  # as full_tensor's backward
+    local = value.to_local(grad_placements=grads)
+    summed = math.prod(
+        value.device_mesh.size(d) for d, p in enumerate(placements) if p.is_partial() and p.reduce_op == "sum"
+    )
+    # the scale rides on a detached term: the value is the share, the gradient stays the local loss's
+    return local + (local * (summed - 1)).detach() if summed > 1 else local
+
+
 def sharded_loss(loss_fn: LossFn, mesh: Mesh) -> LossFn:
     """The last stage's loss on a stage mesh: `loss_fn` on the DTensor logits and this rank's rows of the
-    targets (made a DTensor like the stream), under the lifting of plain tensors, as a plain scalar: the
-    mean over the micro-batch's rows of every data-parallel replica. Its backward gives each replica the
-    gradient of that global mean, so the stages' gradients are summed over the replicas."""
+    targets (made a DTensor like the stream), under the lifting of plain tensors, as this rank's plain
+    share of the mean over the micro-batch's rows of every data-parallel replica (`local_share`). Its
+    backward gives each replica the gradient of that global mean, so the stages' gradients are summed over
+    the replicas."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = DTensor.from_local(
@@ -71,6 +93,6 @@ def sharded_loss(loss_fn: LossFn, mesh: Mesh) -> LossFn:
         )
         with LiftPlainTensors():
             value = loss_fn(logits, targets)
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        return local_share(value)
 
     return loss

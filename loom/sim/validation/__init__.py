@@ -1,4 +1,5 @@
-"""Published runs (Korthikanti et al. 2022 Table 5, Narayanan et al. 2021 Table 1) as simulator cases.
+"""Published runs (Korthikanti et al. 2022 Table 5, Narayanan et al. 2021 Table 1) as simulator cases; all
+the other tables are read by `loom.sim.validation.published`.
 
 Both papers train GPT models (sequence 2048, vocabulary 51200, fp16) with Megatron-LM on DGX A100 80GB
 nodes, so every case runs on the built-in "a100-80gb" profile with no per-row change. Megatron-LM of that
@@ -44,6 +45,8 @@ class Case:
     cluster: Cluster
     metric: str
     published: float
+    half: str = ""  # "fit" or "held-out": the source's half of the fixed split (split_by_source.csv)
+    kind: str = ""  # "dp", "fsdp", "3d", "interleaved", "moe" or "long-context"
 
 
 def read_rows(table: str) -> list[dict[str, str]]:
@@ -130,8 +133,8 @@ def cases() -> list[Case]:
 def fsdp_cases() -> list[Case]:
     """MosaicML llm-foundry's published throughput of MPT models (125M to 70B) trained by PyTorch FSDP on 8
     to 512 A100s and H100s: every row with full sharding (ZeRO-3: optimizer level 3) or gradient and
-    optimizer sharding (level 2), bf16, no CPU offload. These rows were never used to fit the simulator's
-    constants. MPT: ALiBi (no position table), no biases, no dropout, a tied head, LayerNorm; MosaicML's
+    optimizer sharding (level 2), bf16, no CPU offload. They belong to the fit half of the split by source
+    (`split_by_source.csv`). MPT: ALiBi (no position table), no biases, no dropout, a tied head, LayerNorm; MosaicML's
     runs use fused (flash) attention. Compared on tokens/s over all devices (tokens/s per GPU as
     published, times the GPUs), a number free of any FLOP-counting convention."""
     out = []

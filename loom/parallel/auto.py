@@ -1,0 +1,72 @@
+"""`loom.parallelize(model, mode="auto")`: the planner chooses the layouts, then they are applied as a Plan.
+
+Rank 0 captures the model on the example batch (at its global size: every data-parallel rank brings its
+own rows), builds the priced problem on the current mesh and solves it (`loom.plan.solve.search`, under
+`memory_limit` when given); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
+even where the solver could break a tie differently. The capture traces with fake tensors: no parameter
+memory is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.dist.mesh import Mesh
+from loom.plan import Plan
+
+__all__ = ["auto_plan", "global_meta"]
+
+
+def auto_plan(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: dict[str, Any] | None,
+    *,
+    full_batch: bool,
+    memory_limit: float | None,
+    cluster: str,
+) -> Plan:
+    """The Plan the full search picks for `model` on `mesh` (see the module docstring)."""
+    text = None
+    if dist.get_rank() == 0:
+        text = _solve(
+            model, mesh, example_inputs or (), example_kwargs or {}, full_batch, memory_limit, cluster
+        )
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0], "the automatic plan")
+
+
+def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster) -> str:  # noqa: ANN001
+    from loom.plan.capture import capture  # the planner's imports (torch.export, scipy) only when asked
+    from loom.plan.solve import search
+
+    factor = 1 if full_batch else mesh.dp_size
+    graph = capture(model, tuple(_global(x, factor) for x in args),
+                    {key: _global(value, factor) for key, value in kwargs.items()})  # fmt: skip
+    solution = search(graph, dict(mesh.axis_sizes()), cluster, memory_limit=memory_limit)
+    return solution.plan().to_json()
+
+
+def _global(x: Any, batch_factor: int) -> Any:
+    """`x` at the global batch size, on its own device (the capture runs the model's parameters as fake
+    tensors of theirs): this rank's rows repeated, so that token ids, masks and positions stay valid."""
+    if not isinstance(x, torch.Tensor) or not x.ndim:
+        return x
+    return x.repeat(batch_factor, *[1] * (x.ndim - 1))
+
+
+def global_meta(x: Any, batch_factor: int) -> Any:
+    """`x` on the meta device with its batch dim (dim 0) at the global size."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    shape = list(x.shape)
+    if shape:
+        shape[0] *= batch_factor
+    return torch.empty(shape, dtype=x.dtype, device="meta")

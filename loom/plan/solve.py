@@ -1,0 +1,268 @@
+"""The operator-level solvers: pick one candidate per operator and one layout per parameter and input, at
+the least predicted step time, optionally under a memory limit per device.
+
+    solution = search(graph, {"dp": 2, "tp": 2}, cluster="h100-sxm", memory_limit=40 * 2**30)
+    solution = propagate(graph, mesh, fixed={"mlp.fc1": {"parameter_plan": {"weight": ["tp", "None"]}}})
+    solution.cost_s, solution.gap, solution.layout("fc2.weight"), solution.plan()
+
+Both solve one problem (`loom.plan.problem` builds its terms): exactly by dynamic programming when its
+decisions form a forest and no memory limit applies (`loom.plan.tree`), else as an integer program with
+HiGHS, through `scipy.optimize.milp`: a binary per option of every decision (exactly one chosen), and per edge a
+continuous variable per pair (producer output layout, consumer requirement) whose marginals equal the two
+sides' choices. With binary choices the pair variables are exact; their LP relaxation is the local
+polytope, tight on chains and trees. `propagate` (MindSpore's `sharding_propagation`) is `search` with
+the fixed operators and parameters pinned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from loom.cost.hardware import Cluster
+from loom.plan.graph import Graph
+from loom.plan.problem import Problem, build_problem, carries_gradient, requirement
+from loom.plan.redistribute import Step, gradient_layouts, redistribution
+from loom.plan.space import Placements, StrategySpace
+from loom.plan.to_plan import pins, solution_plan
+from loom.plan.tree import tree_choice
+
+__all__ = ["Solution", "propagate", "search", "solve"]
+
+# HiGHS's tolerances are absolute (about 1e-7): seconds (1e-6 for a small collective) and bytes (1e9) would
+# drown in them, so the program counts microseconds and GiB.
+US, GIB = 1e6, 2.0**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """The chosen option of every decision (`choice`: node name -> option index), with the predicted step
+    time (`cost_s`: compute plus communication, whole model), its parts, the lower bound (`bound_s`) and
+    the relative optimality `gap`, memory per device, how it was found (`method`: "tree" or "milp") and
+    the solver's status message."""
+
+    problem: Problem
+    choice: dict[str, int]
+    cost_s: float
+    compute_s: float
+    comm_s: float
+    bound_s: float
+    gap: float
+    memory_bytes: float
+    method: str
+    status: str
+
+    def option(self, name: str) -> Any:
+        """The chosen candidate of operator `name`, or the chosen placements of source `name`."""
+        decision = self.problem.decisions[name]
+        return decision.options[self.choice[name]]
+
+    def layout(self, parameter: str) -> Placements:
+        """The placements chosen for a parameter (by path, as `graph.params` names it)."""
+        param = self.problem.graph.params.get(parameter)
+        node = self.problem.canon.get(param.node, param.node) if param is not None else None
+        if node not in self.choice:
+            raise KeyError(f"{parameter!r} is not a parameter the solution lays out; see graph.params")
+        return self.option(node)
+
+    def collectives(self) -> list[tuple[str, str, Step]]:
+        """The collectives of the chosen layouts: (edge `producer -> consumer`, direction, step), for every
+        edge where the tensor moves (weights of repeated blocks aside: each edge of block 0 once)."""
+        found = []
+        problem = self.problem
+        for edge in problem.edges:
+            producer, consumer = problem.decisions[edge.ref.node], problem.decisions[edge.target]
+            picked = producer.options[self.choice[edge.ref.node]]
+            out = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
+            required, split = requirement(consumer, self.choice[edge.target], edge.index, problem.mesh)
+            where = f"{edge.ref!r} -> {edge.target}"
+            for step in redistribution(edge.tensor.nbytes, out, required, problem.mesh, problem.cluster):
+                found.append((where, "forward", step))
+            if carries_gradient(problem.graph, edge.ref, edge.target):
+                left, wanted = gradient_layouts(out, required, split)
+                for step in redistribution(edge.tensor.nbytes, left, wanted, problem.mesh, problem.cluster):
+                    found.append((where, "backward", step))
+        return found
+
+    def plan(self) -> Any:
+        """The chosen layouts as a `loom.plan.Plan` that `loom.parallelize(model, plan=...)` applies."""
+        return solution_plan(self)
+
+
+def search(
+    graph: Graph,
+    mesh: Mapping[str, int],
+    cluster: Cluster | str = "h100-sxm",
+    *,
+    memory_limit: float | None = None,
+    space: StrategySpace | None = None,
+    time_limit: float = 60.0,
+    gap: float = 1e-4,
+) -> Solution:
+    """The full search: every operator's candidate and every parameter's layout at the least predicted
+    step time on `cluster`, each device keeping at most `memory_limit` bytes (parameters, gradients and
+    optimizer states at their layouts, and activations kept for backward) when given."""
+    return solve(
+        build_problem(graph, mesh, cluster, space), memory_limit=memory_limit, time_limit=time_limit, gap=gap
+    )
+
+
+def propagate(
+    graph: Graph,
+    mesh: Mapping[str, int],
+    fixed: Mapping[str, Mapping[str, Any]],
+    cluster: Cluster | str = "h100-sxm",
+    *,
+    memory_limit: float | None = None,
+    space: StrategySpace | None = None,
+    time_limit: float = 60.0,
+) -> Solution:
+    """Sharding propagation: the strategies of a few modules (or operators) are given, as a Plan's
+    `strategies` entries (`{"parameter_plan": {"weight": ["tp", "None"]}, "in_strategy": [...]}`, keyed by
+    module path pattern or op node name); every other operator takes the candidate of least total cost
+    consistent with them."""
+    problem = build_problem(graph, mesh, cluster, space)
+    return solve(problem, pinned=pins(problem, fixed), memory_limit=memory_limit, time_limit=time_limit)
+
+
+def solve(
+    problem: Problem,
+    *,
+    pinned: Mapping[str, set[int]] | None = None,
+    memory_limit: float | None = None,
+    time_limit: float = 60.0,
+    gap: float = 1e-4,
+) -> Solution:
+    """Solve `problem`: by dynamic programming when its decisions form a forest and no memory limit is
+    given (exact, `method="tree"`), else with HiGHS (`method="milp"`); `pinned` restricts some decisions
+    to some options."""
+    pinned = pinned or {}
+    if memory_limit is None:
+        choice = tree_choice(problem, pinned)
+        if choice is not None:
+            total = _total(problem, choice)
+            return _solution(
+                problem, choice, total, total, 0.0, "tree", "exact dynamic programming over a forest"
+            )
+    cost, lower, upper, integral, rows, offsets = _program(problem, pinned)
+    constraints = [LinearConstraint(*rows)]
+    if memory_limit is not None:
+        memory = np.zeros(len(cost))
+        for name, decision in problem.decisions.items():
+            memory[offsets[name] : offsets[name] + len(decision.options)] = decision.memory
+        constraints.append(LinearConstraint(memory[None, :] / GIB, -np.inf, memory_limit / GIB))
+    result = milp(
+        cost * US,
+        integrality=integral,
+        bounds=Bounds(lower, upper),
+        constraints=constraints,
+        options={"time_limit": time_limit, "mip_rel_gap": gap},
+    )
+    if result.x is None:
+        raise ValueError(_infeasible(problem, memory_limit, pinned, result.message))
+    choice = {
+        name: int(np.argmax(result.x[offsets[name] : offsets[name] + len(d.options)]))
+        for name, d in problem.decisions.items()
+    }
+    total = _total(problem, choice)
+    bound = getattr(result, "mip_dual_bound", None)
+    bound = total if bound is None or not math.isfinite(bound) else min(total, bound / US)
+    gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
+    return _solution(problem, choice, total, bound, gap, "milp", result.message)
+
+
+def _solution(problem, choice, total, bound, gap, method, status) -> Solution:
+    compute = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
+    return Solution(
+        problem=problem,
+        choice=choice,
+        cost_s=total,
+        compute_s=compute,
+        comm_s=total - compute,
+        bound_s=bound,
+        gap=gap,
+        memory_bytes=sum(d.memory[choice[name]] for name, d in problem.decisions.items()),
+        method=method,
+        status=status,
+    )
+
+
+def _total(problem: Problem, choice: Mapping[str, int]) -> float:
+    """Seconds of the chosen options and of the edges between them."""
+    total = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
+    for edge in problem.edges:
+        out = next(g for g, (_, options) in enumerate(edge.producer) if choice[edge.ref.node] in options)
+        need = next(g for g, (_, options) in enumerate(edge.consumer) if choice[edge.target] in options)
+        total += edge.cost[out][need]
+    return total
+
+
+def _program(problem: Problem, pinned: Mapping[str, set[int]]):
+    """The objective, bounds, integrality and equality rows of the integer program, and each decision's
+    first column."""
+    cost: list[float] = []
+    upper: list[float] = []
+    offsets: dict[str, int] = {}
+    data, row_ids, col_ids = [], [], []
+    row = 0
+
+    def put(r: int, c: int, v: float) -> None:
+        data.append(v), row_ids.append(r), col_ids.append(c)
+
+    for name, decision in problem.decisions.items():
+        offsets[name] = len(cost)
+        allowed = pinned.get(name)
+        cost += decision.cost
+        upper += [1.0 if allowed is None or i in allowed else 0.0 for i in range(len(decision.options))]
+        for i in range(len(decision.options)):
+            put(row, offsets[name] + i, 1.0)
+        row += 1
+    integral = [1] * len(cost)
+    for edge in problem.edges:
+        first = len(cost)
+        n_in = len(edge.consumer)
+        for i in range(len(edge.producer)):
+            cost += edge.cost[i]
+        upper += [1.0] * (len(cost) - first)
+        integral += [0] * (len(cost) - first)
+        # each producer group's pairs sum to that group's choice, each consumer group's likewise
+        for i, (_, options) in enumerate(edge.producer):
+            for j in range(n_in):
+                put(row, first + i * n_in + j, 1.0)
+            for o in options:
+                put(row, offsets[edge.ref.node] + o, -1.0)
+            row += 1
+        for j, (_, options) in enumerate(edge.consumer):
+            for i in range(len(edge.producer)):
+                put(row, first + i * n_in + j, 1.0)
+            for o in options:
+                put(row, offsets[edge.target] + o, -1.0)
+            row += 1
+    matrix = coo_array((data, (row_ids, col_ids)), shape=(row, len(cost))).tocsr()
+    target = np.zeros(row)
+    target[: len(problem.decisions)] = 1.0
+    return (
+        np.array(cost),
+        np.zeros(len(cost)),
+        np.array(upper),
+        np.array(integral),
+        (matrix, target, target),
+        offsets,
+    )
+
+
+def _infeasible(problem: Problem, memory_limit, pinned, message: str) -> str:
+    if memory_limit is not None:
+        least = sum(min(d.memory) for d in problem.decisions.values())
+        if least > memory_limit:
+            return (
+                f"no layout fits {memory_limit / 2**30:.3f} GiB per device: the most sharded layouts still need "
+                f"{least / 2**30:.3f} GiB; raise memory_limit, use a larger mesh, or recompute activations"
+            )
+    return f"the planner's integer program has no solution ({message}); pinned decisions: {sorted(pinned)}"

@@ -1,0 +1,276 @@
+"""Every published run of `loom/sim/validation/` as a simulator case, or as a row left out with its reason.
+
+`published_cases()` reads all ten tables: the two Megatron-LM papers and MosaicML's FSDP rows through the
+loaders of `loom.sim.validation`, and the rest here. Each case carries its source's half of the fixed split
+(`split_by_source.csv`: "fit" or "held-out") and its kind ("dp", "fsdp", "3d", "interleaved", "moe",
+"long-context"). A row whose configuration the simulator cannot reproduce faithfully (a fact the source does
+not give, a feature loom does not simulate, hardware without a profile) is returned as a `Skipped` with the
+reason, never filled in by a guess.
+
+Facts that a table does not restate but that are published elsewhere are named in `ARCHITECTURES` with their
+origin. Rules applied to every row of a source, never per row:
+- Megatron-LM / NeMo / Megatron-Bridge / Megatron-MoE: recomputation not stated means none (the flags are off
+  by default); a plan whose layers do not split evenly over the virtual stages uses the "first and last stage
+  one layer fewer" rule (`--account-for-embedding-in-pipeline-split` and `--account-for-loss-...`, and
+  DeepSpeed's 'type:transformer|embedding' partition for BLOOM, where each embedding takes a layer's slot).
+- FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`).
+- Throughput rows are compared as tokens/s over all devices (tokens/s per GPU times the GPUs); rows that
+  publish only a time per iteration are compared on it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from dataclasses import dataclass
+
+from loom.cost.hardware import PROFILES
+from loom.cost.plan import ParallelPlan, light_ends
+from loom.cost.transformer import TransformerConfig
+from loom.sim.validation import HERE, Case, cases, fsdp_cases
+
+__all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "published_cases", "source_halves"]
+
+KINDS = ("dp", "fsdp", "3d", "interleaved", "moe", "long-context")
+LONG_CONTEXT = 32768  # sequences from this length count as long-context runs
+
+# Architecture facts a table leaves out, from the model's own publication: field -> value
+ARCHITECTURES: dict[str, dict[str, int]] = {
+    # Qwen3 technical report / the models' config.json: vocabulary 151,936 (already a multiple of 128)
+    "qwen3": {"vocab": 151936},
+    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: vocabulary 32,000; MLP 13,824 (13B),
+    # 28,672 with 8 key/value heads (70B)
+    "llama2-13b": {"vocab": 32000, "ffn_hidden": 13824},
+    "llama2-70b": {"vocab": 32000, "ffn_hidden": 28672, "kv_heads": 8},
+    # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
+    "bloom": {"vocab": 250880},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skipped:
+    """A published row the simulator does not reproduce, and why."""
+
+    source: str
+    label: str
+    reason: str
+
+
+def source_halves() -> dict[str, str]:
+    """Each table's half of the fixed split by source: file stem -> "fit" or "held-out"."""
+    with open(HERE / "split_by_source.csv", newline="") as handle:
+        return {row["file"].removesuffix(".csv"): row["half"] for row in csv.DictReader(handle)}
+
+
+def case_kind(model: TransformerConfig, plan: ParallelPlan) -> str:
+    """The kind of run a case is, the most specific first: MoE, long context, fully/partly sharded data
+    parallelism without model parallelism, interleaved pipeline, other tensor/pipeline plans, plain dp."""
+    if model.is_moe:
+        return "moe"
+    if plan.seq >= LONG_CONTEXT:
+        return "long-context"
+    if plan.optimizer_level >= 2 and plan.pp == 1:
+        return "fsdp"
+    if plan.interleave > 1:
+        return "interleaved"
+    if plan.tp > 1 or plan.pp > 1:
+        return "3d"
+    return "dp"
+
+
+def _rows(stem: str) -> list[dict[str, str]]:
+    with open(HERE / f"{stem}.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _int(row: dict[str, str], key: str, default: int | None = None) -> int | None:
+    return int(row[key]) if row.get(key) else default
+
+
+def _llama(row: dict[str, str], facts: dict[str, int] | None = None) -> TransformerConfig:
+    """A Llama- or Qwen3-style model (RMSNorm, SwiGLU, no biases, no dropout, untied head) from a row."""
+    facts = facts or {}
+    moe = _int(row, "experts", 1) > 1
+    return TransformerConfig(
+        name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
+        kv_heads=facts.get("kv_heads") or _int(row, "kv_heads"), head_size=_int(row, "head_dim"),
+        vocab=facts.get("vocab") or int(row["vocab"]),
+        ffn_hidden=int(row["moe_ffn_hidden"]) if moe else facts.get("ffn_hidden") or int(row["ffn_hidden"]),
+        gated_mlp=True, experts=_int(row, "experts", 1), top_k=_int(row, "top_k", 1), norm="rmsnorm",
+        biases=False, dropout=False, tied_embeddings=False,
+    )  # fmt: skip
+
+
+def _missing(row: dict[str, str], keys: tuple[str, ...], facts: dict[str, int]) -> list[str]:
+    return [k for k in keys if not row.get(k) and k not in facts]
+
+
+def _stages(layers: int, plan: ParallelPlan) -> tuple[int, ...]:
+    """Equal stages when they divide, else the first and last virtual stage one layer fewer."""
+    return () if layers % plan.virtual_stages == 0 else light_ends(layers, plan.virtual_stages)
+
+
+def _case(source: str, row: dict[str, str], label: str, model, plan, gpu: str, metric: str, value: float):
+    plan = plan.replace(stage_layers=_stages(model.layers, plan))
+    return Case(
+        source=source, label=label, model=model, plan=plan, cluster=PROFILES[gpu].with_size(int(row["gpus"])),
+        metric=metric, published=value,
+    )  # fmt: skip
+
+
+def _unsupported(row: dict[str, str]) -> str:
+    """Why a row's parallel layout cannot be simulated (empty: it can)."""
+    if _int(row, "cp", 1) > 1:
+        return f"context parallelism (cp={row['cp']}) is not simulated"
+    ep, dp = _int(row, "ep", 1), int(row["dp"])
+    if dp % ep:
+        return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}); loom's ep lives inside dp"
+    return ""
+
+
+def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
+    """NeMo 24.07 and Megatron-Bridge performance summaries (DGX-H100, Megatron-Core)."""
+    out, skipped = [], []
+    for row in _rows(stem):
+        label = f"{row['model']} {row.get('release', '')} {row['precision']}".strip()
+        facts = ARCHITECTURES["qwen3"] if row["model"].startswith("qwen3") else {}
+        keys = (
+            "layers",
+            "hidden",
+            "heads",
+            "vocab",
+            "ffn_hidden" if not row["experts"] else "moe_ffn_hidden",
+        )
+        reason = _unsupported(row)
+        if missing := _missing(row, keys, facts):
+            reason = f"architecture not recorded ({', '.join(missing)})"
+        elif not row["precision"]:
+            reason = "precision not stated"
+        if reason:
+            skipped.append(Skipped(source=stem, label=label, reason=reason))
+            continue
+        model = _llama(row, facts)
+        fp8 = row["precision"].startswith("fp8")
+        plan = ParallelPlan(
+            dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
+            ep=_int(row, "ep", 1), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
+            seq=int(row["seq"]), optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1,
+            sequence_parallel=int(row["tp"]) > 1, flash_attention=True, dtype="bf16", fp8_matmuls=fp8,
+        )  # fmt: skip
+        gpus = int(row["gpus"])
+        out.append(
+            _case(stem, row, label, model, plan, "h100-sxm", "tokens_per_s",
+                  float(row["tokens_per_s_per_gpu"]) * gpus)
+        )  # fmt: skip
+    return out, skipped
+
+
+def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
+    """torchtitan's FSDP2 runs of Llama 2 and 3 on 64 A100 80GB (docs/performance.md)."""
+    stem, out, skipped = "torchtitan2024_a100_performance", [], []
+    recompute = {"none": "none", "full": "full", "selective op": "selective"}
+    for row in _rows(stem):
+        label = f"{row['model']} {row['recompute']} {row['precision']}"
+        reason = "no hardware profile for the H100 94GB HBM2e (lower clocks; peak not published)"
+        if row["gpu"] == "a100-80gb":
+            reason = "" if row["recompute"] in recompute else (
+                "torchtitan's layer-selective checkpointing (every other layer) is not a loom recompute policy"
+            )  # fmt: skip
+        if reason:
+            skipped.append(Skipped(source=stem, label=label, reason=reason))
+            continue
+        model = _llama(row, ARCHITECTURES.get(row["model"]))
+        plan = ParallelPlan(
+            dp=int(row["dp"]), tp=int(row["tp"]), micro_batch=int(row["micro_batch"]),
+            global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute[row["recompute"]],
+            optimizer_level=int(row["zero_stage"]), flash_attention=True, dtype="bf16",
+        )  # fmt: skip
+        gpus = int(row["gpus"])
+        out.append(
+            _case(stem, row, label, model, plan, "a100-80gb", "tokens_per_s",
+                  float(row["tokens_per_s_per_gpu"]) * gpus)
+        )  # fmt: skip
+    return out, skipped
+
+
+def _bloom() -> tuple[list[Case], list[Skipped]]:
+    """BigScience BLOOM-176B shapes on 384 A100 80GB, Megatron-DeepSpeed (ZeRO-1, 1F1B, full recompute)."""
+    stem, out = "bigscience2022_bloom176b", []
+    for row in _rows(stem):
+        model = TransformerConfig(
+            name=row["model"],
+            layers=int(row["layers"]),
+            hidden=int(row["hidden"]),
+            heads=int(row["heads"]),
+            vocab=_int(row, "vocab") or ARCHITECTURES["bloom"]["vocab"],
+            dropout=False,
+        )  # ALiBi: no position table; GeLU MLP 4h with biases; LayerNorm; tied embedding
+        plan = ParallelPlan(
+            dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), micro_batch=int(row["micro_batch"]),
+            global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute="full", optimizer_level=1,
+            dtype="bf16", overlap_grad_sync=False,
+        )  # fmt: skip
+        label = f"{row['model']} h{row['heads']} tp{row['tp']} pp{row['pp']} mb{row['micro_batch']}"
+        out.append(
+            _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
+        )
+    return out, []
+
+
+def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
+    """Megatron-MoE ModelZoo's Qwen3 runs on H100 (iteration times)."""
+    stem, out, skipped = "yan2025_moe_modelzoo_qwen3", [], []
+    for row in _rows(stem):
+        label = (
+            f"{row['model']} tp{row['tp']} pp{row['pp']} ep{row['ep']} seq{row['seq']} {row['moe_routing']}"
+        )
+        reason = _unsupported(row)
+        if not row["layers"]:
+            reason = "architecture not recorded"
+        elif not row["micro_batch"] or not row["iteration_s"]:
+            reason = "micro-batch size and time per iteration not recorded"
+        if reason:
+            skipped.append(Skipped(source=stem, label=label, reason=reason))
+            continue
+        model = _llama(row, ARCHITECTURES["qwen3"])
+        recompute = "full" if row["recompute"] == "full" else "selective" if row["recompute"] else "none"
+        plan = ParallelPlan(
+            dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
+            ep=int(row["ep"]), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
+            seq=int(row["seq"]), recompute=recompute, optimizer_level=int(row["zero_stage"]),
+            sequence_parallel=int(row["tp"]) > 1, flash_attention=True, dtype="bf16",
+        )  # fmt: skip
+        out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
+    return out, skipped
+
+
+def _not_simulated(stem: str, reason: str) -> list[Skipped]:
+    return [Skipped(source=stem, label=row["model"], reason=reason) for row in _rows(stem)]
+
+
+def published_cases() -> tuple[list[Case], list[Skipped]]:
+    """Every published row: the cases (each with its `half` and `kind`) and the rows left out, with why."""
+    loaded, skipped = list(cases()) + fsdp_cases(), []
+    for loader in (
+        lambda: _megatron_perf("nvidia2024_nemo_perf_summary"),
+        lambda: _megatron_perf("nvidia2026_megatron_bridge_perf_summary"),
+        _torchtitan_a100, _bloom, _moe_modelzoo,
+    ):  # fmt: skip
+        more, left = loader()
+        loaded += more
+        skipped += left
+    skipped += _not_simulated(
+        "torchtitan2024_h100_benchmarks",
+        "no hardware profile for Grand Teton's 500 W H100 96GB HBM2e (peak between SXM and NVL, not published)",
+    )
+    skipped += _not_simulated(
+        "dubey2024_table4",
+        "interleaving (V) and micro-batch size not stated (and context parallelism at 128K)",
+    )
+    halves = source_halves()
+
+    def half(source: str) -> str:  # the older loaders name a source by the start of its file's name
+        return next(h for stem, h in halves.items() if stem.startswith(source))
+
+    loaded = [dataclasses.replace(c, half=half(c.source), kind=case_kind(c.model, c.plan)) for c in loaded]
+    return loaded, skipped

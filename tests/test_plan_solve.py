@@ -1,0 +1,273 @@
+"""Tier 1: the operator-level solvers (`loom.plan.solve`): sharding propagation from a few fixed
+strategies, the full search with its optimality gap and a memory limit, and the Plan they produce.
+Single process; models on the meta device where sizes matter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from loom.cost.hardware import get_cluster
+from loom.models import MatMulChain, ReluNet, SoftCrossEntropy, WithLoss
+from loom.models.gpt import GPT, GPTConfig
+from loom.models.recipes import tensor_plan
+from loom.plan import Plan
+from loom.plan.capture import capture
+from loom.plan.problem import OPTIMIZER_COPIES, build_problem
+from loom.plan.redistribute import gradient_layouts, redistribution
+from loom.plan.solve import propagate, solve
+from loom.plan.to_plan import pins, placements, tensor_spec
+
+R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
+MESH = {"dp": 2, "tp": 2}
+IDS = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+# loom's GPT multiplies by its weights (x @ w): a column cut is the weight's dim 1
+LOOM_GPT_MEGATRON = {
+    "*.attention": {"parameter_plan": {"wq": ["None", "tp"], "wk": ["None", "tp"], "wv": ["None", "tp"], "wo": ["tp", "None"]}},
+    "*.mlp": {"parameter_plan": {"w_up": ["None", "tp"], "w_down": ["tp", "None"]}},
+}  # fmt: skip
+
+
+class Regression(nn.Module):
+    """A Megatron MLP (Linear -> GELU -> Linear) and a squared error."""
+
+    def __init__(self, d: int = 1024) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.mlp(x) - y) ** 2).mean()
+
+
+def layouts(solution) -> dict[str, str]:
+    """Every decision's choice as text, for the printed reports."""
+    shown = {}
+    for name, decision in solution.problem.decisions.items():
+        option = solution.option(name)
+        shown[name] = option.describe() if decision.kind == "op" else str(option)
+    return shown
+
+
+def test_redistributions_are_the_collectives_of_each_axis():
+    cluster = get_cluster("h100-sxm", gpus=4)
+    kinds = lambda src, dst: [
+        (s.axis, s.kind, s.nbytes) for s in redistribution(64.0, src, dst, MESH, cluster)
+    ]
+    assert kinds((S0, R), (R, R)) == [("dp", "all_gather", 64.0)]
+    assert kinds((R, P), (R, R)) == [("tp", "all_reduce", 64.0)]
+    assert kinds((R, P), (R, S1)) == [("tp", "reduce_scatter", 64.0)]
+    assert kinds((S0, S1), (S0, S0)) == [("tp", "all_to_all", 16.0)]  # each device's piece
+    assert kinds((R, R), (S0, P)) == []
+    # a data-parallel weight: read whole by an operator that cuts its work along dp -> its gradient sums
+    assert gradient_layouts((R, R), (R, R), (True, False)) == ((P, R), (R, R))
+
+
+def test_tensor_specs_and_placements_translate_both_ways():
+    assert placements([2, 1], 2, MESH, "w") == (S0, R)  # a cut of 2: the first free axis of that size
+    assert placements([2, 2], 2, MESH, "w") == (S0, S1)
+    assert placements([["dp", "tp"], "None"], 2, MESH, "w") == (S0, S0)
+    assert placements(["None", "cp"], 2, MESH, "w") == (R, R)  # an axis the mesh lacks cuts nothing
+    assert tensor_spec((S0, S0), 2, MESH) == [["dp", "tp"], "None"]
+    assert tensor_spec((R, S1), 2, MESH) == ["None", "tp"] and tensor_spec((P, R), 2, MESH) is None
+    with pytest.raises(ValueError, match="no unused mesh axis"):
+        placements([3, 1], 2, MESH, "w")
+
+
+@pytest.fixture(scope="module")
+def regression():
+    with torch.device("meta"):
+        model = Regression()
+    x = torch.empty(2048, 1024, device="meta")
+    return build_problem(capture(model, (x, torch.empty_like(x))), {"tp": 2})
+
+
+def test_propagation_picks_the_row_parallel_second_matmul(regression):
+    fixed = {"mlp.0": {"parameter_plan": {"weight": ["tp", "None"]}}}
+    solution = solve(regression, pinned=pins(regression, fixed))
+    assert solution.layout("mlp.0.weight") == (S0,)  # as fixed: column parallel
+    assert solution.layout("mlp.2.weight") == (S1,)  # row parallel, chosen
+    moved = [(where, step.kind) for where, _, step in solution.collectives()]
+    assert not any(kind == "all_gather" and "gelu" in where for where, kind in moved)  # the hidden stays cut
+    forward = [step.kind for _, direction, step in solution.collectives() if direction == "forward"]
+    assert forward[0] in ("all_reduce", "reduce_scatter")  # the row-parallel partial sums, summed once
+    assert solution.method == "tree" and solution.gap == 0  # the MLP and its loss form a tree
+    integer_program = solve(regression, pinned=pins(regression, fixed), memory_limit=1e15)
+    assert integer_program.method == "milp" and integer_program.gap <= 1e-4
+    assert integer_program.cost_s == pytest.approx(solution.cost_s, rel=1e-6)
+    plan = solution.plan()
+    assert plan.parameter_layouts["mlp.2.weight"] == ["None", "tp"] and plan.tp == 2
+
+
+def test_mindspore_matmul_chain_from_its_first_strategy():
+    graph = capture(MatMulChain(), (torch.randn(16, 8),))
+    solution = propagate(graph, {"tp": 4}, {"mm": {"in_strategy": [[4, 1], [1, 1]]}})
+    chosen = layouts(solution)
+    print(chosen, f"{solution.cost_s * 1e6:.1f} us")
+    assert chosen["mm"] == "(S(0), R) -> S(0)"  # as given: rows of X
+    assert solution.method == "tree"  # a chain: dynamic programming
+    assert chosen["mm_1"].startswith(("(R", "(S(0)"))  # the second matmul reads the hidden as it decides
+    priced = sum(step.seconds for _, _, step in solution.collectives())
+    assert priced == pytest.approx(solution.comm_s, rel=1e-6)
+
+
+def test_mindspore_relu_net_from_its_first_strategy():
+    graph = capture(WithLoss(ReluNet(), SoftCrossEntropy()), (torch.rand(16, 32), torch.rand(16, 16)))
+    solution = propagate(graph, {"tp": 2}, {"mm": {"in_strategy": [[1, 2], [2, 1]]}})
+    chosen = layouts(solution)
+    print(chosen, [(where, step.kind) for where, _, step in solution.collectives()])
+    assert chosen["mm"] == "(S(1), S(0)) -> P"  # the contracted dim cut: partial sums
+    reduced = [
+        step.kind for where, d, step in solution.collectives() if where == "mm -> relu" and d == "forward"
+    ]
+    assert reduced in (["all_reduce"], ["reduce_scatter"])  # relu needs the sums
+
+
+def test_fixed_strategy_errors_name_the_module(regression):
+    with pytest.raises(ValueError, match="matches no module"):
+        pins(regression, {"mlp.9": {"parameter_plan": {"weight": ["tp", "None"]}}})
+
+
+def test_memory_limit_forces_sharded_parameters():
+    with torch.device("meta"):
+        model = Regression()
+    x = torch.empty(16, 1024, device="meta")  # few rows: replicated weights and a gradient all-reduce win
+    problem = build_problem(capture(model, (x, torch.empty_like(x))), MESH)
+    free = solve(problem)
+    assert not free.plan().parameter_layouts
+    states = sum(d.memory[0] for d in problem.decisions.values() if d.kind == "parameter")  # option 0: whole
+    assert states == pytest.approx(OPTIMIZER_COPIES * 4 * sum(p.numel() for p in model.parameters()))
+    tight = solve(problem, memory_limit=states / 2)
+    assert tight.memory_bytes <= states / 2 < free.memory_bytes
+    assert tight.plan().parameter_layouts  # some weights are now cut
+    assert tight.cost_s >= free.cost_s
+    with pytest.raises(ValueError, match="no layout fits"):
+        solve(problem, memory_limit=1.0)
+
+
+@pytest.fixture(scope="module")
+def loom_gpt():
+    model = GPT(GPTConfig(n_layers=2))
+    graph = capture(model, (IDS, IDS))
+    return graph, build_problem(graph, MESH)
+
+
+@pytest.mark.slow  # capture, strategy space and two integer programs: about 10 s on 2 cores
+def test_search_beats_megatron_on_loom_gpt(loom_gpt):
+    graph, problem = loom_gpt
+    megatron = solve(problem, pinned=pins(problem, LOOM_GPT_MEGATRON))
+    best = solve(problem)
+    print(f"search {best.cost_s * 1e6:.1f} us (gap {best.gap:.1e}), Megatron {megatron.cost_s * 1e6:.1f} us")
+    assert best.cost_s <= megatron.cost_s * (1 + 1e-6) and 0 <= best.gap <= 1e-3
+    assert megatron.plan().parameter_layouts["blocks.*.mlp.w_down"] == ["tp", "None"]
+    assert isinstance(best.plan(), Plan) and best.plan().dp == 2
+
+
+@pytest.mark.slow  # about 15 s on 2 cores
+def test_search_beats_megatron_on_hugging_face_gpt2():
+    graph = capture(build("gpt2"), (IDS,), {"labels": IDS})
+    problem = build_problem(graph, MESH)
+    megatron = solve(problem, pinned=pins(problem, tensor_plan(build("gpt2"))))
+    best = solve(problem)
+    print(f"search {best.cost_s * 1e6:.1f} us (gap {best.gap:.1e}), Megatron {megatron.cost_s * 1e6:.1f} us")
+    assert best.cost_s <= megatron.cost_s * (1 + 1e-6) and best.gap <= 1e-3
+    layouts_ = megatron.plan().parameter_layouts
+    assert layouts_["transformer.h.*.mlp.c_fc.weight"] == ["None", "tp"]
+    assert "lm_head.weight" not in layouts_ and layouts_["transformer.wte.weight"] == ["tp", "None"]  # tied
+
+
+def auto_plan_case(plan: Plan, steps: int = 3):
+    """The MLP regression trained `steps` SGD steps on one device and under `plan` on 4 ranks (dp 2 x tp 2,
+    each data-parallel replica reading its rows): losses and first-step gradients of both."""
+    import copy
+
+    import loom
+
+    torch.manual_seed(0)
+    reference = Regression(d=16)
+    model = copy.deepcopy(reference)
+    data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
+    expected = _sgd(reference, data, lambda t: t)
+    mesh = loom.init(MESH)
+    loom.parallelize(model, plan=plan)
+    actual = _sgd(model, data, lambda t: t.chunk(2)[mesh.dp_rank()])
+    return expected, actual
+
+
+def _sgd(model, data, rows):
+    import loom
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for step, (x, y) in enumerate(data):
+        loss = model(rows(x), rows(y))
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    return losses, grads
+
+
+@pytest.mark.slow  # 4 ranks
+@pytest.mark.parametrize("how", ["propagated", "memory_limited"])
+def test_a_solved_plan_trains_as_one_device(dist_run, how):
+    x = torch.randn(8, 16)
+    problem = build_problem(capture(Regression(d=16), (x, torch.randn(8, 16))), MESH)
+    if how == "propagated":
+        solution = solve(
+            problem, pinned=pins(problem, {"mlp.0": {"parameter_plan": {"weight": ["tp", "None"]}}})
+        )
+    else:  # weights cut along both axes, activations moved between layouts by all-to-alls
+        states = sum(d.memory[0] for d in problem.decisions.values() if d.kind == "parameter")
+        solution = solve(problem, memory_limit=states / 3)
+    plan = solution.plan()
+    assert "tp" in str(plan.parameter_layouts["mlp.0.weight"][0])
+    for (ref_losses, ref_grads), (losses, grads) in dist_run(4, auto_plan_case, plan):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def auto_mode_case(memory_limit, steps: int = 3):
+    """`loom.parallelize(mode="auto")` on the MLP regression (dp 2 x tp 2, each replica its rows): the one
+    device's and the parallel run's losses and first-step gradients, the plan chosen, and whether this rank
+    holds a strict part of every weight."""
+    import copy
+
+    import loom
+
+    torch.manual_seed(0)
+    reference = Regression(d=16)
+    model = copy.deepcopy(reference)
+    data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
+    expected = _sgd(reference, data, lambda t: t)
+    mesh = loom.init(MESH)
+    rows = lambda t: t.chunk(2)[mesh.dp_rank()]
+    loom.parallelize(model, mode="auto", example_inputs=(rows(data[0][0]), rows(data[0][1])),
+                     memory_limit=memory_limit)  # fmt: skip
+    actual = _sgd(model, data, rows)
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    strict = all(p.to_local().numel() < p.numel() for p in weights)
+    return expected, actual, model.loom.plan.to_json(), strict
+
+
+def test_auto_mode_trains_as_one_device_and_keeps_to_a_memory_limit(dist_run):
+    """mode="auto" on 4 ranks: the chosen plan (the same on every rank) gives one device's losses and
+    gradients; with a memory limit below the replicated weights' states, every rank holds a strict part of
+    each weight and the plan's predicted memory is under the limit."""
+    problem = build_problem(capture(Regression(d=16), (torch.randn(8, 16), torch.randn(8, 16))), MESH)
+    states = sum(d.memory[0] for d in problem.decisions.values() if d.kind == "parameter")
+    for limit in (None, states / 3):
+        results = dist_run(4, auto_mode_case, limit)
+        assert len({plan for *_, plan, _ in results}) == 1, "every rank applies the same plan"
+        for (ref_losses, ref_grads), (losses, grads), plan, strict in results:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+            for name, grad in ref_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+            if limit is not None:
+                assert strict, plan
+                assert Plan.from_json(plan).predicted_memory_bytes <= limit

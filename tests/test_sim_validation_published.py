@@ -1,0 +1,24 @@
+"""Every published table loads: cases carry their source's half and a kind; left-out rows say why."""
+
+from collections import Counter
+
+from loom.sim.validation.published import KINDS, published_cases, source_halves
+
+
+def test_every_row_is_a_case_or_left_out_with_a_reason():
+    cases, skipped = published_cases()
+    halves = source_halves()
+    assert len(cases) + len(skipped) == 337 and len(cases) >= 40
+    assert all(s.reason for s in skipped)
+    assert {c.half for c in cases} == {"fit", "held-out"} and all(c.kind in KINDS for c in cases)
+    for half in ("fit", "held-out"):
+        kinds = Counter(c.kind for c in cases if c.half == half)
+        assert kinds["fsdp"] > 0 and kinds["moe"] > 0, half
+    # the half is the source's, from split_by_source.csv
+    assert all(halves[next(s for s in halves if s.startswith(c.source))] == c.half for c in cases)
+
+
+def test_uneven_stages_follow_the_light_ends_rule():
+    cases, _ = published_cases()
+    bloom = next(c for c in cases if c.source.startswith("bigscience") and c.model.layers == 70)
+    assert bloom.plan.stage_layers == (5, *[6] * 10, 5)  # embedding and head take a layer's slot each
