@@ -8,8 +8,9 @@ from torch import nn
 VOCAB = 128
 
 
-def build(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
-    """A tiny GPT-2, Llama or Mixtral causal LM in fp32, dropout off, initialised from `seed`."""
+def build(family: str, layers: int = 2, seed: int = 0, experts: int = 4) -> nn.Module:
+    """A tiny GPT-2, Llama or Mixtral (of `experts` experts, top-2) causal LM in fp32, dropout off,
+    initialised from `seed`."""
     import transformers
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
@@ -28,7 +29,7 @@ def build(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
     if family == "llama":
         return transformers.LlamaForCausalLM(LlamaConfig(**common))
     if family == "mixtral":
-        config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        config = MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
     raise ValueError(f"unknown family {family!r}")
 

@@ -35,6 +35,14 @@ def prime_factors(n: int) -> tuple[int, ...]:
     return tuple(factors)
 
 
+def is_inner_factor(part: int, whole: int) -> bool:
+    """Whether `part` is a product of the last prime factors of `whole`: a run of the innermost canonical
+    dims of a mesh axis of size `whole` (expert-parallel groups within "dp"; any divisor of a power of
+    two)."""
+    factors, inner = prime_factors(whole), prime_factors(part)
+    return whole % part == 0 and inner == factors[len(factors) - len(inner) :]
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
     """Validated sizes of named mesh axes (as torchtitan's ParallelDims): product check and `-1` fill."""

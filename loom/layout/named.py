@@ -149,20 +149,41 @@ class TensorMap:
         return TensorLayout(tuple(dim_axes))
 
 
-def on_mesh_axes(entry: object, axis_sizes: Sequence[tuple[str, int]]) -> object:
+def on_mesh_axes(entry: object, axis_sizes: Sequence[tuple[str, int]], ep: int = 1) -> object:
     """A strategy entry as `compile_inputs` takes it: cuts per dim (`(2, 1)`) and None stay as they are;
     mesh axis names per dim (`("tp", "None")`, a tuple of names to cut a dim along several axes) become a
     `Layout` map over the mesh's axes (`axis_sizes`: (name, size), outermost first). A name the mesh lacks
-    means "not cut", so one plan serves meshes with and without that axis."""
+    means "not cut", so one plan serves meshes with and without that axis.
+
+    `ep > 1` names the innermost `ep` ranks of the "dp" axis "ep" (expert parallelism lives inside data
+    parallelism): an entry's "ep" cuts over them alone, its "dp" over the whole axis still. With `ep = 1`
+    "ep" is not cut."""
     if not isinstance(entry, tuple | list) or not any(isinstance(e, str | tuple | list) for e in entry):
         return entry
+    axis_sizes, aliases = _split_expert_axis(tuple(axis_sizes), ep)
     names = tuple(name for name, _ in axis_sizes)
     layout = Layout(tuple(size for _, size in axis_sizes), names)
 
     def kept(dim: object) -> object:
-        if isinstance(dim, tuple | list):
-            present = tuple(a for a in dim if a in names)
-            return present if present else NONE
-        return dim if dim in names else NONE
+        wanted = dim if isinstance(dim, tuple | list) else (dim,)
+        present = tuple(axis for name in wanted for axis in aliases.get(name, (name,)) if axis in names)
+        return present if present else NONE
 
     return layout(*(kept(dim) for dim in entry))
+
+
+def _split_expert_axis(
+    axis_sizes: tuple[tuple[str, int], ...], ep: int
+) -> tuple[tuple[tuple[str, int], ...], dict[str, tuple[str, ...]]]:
+    """The axes with "dp" cut into ("dp", dp / ep) and ("ep", ep), and "dp" as the alias of both."""
+    if ep == 1:
+        return axis_sizes, {}
+    sizes = dict(axis_sizes)
+    if sizes.get("dp", 1) % ep:
+        raise ValueError(
+            f"ep = {ep}: expert parallelism cuts the mesh's 'dp' axis, of size {sizes.get('dp', 1)}; choose an "
+            f"ep that divides it"
+        )
+    at = [name for name, _ in axis_sizes].index("dp")
+    split = (("dp", sizes["dp"] // ep), ("ep", ep))
+    return axis_sizes[:at] + split + axis_sizes[at + 1 :], {"dp": ("dp", "ep")}

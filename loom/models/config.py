@@ -94,21 +94,9 @@ class GPTConfig:
                 f"parallel.ep = {ep} shards experts, but the model has none (model.experts = {self.experts}); "
                 "set model.experts > 1 or parallel.ep = 1"
             )
-        if self.experts % ep:
-            raise ValueError(
-                f"parallel.ep = {ep} must divide model.experts = {self.experts}; choose ep in "
-                f"{[d for d in range(1, self.experts + 1) if self.experts % d == 0 and (dp or d) % d == 0]}"
-            )
-        if dp is None:
-            return
-        from loom.dist.mesh import prime_factors  # the mesh's own factoring (imports torch: only here)
+        from loom.models.moe import check_expert_split  # imports torch: only here
 
-        factors, inner = prime_factors(dp), prime_factors(ep)
-        if inner != factors[len(factors) - len(inner) :]:
-            raise ValueError(
-                f"parallel.ep = {ep}: expert groups are made of the innermost factors of dp = {dp} "
-                f"(prime factors {list(factors)}); choose an ep that is a product of its last factors"
-            )
+        check_expert_split(ep, self.experts, dp, ep_name="parallel.ep", experts_name="model.experts")
 
     def _fail(self, key: str, fix: str) -> None:
         raise ValueError(f"model.{key} = {getattr(self, key)!r} is out of range: {fix}")

@@ -38,7 +38,7 @@ from loom import ops
 from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
-from loom.models.moe import MoE, MoEConfig, moe_layers
+from loom.models.moe import MoE, MoEConfig, local_parameter, moe_layers
 from loom.parallel.context import chunk_count, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.local_region import contiguous_strides
@@ -282,22 +282,12 @@ class MoEMLP(nn.Module):
         if not isinstance(x, DTensor):
             return self.moe(x)
         mesh, cut = x.device_mesh, [p.is_shard() for p in x.placements]
-        local = {name: _local_piece(p, cut) for name, p in self.moe.named_parameters()}
+        local = {name: local_parameter(p, cut) for name, p in self.moe.named_parameters()}
         cut_experts = local["experts.up_proj"].shape[0] != self.moe.config.experts
         assert not cut_experts or self.moe.experts.exchange is not None, "loom.parallelize connects experts"
         self.moe.reduce_sums = lambda sums: {k: _sum_over(v, mesh, cut) for k, v in sums.items()}
         out = functional_call(self.moe, local, (x.to_local(),))
         return DTensor.from_local(out, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
-
-
-def _local_piece(param: torch.Tensor, cut: list[bool]) -> torch.Tensor:
-    """The local piece of a DTensor parameter used on this rank's tokens; its gradient stays cut where the
-    parameter is, pending where the tokens are cut (see `MoEMLP`)."""
-    grads = [
-        p if p.is_shard() else Partial() if tokens_cut else Replicate()
-        for p, tokens_cut in zip(param.placements, cut, strict=True)
-    ]
-    return param.to_local(grad_placements=grads)
 
 
 def _sum_over(value: torch.Tensor, mesh, cut: list[bool]) -> DTensor:  # noqa: ANN001  (a DeviceMesh)

@@ -36,6 +36,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from loom.dist._torch_private import grouped_mm
 
@@ -46,8 +47,12 @@ __all__ = [
     "Routing",
     "aux_losses",
     "balance_sums",
+    "check_expert_split",
+    "chosen_routing",
+    "combine",
     "expert_mlp",
     "grouped_mm_usable",
+    "local_parameter",
     "moe_layers",
     "update_biases",
 ]
@@ -123,6 +128,61 @@ class Routing:
     expert: torch.Tensor
     weight: torch.Tensor
     counts: torch.Tensor
+
+
+def chosen_routing(
+    chosen: torch.Tensor, weight: torch.Tensor, experts: int, kept: torch.Tensor | None = None
+) -> Routing:
+    """The routing of tokens to their chosen experts: `chosen` and `weight` are `[tokens, top_k]` (expert
+    indices, their weights); `kept` masks the flattened pairs that fit their expert's capacity (None: all)."""
+    token = torch.arange(chosen.shape[0], device=chosen.device).repeat_interleave(chosen.shape[1])
+    expert, weight = chosen.reshape(-1), weight.reshape(-1)
+    if kept is not None:
+        token, expert, weight = token[kept], expert[kept], weight[kept]
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=experts)
+    return Routing(token=token[order], expert=expert[order], weight=weight[order], counts=counts)
+
+
+def combine(
+    flat: torch.Tensor, routing: Routing, experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Each token's rows `flat` `[tokens, hidden]` sent through `experts(rows, counts)` (rows sorted by
+    expert) as `routing` says, and the outputs summed back per token, each weighed by its pair's weight."""
+    rows = experts(flat[routing.token], routing.counts)
+    rows = rows * routing.weight.unsqueeze(-1).to(rows.dtype)
+    return torch.zeros_like(flat).index_add(0, routing.token, rows)
+
+
+def local_parameter(param: torch.Tensor, tokens_cut: list[bool]) -> torch.Tensor:
+    """The local piece of a DTensor parameter of a mixture of experts computed on this rank's tokens (plain
+    tensors pass through). Its gradient stays cut where the parameter is (an expert shard's rows come back
+    through the exchange), pending (`Partial`) over the other mesh dims that cut the tokens, for the
+    data-parallel replicas to reduce, and complete where the tokens are whole."""
+    if not isinstance(param, DTensor):
+        return param
+    grads = [
+        p if p.is_shard() else Partial() if cut else Replicate()
+        for p, cut in zip(param.placements, tokens_cut, strict=True)
+    ]
+    return param.to_local(grad_placements=grads)
+
+
+def check_expert_split(ep: int, experts: int, dp: int | None, *, ep_name: str, experts_name: str) -> None:
+    """A ValueError unless `ep` ranks can share `experts` experts out of `dp` data-parallel ranks (None: not
+    known yet): `ep` divides the experts and is made of the last prime factors of `dp` (ep groups are blocks
+    of consecutive data-parallel ranks, the innermost canonical dims of the mesh's "dp" axis: always true for
+    powers of two). `ep_name` and `experts_name` say where the two numbers come from in the message."""
+    from loom.dist.mesh import is_inner_factor, prime_factors
+
+    if experts % ep:
+        choices = [d for d in range(1, experts + 1) if experts % d == 0 and (dp or d) % d == 0]
+        raise ValueError(f"{ep_name} = {ep} must divide {experts_name} = {experts}; choose ep in {choices}")
+    if dp is not None and not is_inner_factor(ep, dp):
+        raise ValueError(
+            f"{ep_name} = {ep}: expert groups are made of the innermost factors of dp = {dp} (prime factors "
+            f"{list(prime_factors(dp))}); choose an ep that is a product of its last factors"
+        )
 
 
 def _kept(scores: torch.Tensor, chosen: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -328,11 +388,7 @@ class MoE(nn.Module):
             self.load_total += load
         self.aux_loss = self._aux_loss(logits, scores, load)
         kept = self._kept = _kept(scores, chosen, config)
-        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(config.top_k)[kept]
-        expert, weight = chosen.reshape(-1)[kept], weight.reshape(-1)[kept]
-        order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=config.experts)
-        return Routing(token=token[order], expert=expert[order], weight=weight[order], counts=counts)
+        return chosen_routing(chosen, weight, config.experts, kept)
 
     def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
         """The weighted balancing losses from sums over tokens (`balance_sums`), summed over the ranks that
@@ -357,10 +413,7 @@ class MoE(nn.Module):
                 f"MoE: input's last dim is {shape[-1]}, the layer's hidden is {self.config.hidden}"
             )
         flat = x.reshape(-1, shape[-1])
-        routing = self.route(flat)
-        rows = self.experts(flat[routing.token], routing.counts)
-        rows = rows * routing.weight.unsqueeze(-1).to(rows.dtype)
-        out = torch.zeros_like(flat).index_add(0, routing.token, rows)
+        out = combine(flat, self.route(flat), self.experts)
         if self.shared is not None:
             out = out + self.shared(flat, torch.tensor([flat.shape[0]], device=flat.device))
         return out.reshape(shape)

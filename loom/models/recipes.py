@@ -16,7 +16,10 @@ stream (batch, seq, hidden). Training with a padding mask is not supported by th
 are ignored by the loss, but a pipeline averages its micro-batches' means, which equals one device's mean
 over the batch's tokens only when every micro-batch holds as many labelled tokens.
 
-Each Hugging Face recipe also carries Megatron's tensor-parallel layouts as a module plan (`tensor_plan`).
+Each Hugging Face recipe also carries Megatron's tensor-parallel layouts as a module plan (`tensor_plan`),
+and a family with a mixture of experts says how its experts module holds and takes its experts
+(`ExpertsRecipe`), so that `loom.parallelize` can cut them over expert-parallel ranks without a branch per
+family.
 
 `RECIPES` maps a model's class name to its recipe, or to a function of the model that makes it where the
 layout depends on the model's config (loom's GPT: learned or rotary positions, a tied head);
@@ -32,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from loom.models.moe import MoEConfig
 
 BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "blocks")
 """Where models usually keep their block list, tried in this order when no path is given."""
@@ -88,6 +93,36 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsRecipe:
+    """How a family's experts module holds its experts, for expert parallelism (`loom.parallel.experts`).
+
+    `modules`: the module path pattern of the experts modules (one per block). `stacked`: the names of their
+    parameters stacked by expert on dim 0 (three dims each), the ones cut over the ep ranks. `config(module)`:
+    the experts' shape as a `MoEConfig` (hidden, ffn_hidden, experts, top_k, activation), or a ValueError for
+    one loom's expert MLP cannot compute. `weights(module, stacked)`: the stacked weights (by name, this
+    rank's experts) as `loom.models.moe.expert_mlp` takes them, `[experts, in, out]` in its order (views: the
+    gradients flow back to the module's own tensors). `inputs(*args, **kwargs)`: the module's forward
+    arguments as (token rows `[tokens, hidden]`, chosen experts `[tokens, top_k]`, their weights
+    `[tokens, top_k]`); the forward returns the weighted sum of the chosen experts' outputs per token.
+    """
+
+    modules: str
+    stacked: tuple[str, ...]
+    config: Callable[[nn.Module], MoEConfig]
+    weights: Callable[[nn.Module, Mapping[str, Tensor]], list[Tensor]]
+    inputs: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+    def module_plan(self) -> dict[str, Any]:
+        """The module plan entry cutting every experts module's stacked weights on their expert dim over
+        the plan's "ep" ranks (the innermost ones of "dp"), whole along every other axis."""
+        cut = ("ep", "None", "None")
+        return {self.modules: {"parameter_plan": {name: cut for name in self.stacked}}}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Where a model family keeps its pieces, as paths in the whole model, and how a stage runs them.
@@ -103,6 +138,7 @@ class Recipe:
     last stage; `check(model)` raises a `ValueError` for a model the recipe cannot run as configured.
     `classes`: the model class names `RECIPES` files the recipe under. `tensor_plan`: the module plan of
     Megatron's tensor-parallel layouts (`loom.parallelize(model, module_plan=recipe.tensor_plan)`).
+    `experts`: how the family's mixture of experts holds its experts (None: it has none), for `Plan(ep=...)`.
     """
 
     family: str
@@ -118,6 +154,7 @@ class Recipe:
     check: Callable[[nn.Module], None] | None = None
     classes: tuple[str, ...] = ()
     tensor_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    experts: ExpertsRecipe | None = None
 
     def __post_init__(self) -> None:
         for group in (self.before, self.after, self.shared):
@@ -223,8 +260,9 @@ GPT2_TENSOR_PLAN = {
     "lm_head": COLUMN,  # tied to wte: the same layout, also where a pipeline puts them on different stages
 }
 
-# Mixtral: attention as Llama's; the router and the experts stay replicated (no expert parallelism yet)
-# and run on each rank's own tokens (a local region: their routing has data-dependent shapes).
+# Mixtral: attention as Llama's; the router and the experts stay replicated and run on each rank's own
+# tokens (a local region: their routing has data-dependent shapes). With `Plan(ep=...)` `loom.parallelize`
+# replaces the experts' entry by the recipe's expert-parallel one (`ExpertsRecipe.module_plan`).
 MIXTRAL_TENSOR_PLAN = {
     "*.embed_tokens": VOCAB_ROWS,
     "*.self_attn.q_proj": COLUMN,
@@ -308,12 +346,49 @@ def _no_router_loss(model: nn.Module) -> None:
         )
 
 
+def _mixtral_experts_config(experts: nn.Module) -> MoEConfig:
+    """A `MixtralExperts` module's shape: SwiGLU experts (`act_fn(gate) * up`, then down)."""
+    config = experts.config
+    if config.hidden_act != "silu":
+        raise ValueError(
+            f"expert parallelism computes Mixtral's experts as SwiGLU (silu), but hidden_act = "
+            f"{config.hidden_act!r}; set ep = 1 for this model"
+        )
+    return MoEConfig(
+        hidden=experts.hidden_dim, ffn_hidden=experts.intermediate_dim, experts=experts.num_experts,
+        top_k=config.num_experts_per_tok, activation="swiglu",
+    )  # fmt: skip
+
+
+def _mixtral_expert_weights(experts: nn.Module, stacked: Mapping[str, Tensor]) -> list[Tensor]:
+    """`gate_up_proj` `[E, 2I, H]` (the gate's rows first) and `down_proj` `[E, H, I]`, stored as
+    `nn.Linear` weights (out, in), as (gate, up, down) `[E, in, out]`."""
+    gate, up = stacked["gate_up_proj"].chunk(2, dim=1)
+    return [gate.transpose(1, 2), up.transpose(1, 2), stacked["down_proj"].transpose(1, 2)]
+
+
+def _mixtral_expert_inputs(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`MixtralExperts.forward`'s arguments, by their names."""
+    return hidden_states, top_k_index, top_k_weights
+
+
+MIXTRAL_EXPERTS = ExpertsRecipe(
+    modules="*.mlp.experts",
+    stacked=("gate_up_proj", "down_proj"),
+    config=_mixtral_experts_config,
+    weights=_mixtral_expert_weights,
+    inputs=_mixtral_expert_inputs,
+)
+
 MIXTRAL = dataclasses.replace(
     LLAMA,
     family="mixtral",
     classes=("MixtralForCausalLM",),
     check=_no_router_loss,
     tensor_plan=MIXTRAL_TENSOR_PLAN,
+    experts=MIXTRAL_EXPERTS,
 )
 
 

@@ -25,9 +25,19 @@ stacked expert weights stay whole-shaped DTensors cut on the expert dim over the
 gradient buckets, optimizer levels and checkpoints treat them as any cut parameter, and `connect_experts`
 gives each layer an `ExpertExchange` over the mesh dims of that cut (`loom.parallelize` calls it; see
 docs/experts.md). There the balancing losses are the whole batch's (`MoE.reduce_sums`), not each rank's.
+
+A Hugging Face model (Mixtral) takes the same road through a `Plan(ep=...)`: its family's recipe says how
+its experts module holds and takes its experts (`loom.models.recipes.ExpertsRecipe`); `expert_module_plan`
+cuts the stacked weights over the plan's "ep" ranks and `connect_experts` replaces each experts module's
+forward by the routing, exchange and combination above, on each rank's own tokens (`run_expert_parallel`).
+The model's own router stays replicated and chooses the experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,16 +46,30 @@ from torch.distributed.tensor import DTensor, Shard
 
 from loom.dist._torch_private import all_to_all_autograd
 from loom.dist.mesh import Mesh
-from loom.models.moe import GroupedExperts, MoE, MoEConfig, expert_mlp, moe_layers
+from loom.models.moe import (
+    GroupedExperts,
+    MoE,
+    MoEConfig,
+    check_expert_split,
+    chosen_routing,
+    combine,
+    expert_mlp,
+    local_parameter,
+    moe_layers,
+)
+from loom.models.recipes import RECIPES, ExpertsRecipe, known_recipe
+from loom.parallel.local_region import contiguous_strides, row_placements
 
 __all__ = [
     "connect_experts",
     "ExpertExchange",
     "ExpertParallelExperts",
     "expert_groups",
+    "expert_module_plan",
     "expert_parallel",
     "expert_parameters",
     "new_expert_groups",
+    "run_expert_parallel",
     "shard_range",
     "sync_gradients",
 ]
@@ -197,19 +221,103 @@ def sync_gradients(
         param.grad.div_(world)
 
 
-def connect_experts(model: nn.Module, mesh: Mesh) -> int:
+def connect_experts(model: nn.Module, mesh: Mesh, experts: ExpertsRecipe | None = None) -> int:
     """Give every mixture of experts in `model` whose stacked expert weights are DTensors cut on their
-    expert dim (loom's GPT laid out with `Strategies(ep=...)`) the exchange over the ranks that cut them:
-    the mesh dims of that cut, one flattened sub-mesh of `mesh`, make its ep group (no collective: the
-    sub-meshes exist). `loom.parallelize` calls it once the parameters are laid out; returns ep (1: no
-    layer's experts are cut, nothing to connect)."""
+    expert dim the exchange over the ranks that cut them: the mesh dims of that cut, one flattened sub-mesh
+    of `mesh`, make its ep group (no collective: the sub-meshes exist). That is loom's GPT laid out with
+    `Strategies(ep=...)`, and, with `experts` (a family's recipe), each experts module it names laid out by
+    `expert_module_plan` (`run_expert_parallel`). `loom.parallelize` calls it once the parameters are laid
+    out; returns ep (1: no layer's experts are cut, nothing to connect)."""
     ep = 1
     for moe in moe_layers(model):
-        weight = moe.experts.up_proj
-        if not isinstance(weight, DTensor):
-            continue
-        dims = tuple(i for i, p in enumerate(weight.placements) if p == Shard(0))
-        if dims:
-            moe.experts.exchange = ExpertExchange(mesh.sub_mesh(dims).get_group())
+        group = _ep_group(moe.experts.up_proj, mesh)
+        if group is not None:
+            moe.experts.exchange = ExpertExchange(group)
             ep = moe.experts.exchange.ep
+    for _, module in _experts_modules(model, experts):
+        group = _ep_group(getattr(module, experts.stacked[0]), mesh)
+        if group is not None:
+            run_expert_parallel(module, experts, ExpertExchange(group))
+            ep = module.loom_exchange.ep
     return ep
+
+
+def _ep_group(weight: torch.Tensor, mesh: Mesh) -> dist.ProcessGroup | None:
+    """The group of the ranks that cut `weight` on its expert dim (None: it is not cut)."""
+    if not isinstance(weight, DTensor):
+        return None
+    dims = tuple(i for i, p in enumerate(weight.placements) if p == Shard(0))
+    return mesh.sub_mesh(dims).get_group() if dims else None
+
+
+def _experts_modules(model: nn.Module, experts: ExpertsRecipe | None) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module of `model` that `experts.modules` matches (none without a recipe)."""
+    if experts is None:
+        return []
+    names = [name for name, _ in model.named_modules() if name]
+    matched = [name for name in names if fnmatchcase(name, experts.modules)]
+    return [(name, model.get_submodule(name)) for name in matched]
+
+
+def expert_module_plan(
+    model: nn.Module, module_plan: Mapping[str, Any], mesh: Mesh, ep: int
+) -> tuple[dict[str, Any], ExpertsRecipe | None]:
+    """`module_plan` with the experts of `model` cut over `ep` ranks, and the recipe that says how (None
+    for a model without one). With `ep > 1` the family's `ExpertsRecipe.module_plan` comes last, so that it
+    takes the experts modules from any earlier entry (a tensor plan's local region). loom's GPT, whose
+    experts its own `Strategies(ep=...)` lays out, passes through. A ValueError, naming the fix, for
+    experts that `ep` does not divide, an `ep` that is not made of the innermost factors of the mesh's dp,
+    and a model with no experts loom recognises."""
+    recipe = known_recipe(model)
+    experts = recipe.experts if recipe is not None else None
+    plan = dict(module_plan)
+    if ep == 1 or any(True for _ in moe_layers(model)):
+        return plan, experts
+    modules = _experts_modules(model, experts)
+    if not modules:
+        known = sorted(name for name, r in RECIPES.items() if getattr(r, "experts", None) is not None)
+        raise ValueError(
+            f"ep = {ep}: {type(model).__name__} has no experts module loom recognises (families with experts: "
+            f"{known}, and loom's GPT with GPTConfig.experts); set ep = 1, or give its family a Recipe with "
+            f"experts=ExpertsRecipe(...) in loom.models.recipes.RECIPES"
+        )
+    for path, module in modules:
+        count = experts.config(module).experts
+        check_expert_split(ep, count, mesh.dp_size, ep_name="ep", experts_name=f"the experts of {path}")
+    entry = experts.module_plan()
+    plan = {pattern: data for pattern, data in plan.items() if pattern not in entry} | entry
+    return plan, experts
+
+
+def run_expert_parallel(module: nn.Module, experts: ExpertsRecipe, exchange: ExpertExchange) -> None:
+    """Make `module`, an experts module whose stacked weights (`experts.stacked`) are cut on their expert
+    dim over the ranks of `exchange`, compute on each rank's own tokens: its forward's token rows, chosen
+    experts and weights (`experts.inputs`) are routed (`chosen_routing`), exchanged with the ranks holding
+    the chosen experts, run through their MLPs (`experts.weights`) and summed back per token (`combine`).
+    Its output is a DTensor with the rows' placements. `module.loom_exchange` holds `exchange` (the rows
+    it moved); like a local region (`loom_local`), a copy gathered whole runs the class's own forward."""
+    config = experts.config(module)
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        x, chosen, weight = experts.inputs(*args, **kwargs)
+        if not isinstance(x, DTensor):
+            raise ValueError(
+                f"{type(module).__name__}: its experts are cut over {exchange.ep} ranks, so it runs inside the "
+                f"parallelized model's forward, on DTensors; gather a whole copy to run it alone"
+            )
+        mesh, rows = x.device_mesh, row_placements(x.placements)
+        cut = [p.is_shard() for p in rows]
+        local = lambda t: t.redistribute(mesh, rows).to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        tokens = local(x)
+        stacked = {name: local_parameter(getattr(module, name), cut) for name in experts.stacked}
+        weights = experts.weights(module, stacked)
+        routing = chosen_routing(local(chosen), local(weight), config.experts)
+        out = combine(tokens, routing, lambda r, counts: exchange(r, counts, weights, config))
+        shape = x.shape
+        return DTensor.from_local(
+            out, mesh, rows, run_check=False, shape=shape, stride=contiguous_strides(shape)
+        )
+
+    module.forward = forward
+    module.loom_local = True
+    module.loom_exchange = exchange

@@ -119,16 +119,18 @@ def resolve_module_plan(
     return resolved
 
 
-def to_entry(entry: Any, mesh: Mesh) -> Any:
-    """A strategy entry on `mesh`: axis names become a `Layout` map (see `loom.layout.on_mesh_axes`)."""
-    return on_mesh_axes(entry, mesh.axis_sizes())
+def to_entry(entry: Any, mesh: Mesh, ep: int = 1) -> Any:
+    """A strategy entry on `mesh`: axis names become a `Layout` map (see `loom.layout.on_mesh_axes`; "ep"
+    names the innermost `ep` ranks of "dp")."""
+    return on_mesh_axes(entry, mesh.axis_sizes(), ep)
 
 
 def module_parameter_layouts(
-    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh
+    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh, ep: int = 1
 ) -> tuple[dict[str, TensorLayout], dict[str, str]]:
     """The layouts the plan gives parameters, keyed by each parameter's first name (as `named_parameters`
-    lists it: a tied parameter is laid out once), and the pattern each came from."""
+    lists it: a tied parameter is laid out once), and the pattern each came from ("ep": the innermost `ep`
+    ranks of "dp")."""
     first_name: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(param), name)
@@ -147,7 +149,7 @@ def module_parameter_layouts(
             (layout,) = compile_inputs(
                 f"{path} parameter {name}",
                 [name],
-                (to_entry(entry, mesh),),
+                (to_entry(entry, mesh, ep),),
                 [param.shape],
                 mesh.canonical_shape,
             )
@@ -164,10 +166,10 @@ def module_parameter_layouts(
 
 
 def apply_module_plan(
-    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh
+    model: nn.Module, resolved: Mapping[str, tuple[str, ModuleStrategy]], mesh: Mesh, ep: int = 1
 ) -> None:
     """Hook the inputs and outputs of the modules whose strategies redistribute them (parameters are laid
-    out by the caller, with the model's other parameters)."""
+    out by the caller, with the model's other parameters; "ep" as in `to_entry`)."""
     for path, (_, strategy) in resolved.items():
         module = model.get_submodule(path)
         if strategy.local:
@@ -175,8 +177,8 @@ def apply_module_plan(
         if strategy.in_strategy is None and strategy.out_strategy is None:
             continue
         op = f"{path} ({type(module).__name__})"
-        ins = _entries(strategy.in_strategy, mesh)
-        outs = _entries(strategy.out_strategy, mesh)
+        ins = _entries(strategy.in_strategy, mesh, ep)
+        outs = _entries(strategy.out_strategy, mesh, ep)
         # Only inside a parallelized forward, whose tensors are DTensors: a copy of the model gathered
         # whole (to sample from it) runs unchanged.
         if ins is not None:
@@ -211,8 +213,8 @@ def _has_dtensor(value: Any) -> bool:
     return any(isinstance(x, DTensor) for x in tree_flatten(value)[0])
 
 
-def _entries(strategy: Sequence[Any] | None, mesh: Mesh) -> tuple | None:
-    return None if strategy is None else tuple(to_entry(entry, mesh) for entry in strategy)
+def _entries(strategy: Sequence[Any] | None, mesh: Mesh, ep: int) -> tuple | None:
+    return None if strategy is None else tuple(to_entry(entry, mesh, ep) for entry in strategy)
 
 
 def plan_for_mesh(plan: Plan | str | Path, mesh: Mesh) -> Plan:

@@ -8,7 +8,8 @@ The order of transforms, fixed:
    dim 0), or the whole batch on every rank with `full_batch=True`;
 4. gradients that replicas computed in parts are reduced by bucketed all-reduce overlapped with backward;
 5. (semi_auto) mixtures of experts whose expert weights came out cut on their expert dim (loom's GPT with
-   `Strategies(ep=...)`) get their token exchange over the ranks of that cut (`connect_experts`).
+   `Strategies(ep=...)`; a Hugging Face model's experts cut by its family's recipe under `Plan(ep=...)`,
+   `expert_module_plan`) get their token exchange over the ranks of that cut (`connect_experts`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
 from loom.parallel.auto import auto_plan, global_meta
 from loom.parallel.batch_check import BatchRows, check_even_batches
-from loom.parallel.experts import connect_experts
+from loom.parallel.experts import connect_experts, expert_module_plan
 from loom.parallel.grad_sync import GradSync
 from loom.parallel.lift import LiftPlainTensors
 from loom.parallel.module_plan import (
@@ -146,7 +147,10 @@ def parallelize(
     `plan` (a `loom.plan.Plan`, or the path of its JSON) is applied as is, in a fixed order: its mesh must
     be the current one; its `strategies` are the module plan and its `parameter_layouts` the parameter plan
     (by pattern); then its `recompute_modules`; its optimizer level is read by `make_optimizer`. The mode
-    defaults to `semi_auto` when a plan or a module plan is given, `data_parallel` otherwise.
+    defaults to `semi_auto` when a plan or a module plan is given, `data_parallel` otherwise. The plan's
+    `ep` names the innermost `ep` ranks of "dp" in its strategies ("ep" in a tensor spec), and cuts a
+    Hugging Face model's experts over them as its family's recipe says (Mixtral: `loom.models.recipes.
+    ExpertsRecipe`), the tokens exchanged by `loom.parallel.experts`.
     `model.loom.plan` holds the plan applied.
 
     `auto`: the planner chooses the parameters' layouts and the modules' output strategies (the full search
@@ -163,6 +167,7 @@ def parallelize(
         plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
                          memory_limit=memory_limit, cluster=cluster)  # fmt: skip
         mode = "semi_auto"
+    ep = 1
     if plan is not None:
         plan = plan_for_mesh(plan, mesh)
         if module_plan or parameter_plan:
@@ -170,13 +175,13 @@ def parallelize(
                 "parallelize: give strategies either in the plan (plan.strategies, plan.parameter_layouts) or "
                 "as module_plan/parameter_plan, not both"
             )
-        module_plan = plan.strategies
+        module_plan, ep = plan.strategies, plan.ep
         parameter_plan = pattern_layouts(model, plan.parameter_layouts, mesh) or None
     if mode is None:
         mode = "semi_auto" if plan is not None or module_plan is not None else "data_parallel"
     model = _parallelize(
         model, mesh, mode, example_inputs, full_batch, parameter_plan, bucket_mb, example_kwargs, batch_axes,
-        module_plan,
+        module_plan, ep=ep,
     )  # fmt: skip
     if plan is not None:
         recompute_modules(model, plan.recompute_modules)
@@ -224,10 +229,11 @@ def _parallelize(
     module_plan: dict[str, Any] | None,
     plan_root: nn.Module | None = None,
     check_once_per_shape: bool = False,
+    ep: int = 1,
 ) -> nn.Module:
     if mode == "data_parallel":
-        if parameter_plan or module_plan:
-            what = "parameter_plan" if parameter_plan else "module_plan"
+        if parameter_plan or module_plan or ep > 1:
+            what = "parameter_plan" if parameter_plan else "module_plan" if module_plan else f"ep = {ep}"
             raise ValueError(f"parallelize: {what} needs mode='semi_auto'")
         if batch_axes is not None and tuple([batch_axes] if isinstance(batch_axes, str) else batch_axes) != (
             "dp",
@@ -261,24 +267,30 @@ def _parallelize(
     if example_inputs is not None:
         recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
-    resolved = resolve_module_plan(model, module_plan or {}, root=plan_root)
-    planned, patterns = module_parameter_layouts(model, resolved, mesh)
+    module_plan, experts = expert_module_plan(model, module_plan or {}, mesh, ep)
+    resolved = resolve_module_plan(model, module_plan, root=plan_root)
+    planned, patterns = module_parameter_layouts(model, resolved, mesh, ep)
     layouts.update(planned)
     consumers.update({name: f"module_plan {pattern!r}" for name, pattern in patterns.items()})
-    layouts.update(_planned(model, parameter_plan or {}, mesh))
+    layouts.update(_planned(model, parameter_plan or {}, mesh, ep))
     consumers.update({name: "parameter_plan" for name in parameter_plan or {}})
     if consistency.setting() != "off":
         _check_plan(
             recording, layouts, mesh, full_batch, batch_dims, example_inputs or (), example_kwargs or {}
         )
     lay_out_parameters(model, layouts, mesh)
-    apply_module_plan(model, resolved, mesh)
+    apply_module_plan(model, resolved, mesh, ep)
     first_forward = FirstForwardCheck(mesh, batch_dims, full_batch, once_per_shape=check_once_per_shape)
     model.register_forward_pre_hook(first_forward.before, with_kwargs=True)
     model.register_forward_hook(first_forward.after, always_call=True)
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     sync = GradSync(model, dtensor_route(mesh), bucket_mb, after_sync=fix_placements(params))
-    connect_experts(model, mesh)
+    connected = connect_experts(model, mesh, experts)
+    if ep > 1 and connected != ep:
+        raise ValueError(
+            f"parallelize: the plan has ep = {ep}, but the model's experts came out cut over {connected} ranks; "
+            f"build loom's GPT with Strategies(ep={ep}) (its layout is its own), or set ep = {connected}"
+        )
     all_layouts = {name: layout_of(p) for name, p in model.named_parameters()}
     model.loom = ParallelState(
         mode=mode,
@@ -339,9 +351,10 @@ def _parameter_layouts(
     return layouts, consumers
 
 
-def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, TensorLayout]:
-    """`parameter_plan` (name -> cuts, axis names or a Layout map) compiled, keyed by each parameter's first
-    name (a tied parameter is laid out once, under the name `lay_out_parameters` sees first)."""
+def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh, ep: int = 1) -> dict[str, TensorLayout]:
+    """`parameter_plan` (name -> cuts, axis names or a Layout map; "ep": the innermost `ep` ranks of "dp")
+    compiled, keyed by each parameter's first name (a tied parameter is laid out once, under the name
+    `lay_out_parameters` sees first)."""
     first: dict[int, str] = {}
     shapes: dict[str, torch.Size] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -354,7 +367,7 @@ def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh) -> dict[str, Te
             raise ValueError(
                 f"parameter_plan names unknown parameter {name!r}; the parameters are {sorted(shapes)}"
             )
-        entry = on_mesh_axes(entry, mesh.axis_sizes())
+        entry = on_mesh_axes(entry, mesh.axis_sizes(), ep)
         (layout,) = compile_inputs(
             f"parameter {name}", [name], (entry,), [shapes[name]], mesh.canonical_shape
         )

@@ -602,7 +602,8 @@ class TrainConfig:
         self._check_context()
         self.check_pipeline()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
-        model.gpt_config().check_expert_parallel(par.ep, dp)
+        if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
+            model.gpt_config().check_expert_parallel(par.ep, dp)
         if dp is not None:
             self._check_batch_split(dp)
         return self
@@ -654,12 +655,37 @@ class TrainConfig:
                 '("tie_word_embeddings": false in its config.json)'
             )
         if par.ep > 1:
-            raise ValueError(
-                f"parallel.ep = {par.ep}: expert parallelism runs on loom's GPT (model.experts) for now; "
-                "set parallel.ep = 1 for a Hugging Face model"
-            )
+            self._check_hf_experts(world_size)
         if par.pp > 1:
             self._check_hf_pipeline()
+
+    def _check_hf_experts(self, world_size: int | None) -> None:
+        """`parallel.ep > 1` on a Hugging Face model: its family's recipe names its experts (Mixtral), `ep`
+        divides their number and is made of the innermost factors of dp, and there is no pipeline."""
+        from loom.models.hf import causal_lm_class
+        from loom.models.moe import check_expert_split
+        from loom.models.recipes import RECIPES
+
+        par, model = self.parallel, self.model
+        hf_config = model.hf_model_config()
+        name = causal_lm_class(hf_config)
+        recipe = RECIPES.get(name)
+        if getattr(recipe, "experts", None) is None:
+            known = sorted(n for n, r in RECIPES.items() if getattr(r, "experts", None) is not None)
+            raise ValueError(
+                f"parallel.ep = {par.ep}: loom knows no experts module in {name} (families with experts: "
+                f"{known}); set parallel.ep = 1"
+            )
+        dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
+        check_expert_split(
+            par.ep, hf_config.num_local_experts, dp, ep_name="parallel.ep",
+            experts_name=f"num_local_experts in {model.hf_config or model.hf_pretrained}",
+        )  # fmt: skip
+        if par.pp > 1:
+            raise ValueError(
+                f"parallel.ep = {par.ep} with parallel.pp = {par.pp}: pipeline stages do not cut experts yet; "
+                "set parallel.pp = 1 (data, tensor and expert parallel) or parallel.ep = 1"
+            )
 
     def _check_hf_pipeline(self) -> None:
         """A Hugging Face model cut into pipeline stages needs its family's recipe (where its embeddings,

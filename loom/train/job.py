@@ -52,6 +52,7 @@ from loom.parallel.pipeline import (
     whole_gpt,
     whole_model,
 )
+from loom.plan import Plan
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
 from loom.train.data import (
@@ -94,17 +95,18 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
 
 def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
     """The Hugging Face causal LM of `[model]`, made parallel on `mesh`: tensor parallel with its family's
-    Megatron module plan when `parallel.tp > 1`, else data parallel. `hf_config`: random weights seeded by
+    Megatron module plan when `parallel.tp > 1`, its experts cut over `parallel.ep` data-parallel ranks when
+    `ep > 1` (Mixtral: `loom.parallel.experts`), else data parallel. `hf_config`: random weights seeded by
     `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads its own slices. The
     model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
     par = config.parallel
-    if config.model.hf_pretrained is not None and par.tp > 1:
+    if config.model.hf_pretrained is not None and (par.tp > 1 or par.ep > 1):
         # laid out on the meta device: each rank allocates and reads its shards alone
-        model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par.tp)
+        model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par.tp, par.ep)
         model.loom.materialize(model, "cpu")
         hf.load_weights(model, config.model.hf_pretrained)
     else:  # every rank holds the whole model, then replicates it (or lays it out)
-        model = _parallelize_hf(whole_hf_model(config), par.tp)
+        model = _parallelize_hf(whole_hf_model(config), par.tp, par.ep)
     if par.recompute != "none":
         for block in find_blocks(model)[1]:
             recompute(block, par.recompute)
@@ -123,10 +125,13 @@ def whole_hf_model(config: TrainConfig) -> nn.Module:
     return model
 
 
-def _parallelize_hf(model: nn.Module, tp: int) -> nn.Module:
-    if tp == 1:
+def _parallelize_hf(model: nn.Module, tp: int, ep: int) -> nn.Module:
+    if tp == 1 and ep == 1:
         return loom.parallelize(model, mode="data_parallel")
-    return loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
+    if ep == 1:
+        return loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
+    # the plan's ep cuts the experts as the family's recipe says; its tensor plan lays out the rest
+    return loom.parallelize(model, plan=Plan(tp=tp, ep=ep, strategies=tensor_plan(model)))
 
 
 def check_pipeline(config: TrainConfig) -> None:
