@@ -135,6 +135,7 @@ def test_hugging_face_mixtral_with_expert_parallel_experts_matches_one_device(di
             assert_params_close(whole, params, lr=ADAMW["lr"], steps=STEPS)
 
 
+@pytest.mark.slow  # make test keeps loom train with ep on loom's GPT (test_expert_parallel_training.py)
 def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_device(dist_run, tmp_path):
     """`loom train` on a Mixtral config.json with `[parallel] dp = 4, ep = 2` at optimizer level 1 gives
     the one-device losses; its checkpoint, its experts cut over ep, resumes on one device (every expert
