@@ -42,9 +42,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="NAME", help="a preset (see the list below)")
     parser.add_argument("--hardware", default="a100-80gb", help="profile name or file (default a100-80gb)")
     parser.add_argument("--gpus", type=positive_int, help="devices (default: the config's train.workers)")
-    parser.add_argument("--gpus-per-node", type=positive_int, help="devices per node (default: the profile's)")
-    parser.add_argument("--global-batch", type=positive_int, help="sequences per step (default: the config's)")
-    parser.add_argument("--seq", type=positive_int, help="tokens per sequence (default: the config's, or 2048)")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, help="devices per node (default: the profile's)"
+    )
+    parser.add_argument(
+        "--global-batch", type=positive_int, help="sequences per step (default: the config's)"
+    )
+    parser.add_argument(
+        "--seq", type=positive_int, help="tokens per sequence (default: the config's, or 2048)"
+    )
     parser.add_argument(
         "--memory-limit", type=float, metavar="GIB", help="GiB per device (default: the device's memory)"
     )
