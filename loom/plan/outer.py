@@ -73,9 +73,11 @@ def _peak_gib(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) ->
     return max(sum(m.values()) for m in stage_memories(model, plan, cluster)) / GIB
 
 
-def _policies(model, cluster, plan, limit, recomputes, levels) -> tuple[list[ParallelPlan], float]:
-    """The undominated (recompute, optimizer level) variants of `plan` that fit under `limit` GiB, and
-    the least memory any variant needs (to say why nothing fits)."""
+def _policies(
+    model, cluster, plan, limit, recomputes, levels
+) -> tuple[list[tuple[ParallelPlan, float]], float]:
+    """The undominated (recompute, optimizer level) variants of `plan` that fit under `limit` GiB with
+    their memory, and the least memory any variant needs (to say why nothing fits)."""
     kept, least = [], float("inf")
     for recompute in recomputes:
         fitting = None
@@ -85,10 +87,11 @@ def _policies(model, cluster, plan, limit, recomputes, levels) -> tuple[list[Par
             least = min(least, gib)
             if gib <= limit:
                 fitting = level
-                kept.append(variant)
+                kept.append((variant, gib))
                 break
         if fitting == 0 and 1 in levels:
-            kept.append(plan.replace(recompute=recompute, optimizer_level=1))
+            sharded = plan.replace(recompute=recompute, optimizer_level=1)
+            kept.append((sharded, _peak_gib(model, sharded, cluster)))
         if fitting is not None and fitting <= 1:
             break  # more recomputation only adds compute to a plan that already fits cheaply
     return kept, least
@@ -108,9 +111,8 @@ def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recompu
                 )  # fmt: skip
                 variants, gib = _policies(model, cluster, plan, limit, recomputes, levels)
                 least = min(least, gib)
-                for variant in variants:
-                    bound = compute_bound(model, variant, cluster)
-                    options.append(_Option(variant, _peak_gib(model, variant, cluster), bound))
+                for variant, variant_gib in variants:
+                    options.append(_Option(variant, variant_gib, compute_bound(model, variant, cluster)))
                 fit_here |= bool(variants)
         if not fit_here:
             break  # a larger micro-batch holds more activations: it fits nowhere either
