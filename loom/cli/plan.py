@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from loom.cli.simulate import positive_int
+from loom.cli.simulate import _duration, _gib, positive_int
 from loom.cost.hardware import GIB, PROFILES, get_cluster
 from loom.cost.transformer import TransformerConfig
 from loom.plan.outer import Candidate, SearchResult, search_plans, to_plan
@@ -113,7 +113,7 @@ def _print(console: Console, model: TransformerConfig, found: SearchResult, top:
     r = best.result
     console.print(f"[bold]{model.name}[/]: best plan {_describe(best)}", highlight=False)
     console.print(
-        f"  step {r.iteration_s:.3f} s, MFU {r.mfu:.1%}, memory {r.memory_per_device_gib:.1f} GiB per device "
+        f"  step {_duration(r.iteration_s)}, MFU {r.mfu:.1%}, memory {_gib(r.memory_per_device_gib)} per device "
         f"(limit {found.memory_limit_gib:g})",
         highlight=False,
     )
@@ -122,7 +122,7 @@ def _print(console: Console, model: TransformerConfig, found: SearchResult, top:
         table.add_column(column)
     for c in found.candidates[1 : top + 1]:
         table.add_row(
-            _describe(c), f"{c.result.iteration_s:.3f} s", f"{c.result.memory_per_device_gib:.1f} GiB",
+            _describe(c), _duration(c.result.iteration_s), _gib(c.result.memory_per_device_gib),
             found.why_lost(c),
         )  # fmt: skip
     console.print(table)
