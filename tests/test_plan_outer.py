@@ -9,11 +9,12 @@ import pytest
 
 from loom.cli.main import main
 from loom.cost.hardware import GIB, PROFILES
+from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
 from loom.plan.outer import search_plans, to_plan
 from loom.plan.outer_space import even_split
-from loom.sim.simulator import simulate
+from loom.sim.simulator import compute_bound, simulate
 from loom.sim.validation import cases
 
 SMALL = TransformerConfig(name="small", layers=8, hidden=1024, heads=16, vocab=32000)
@@ -111,3 +112,14 @@ def test_loom_plan_prints_writes_and_reports(tmp_path, capsys) -> None:
 def test_loom_plan_bad_input_names_the_option(argv, message, capsys) -> None:
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_the_compute_bound_never_exceeds_the_simulated_step(level: int) -> None:
+    cluster = PROFILES["h100-sxm"].with_size(16)
+    for plan in (
+        ParallelPlan(dp=2, tp=2, pp=4, interleave=2, global_batch=32, seq=2048, optimizer_level=level),
+        ParallelPlan(dp=4, tp=2, pp=2, micro_batch=2, global_batch=32, seq=2048, recompute="full",
+                     optimizer_level=level, stage_layers=(5, 3)),
+    ):  # fmt: skip
+        assert compute_bound(SMALL, plan, cluster) <= simulate(SMALL, plan, cluster).iteration_s
