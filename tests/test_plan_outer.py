@@ -13,7 +13,7 @@ from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
 from loom.plan.outer import search_plans, to_plan
-from loom.plan.outer_space import even_split
+from loom.plan.outer_space import even_split, stage_options
 from loom.sim.simulator import compute_bound, simulate
 from loom.sim.validation import cases
 
@@ -79,6 +79,8 @@ def test_infeasible_regions_name_the_cause() -> None:
 def test_uneven_stages_put_extra_layers_in_the_middle() -> None:
     assert even_split(10, 4) == (2, 3, 3, 2)
     assert even_split(7, 2) == (4, 3)
+    assert (1, (7, 8, 8, 7)) in stage_options(30, 4, 8)  # light ends: (30 + 2) splits over 4
+    assert stage_options(10, 4, 8) == [(1, (2, 3, 3, 2))]
 
 
 def test_the_best_plan_converts_to_a_plan_that_prices_the_same() -> None:
@@ -88,6 +90,11 @@ def test_the_best_plan_converts_to_a_plan_that_prices_the_same() -> None:
     again = simulate(SMALL, plan.parallel_plan(global_batch=64, seq=2048), cluster.with_size(8))
     assert again.iteration_s == pytest.approx(found.best.result.iteration_s)
     assert plan.predicted_step_s == pytest.approx(found.best.result.iteration_s)
+
+
+def test_loom_plan_takes_a_config_as_the_model(capsys) -> None:
+    assert main(["plan", "--model", "configs/demo.toml", "--gpus", "8", "--top", "1"]) == 0
+    assert "best plan dp" in capsys.readouterr().out
 
 
 def test_loom_plan_prints_writes_and_reports(tmp_path, capsys) -> None:
@@ -107,6 +114,7 @@ def test_loom_plan_prints_writes_and_reports(tmp_path, capsys) -> None:
     "argv,message",
     [(["--gpus", "8"], "--model NAME"), (["--model", "gpt3-175b", "--global-batch", "8"], "--gpus"),
      (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "unknown model"),
+     (["configs/demo.toml", "--model", "gpt3-175b"], "give one model"),
      (["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--memory-limit", "0"], "--memory-limit")],
 )  # fmt: skip
 def test_loom_plan_bad_input_names_the_option(argv, message, capsys) -> None:

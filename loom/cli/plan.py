@@ -14,7 +14,7 @@ from loom.cli.simulate import _duration, _gib, positive_int
 from loom.cost.hardware import GIB, PROFILES, get_cluster
 from loom.cost.transformer import TransformerConfig
 from loom.plan.outer import Candidate, SearchResult, search_plans, to_plan
-from loom.sim.presets import PRESETS, get_model
+from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.train.config import load_config
 
 NAME = "plan"
@@ -39,7 +39,10 @@ exit status: 0 when a plan fits; 1 when none does (the reasons are printed); 2 f
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `loom plan`'s arguments to `parser`."""
     parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a training config: its model")
-    parser.add_argument("--model", metavar="NAME", help="a preset (see the list below)")
+    parser.add_argument("--model", metavar="NAME", help="a preset (see the list below), or a CONFIG.toml")
+    parser.add_argument(
+        "--model-config", metavar="FILE", help="TOML/JSON of model fields, or a Hugging Face config.json"
+    )
     parser.add_argument("--hardware", default="a100-80gb", help="profile name or file (default a100-80gb)")
     parser.add_argument("--gpus", type=positive_int, help="devices (default: the config's train.workers)")
     parser.add_argument(
@@ -61,16 +64,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]:
     """(model, gpus, global batch, seq) from the options; a ValueError names the option and the fix."""
-    if args.config and args.model:
-        raise ValueError("give CONFIG.toml or --model, not both")
-    if args.config:
+    if args.model and args.model.endswith(".toml"):
+        args.config, args.model = args.config or args.model, None  # --model CONFIG.toml: the config's model
+    if sum(bool(x) for x in (args.config, args.model, args.model_config)) > 1:
+        raise ValueError("give one model: CONFIG.toml, --model NAME or --model-config FILE")
+    if args.model_config:
+        model, gpus, batch, seq = load_model_config(args.model_config), None, None, 2048
+    elif args.config:
         config = load_config(args.config)
         model = config.model.transformer_config()
         gpus, batch, seq = config.train.workers, config.train.global_batch, config.data.seq_len
     elif args.model:
         model, gpus, batch, seq = get_model(args.model), None, None, 2048
     else:
-        raise ValueError("no model: give --model NAME (a preset) or CONFIG.toml")
+        raise ValueError("no model: give --model NAME (a preset), --model-config FILE or CONFIG.toml")
     gpus, batch, seq = args.gpus or gpus, args.global_batch or batch, args.seq or seq
     if gpus is None:
         raise ValueError("--gpus is missing: give the devices to plan for, e.g. --gpus 64")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.cost.hardware import Cluster
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
 from loom.sim.simulator import check_plan
 
@@ -102,12 +102,14 @@ def even_split(layers: int, stages: int) -> tuple[int, ...]:
 def stage_options(layers: int, pp: int, micro_batches: int) -> list[tuple[int, tuple[int, ...]]]:
     """(chunks per stage, uneven stage layers or ()) for `pp` stages: equal stages with 1 chunk and the
     interleaved schedule's few smallest chunk counts (it needs micro-batches in multiples of pp), or, when
-    the layers do not split equally, one uneven split."""
+    the layers do not split equally, one uneven split; and light ends (the first and last stage one layer
+    lighter, for the embedding and the head) when the layers allow it."""
     if pp == 1:
         return [(1, ())]
+    ends = [(1, light_ends(layers, pp))] if pp >= 3 and (layers + 2) % pp == 0 else []
     if layers % pp:
-        return [(1, even_split(layers, pp))]
-    options = [(1, ())]
+        return ends or [(1, even_split(layers, pp))]
+    options = [(1, ()), *ends]
     if micro_batches % pp == 0:
         chunks = [v for v in divisors(layers // pp) if v > 1][:MAX_INTERLEAVES]
         options += [(v, ()) for v in chunks]
