@@ -13,9 +13,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from loom.cli import bench, checkpoint, run, simulate, train
+from loom.cli import bench, checkpoint, plan, run, simulate, train
 
-_COMMANDS = (run, train, simulate, bench, checkpoint)
+_COMMANDS = (run, train, simulate, plan, bench, checkpoint)
 
 DESCRIPTION = """\
 loom: train ordinary PyTorch models across many devices.
@@ -26,6 +26,8 @@ examples:
   loom run -n 4 train.py --lr 3e-4    arguments after the script go to the script
   loom simulate --model gpt3-175b --hardware h100-sxm --gpus 1024 --tp 8 --pp 8 --global-batch 1536
                                       predict step time, MFU and memory of a plan
+  loom plan --model gpt3-175b --hardware h100-sxm --gpus 1024 --global-batch 1536
+                                      search the fastest plan that fits
   loom bench --out this-machine.json  measure this machine into a hardware profile
   loom checkpoint ls runs/ckpt        list saved checkpoints and whether each is intact
   loom run --help                     everything about one command

@@ -11,6 +11,7 @@ The iteration time is the slowest device's end.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 from loom.cost.collectives import collective_time, group_span
@@ -26,7 +27,7 @@ from loom.sim.memory import stage_memory, stage_parameters
 from loom.sim.overlap import sharded_pass
 from loom.sim.schedule import device_orders, peak_in_flight
 
-__all__ = ["PlanError", "SimResult", "check_plan", "simulate"]
+__all__ = ["PlanError", "SimResult", "check_plan", "compute_bound", "simulate", "stage_memories"]
 
 
 # The one definition of the pipeline bubble that `loom simulate` prints (summary and breakdown alike).
@@ -215,6 +216,33 @@ def _breakdown(
     return parts
 
 
+@functools.lru_cache(maxsize=4096)
+def _peaks_in_flight(schedule: str, pp: int, interleave: int, micro_batches: int) -> tuple[int, ...]:
+    """Each pipeline rank's peak of live chunk forwards under a schedule (cached: a planner asks for the
+    same schedules many times, and building the orders is the costly part of a memory estimate)."""
+    orders = device_orders(schedule, pp, interleave, micro_batches)
+    return tuple(peak_in_flight(order, interleave) for order in orders)
+
+
+def stage_memories(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[dict[str, float]]:
+    """Bytes per device of each pipeline rank by kind, at its peak of in-flight micro-batches: the memory
+    `simulate` reports, without playing the schedule (a planner checks a plan's fit with it first)."""
+    peaks = _peaks_in_flight(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
+    return [stage_memory(model, plan, cluster, r, peaks[r]) for r in range(plan.pp)]
+
+
+def compute_bound(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> float:
+    """Seconds the busiest pipeline rank spends in forward and backward passes (recomputation and
+    tensor-parallel communication included): a lower bound on `simulate`'s iteration time, since the
+    schedule only adds waiting and the step adds gradient synchronisation and the optimizer. Cheap: no
+    schedule is played, so a planner ranks many plans by it before simulating the promising ones."""
+    forward, backward = _stage_durations(model, plan, cluster, piece_costs(model, plan, cluster))
+    return plan.micro_batches * max(
+        sum(forward[v] + backward[v] for v in range(rank, plan.virtual_stages, plan.pp))
+        for rank in range(plan.pp)
+    )
+
+
 def simulate(
     model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, *, record: bool = False
 ) -> SimResult:
@@ -236,10 +264,7 @@ def simulate(
     slowest = max(range(plan.pp), key=lambda r: ends[r][1])
     iteration = ends[slowest][1]
     times = (playback.end[slowest], playback.busy[slowest], *ends[slowest])
-    memory = [
-        stage_memory(model, plan, cluster, r, peak_in_flight(orders[r], plan.interleave))
-        for r in range(plan.pp)
-    ]
+    memory = stage_memories(model, plan, cluster)
     fullest = max(memory, key=lambda m: sum(m.values()))
     peak_gib, capacity = sum(fullest.values()) / GIB, cluster.device.memory_gib
     tokens = plan.global_batch * plan.seq

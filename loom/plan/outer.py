@@ -1,0 +1,193 @@
+"""The planner's outer search: mesh shape, pipeline stages, micro-batches, optimizer level and recompute
+policy of a transformer on a cluster, ranked by loom's simulator (`loom.sim.simulator.simulate`).
+
+The search runs in two passes, both priced by the simulator's own functions:
+1. every plan of the space (`loom.plan.outer_space`) gets its memory (`stage_memories`, no schedule
+   played) and a lower bound on its step time (`compute_bound`). Dominated choices are cut here: per
+   recompute policy only the lowest optimizer level that fits is kept (higher levels only add
+   communication), plus level 1 when level 0 fits (its sharded optimizer step may be quicker); a more
+   expensive recompute policy is tried only when the cheaper one needed level 2 or 3 to fit; a larger
+   micro-batch is not tried when a smaller one fits nowhere.
+2. plans are simulated in order of their bound, until the bound exceeds the k-th best simulated step:
+   no plan left can enter the top k, so the ranking is exact for the first `keep` plans.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loom.cost.hardware import GIB, Cluster
+from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, ParallelPlan
+from loom.cost.transformer import TransformerConfig
+from loom.plan.outer_space import Infeasible, Mesh, meshes, micro_batch_sizes, stage_options
+from loom.plan.plan import Plan
+from loom.sim.simulator import SimResult, compute_bound, simulate, stage_memories
+
+__all__ = ["Candidate", "Infeasible", "SearchResult", "search_plans", "to_plan"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced plan."""
+
+    plan: ParallelPlan
+    result: SimResult
+
+
+@dataclass
+class SearchResult:
+    """The outer search's answer: fitting plans best first, the regions that cannot run, and its cost."""
+
+    candidates: list[Candidate]
+    infeasible: list[Infeasible]
+    memory_limit_gib: float
+    considered: int = 0  # plans priced by memory and bound
+    simulated: int = 0  # plans whose schedule was played
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest fitting plan (None when nothing fits)."""
+        return self.candidates[0] if self.candidates else None
+
+    def why_lost(self, candidate: Candidate) -> str:
+        """Why `candidate` ranks below the best: slower by x%, or as fast with more memory."""
+        best = self.best.result
+        slower = candidate.result.iteration_s / best.iteration_s - 1
+        if slower > 5e-4:
+            return f"slower by {slower:.1%}"
+        more = candidate.result.memory_per_device_gib - best.memory_per_device_gib
+        return f"as fast, {more:.1f} GiB more memory per device" if more > 0.05 else "as good (a tie)"
+
+
+@dataclass(frozen=True)
+class _Option:
+    plan: ParallelPlan
+    memory_gib: float
+    bound_s: float
+
+
+def _peak_gib(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> float:
+    return max(sum(m.values()) for m in stage_memories(model, plan, cluster)) / GIB
+
+
+def _policies(
+    model, cluster, plan, limit, recomputes, levels
+) -> tuple[list[tuple[ParallelPlan, float]], float]:
+    """The undominated (recompute, optimizer level) variants of `plan` that fit under `limit` GiB with
+    their memory, and the least memory any variant needs (to say why nothing fits)."""
+    kept, least = [], float("inf")
+    for recompute in recomputes:
+        fitting = None
+        for level in levels:
+            variant = plan.replace(recompute=recompute, optimizer_level=level)
+            gib = _peak_gib(model, variant, cluster)
+            least = min(least, gib)
+            if gib <= limit:
+                fitting = level
+                kept.append((variant, gib))
+                break
+        if fitting == 0 and 1 in levels:
+            sharded = plan.replace(recompute=recompute, optimizer_level=1)
+            kept.append((sharded, _peak_gib(model, sharded, cluster)))
+        if fitting is not None and fitting <= 1:
+            break  # more recomputation only adds compute to a plan that already fits cheaply
+    return kept, least
+
+
+def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recomputes, levels, sp_choices):
+    """The fitting options of one mesh shape, and the least memory seen (inf when none was tried)."""
+    options, least = [], float("inf")
+    for micro in micro_batch_sizes(mesh, base.global_batch):
+        fit_here = False
+        count = base.global_batch // (mesh.dp * micro)
+        for interleave, stages in stage_options(model.layers, mesh.pp, count):
+            for sp in sp_choices if mesh.tp > 1 else (False,):
+                plan = base.replace(
+                    dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, micro_batch=micro,
+                    interleave=interleave, schedule=None, stage_layers=stages, sequence_parallel=sp,
+                )  # fmt: skip
+                variants, gib = _policies(model, cluster, plan, limit, recomputes, levels)
+                least = min(least, gib)
+                for variant, variant_gib in variants:
+                    options.append(_Option(variant, variant_gib, compute_bound(model, variant, cluster)))
+                fit_here |= bool(variants)
+        if not fit_here:
+            break  # a larger micro-batch holds more activations: it fits nowhere either
+    return options, least
+
+
+def search_plans(
+    model: TransformerConfig,
+    cluster: Cluster,
+    gpus: int,
+    global_batch: int,
+    seq: int,
+    memory_limit: float | None = None,
+    *,
+    keep: int = 10,
+    recompute: tuple[str, ...] = RECOMPUTE,
+    optimizer_levels: tuple[int, ...] = OPTIMIZER_LEVELS,
+    sequence_parallel: tuple[bool, ...] = (True, False),
+    dtype: str = "bf16",
+    overlap_grad_sync: bool = True,
+    flash_attention: bool = False,
+) -> SearchResult:
+    """Search mesh shapes, stages, micro-batches, optimizer levels and recompute policies for `model` on
+    `gpus` devices of `cluster`'s kind at `global_batch` sequences of `seq` tokens.
+
+    `memory_limit`: bytes per device (default: the device's memory). Returns the fitting plans best
+    first, exact for the first `keep` (later ones are those simulated on the way), and the infeasible
+    regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
+    tried, cheapest first; `dtype`, `overlap_grad_sync` and `flash_attention` are held fixed.
+    """
+    start = time.perf_counter()
+    cluster = cluster.with_size(gpus, cluster.gpus_per_node)
+    limit = memory_limit / GIB if memory_limit is not None else cluster.device.memory_gib
+    base = ParallelPlan(
+        global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
+        flash_attention=flash_attention,
+    )  # fmt: skip
+    shapes, infeasible = meshes(model, cluster, gpus, global_batch, seq)
+    options = []
+    for mesh in shapes:
+        found, least = _mesh_options(
+            model, cluster, mesh, base, limit, recompute, optimizer_levels, sequence_parallel
+        )
+        options += found
+        if not found:
+            region = f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}" + (f" ep={mesh.ep}" if mesh.ep > 1 else "")
+            infeasible.append(Infeasible(region, f"does not fit: {least:.0f} GiB of {limit:g}"))
+    candidates = _simulate_best(model, cluster, options, keep)
+    return SearchResult(
+        candidates=candidates, infeasible=infeasible, memory_limit_gib=limit, considered=len(options),
+        simulated=len(candidates), seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _rank(candidate: Candidate) -> tuple[float, float]:
+    return candidate.result.iteration_s, candidate.result.memory_per_device_gib
+
+
+def _simulate_best(model, cluster, options: list[_Option], keep: int) -> list[Candidate]:
+    """Simulate options by ascending bound until the bound passes the `keep`-th best step time."""
+    done: list[Candidate] = []
+    for option in sorted(options, key=lambda o: (o.bound_s, o.memory_gib)):
+        if len(done) >= keep and option.bound_s > sorted(c.result.iteration_s for c in done)[keep - 1]:
+            break
+        done.append(Candidate(option.plan, simulate(model, option.plan, cluster)))
+    return sorted(done, key=_rank)
+
+
+def to_plan(candidate: Candidate) -> Plan:
+    """`candidate` as a `loom.plan.Plan` with its predictions (the inverse of `Plan.parallel_plan`:
+    the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
+    p, r = candidate.plan, candidate.result
+    return Plan(
+        dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, schedule=p.schedule, virtual_stages=p.interleave,
+        micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
+        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=p.dtype,
+        predicted_step_s=r.iteration_s, predicted_memory_bytes=int(r.memory_per_device_gib * GIB),
+    )  # fmt: skip

@@ -1,0 +1,116 @@
+"""The outer search's space: mesh shapes (dp, tp, pp, ep), pipeline stages and micro-batch sizes that can
+run a model on a cluster, and the regions that cannot, each with the reason (`loom.plan.outer` prices them).
+
+What can run is decided by the simulator's own checks (`loom.sim.simulator.check_plan`) on probe plans,
+so the search never disagrees with `loom simulate` about a plan being possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.cost.hardware import Cluster
+from loom.cost.plan import ParallelPlan, light_ends
+from loom.cost.transformer import TransformerConfig
+from loom.sim.simulator import check_plan
+
+__all__ = ["Infeasible", "Mesh", "divisors", "even_split", "meshes", "micro_batch_sizes", "stage_options"]
+
+MAX_INTERLEAVES = 3  # chunks per stage tried beyond 1: the smallest divisors of a stage's layers
+MAX_MICRO_BATCH = 8  # beyond it a micro-batch only adds activation memory: matmuls are already large
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """A region of the space that cannot run (`region`: e.g. "tp=16"), and why."""
+
+    region: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """One mesh shape: devices = dp * tp * pp, ep carved out of dp."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int = 1
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_reasons(model: TransformerConfig, cluster: Cluster, tp: int, seq: int) -> list[str]:
+    """Why tensor parallelism of degree `tp` cannot run `model` (heads, MLP width, node size)."""
+    if tp > cluster.gpus_per_node:
+        return [f"tp={tp} exceeds the {cluster.gpus_per_node} GPUs per node (tp stays inside a node)"]
+    probe = ParallelPlan(tp=tp, global_batch=1, seq=seq)
+    return check_plan(model, probe, cluster.with_size(tp))
+
+
+def meshes(
+    model: TransformerConfig, cluster: Cluster, gpus: int, global_batch: int, seq: int
+) -> tuple[list[Mesh], list[Infeasible]]:
+    """Every mesh shape of `gpus` devices that can run `model` at `global_batch`, and the regions that
+    cannot. ep (experts over the data-parallel axis) is tried at every degree dividing dp and the experts."""
+    found, infeasible = [], []
+    for tp in divisors(gpus):
+        reasons = _tp_reasons(model, cluster, tp, seq)
+        if reasons:
+            infeasible.append(Infeasible(f"tp={tp}", "; ".join(reasons)))
+            continue
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            where = f"dp={dp} tp={tp} pp={pp}"
+            if pp > model.layers:
+                infeasible.append(Infeasible(where, f"pp={pp} exceeds the model's {model.layers} layers"))
+            elif global_batch % dp:
+                infeasible.append(
+                    Infeasible(where, f"dp={dp} does not divide the global batch {global_batch}")
+                )
+            elif global_batch // dp < pp:
+                infeasible.append(Infeasible(where, f"{global_batch // dp} micro-batches per replica "
+                                  f"cannot fill pp={pp} stages (needs >= pp)"))  # fmt: skip
+            else:
+                eps = [e for e in divisors(dp) if model.experts % e == 0] if model.is_moe else [1]
+                found += [Mesh(dp, tp, pp, ep) for ep in eps]
+    return found, infeasible
+
+
+def micro_batch_sizes(mesh: Mesh, global_batch: int) -> list[int]:
+    """Micro-batch sizes: powers of two up to `MAX_MICRO_BATCH` dividing a replica's batch, leaving at
+    least pp micro-batches (fewer never fill the pipeline)."""
+    per_replica = global_batch // mesh.dp
+    sizes = [1 << k for k in range(MAX_MICRO_BATCH.bit_length())]
+    return [b for b in sizes if per_replica % b == 0 and per_replica // b >= mesh.pp]
+
+
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """`layers` over `stages` as evenly as possible; the extra layers go to the middle stages first,
+    since the first and last stage also hold the embedding and the output layer."""
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for index in order[:extra]:
+        counts[index] += 1
+    return tuple(counts)
+
+
+def stage_options(layers: int, pp: int, micro_batches: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(chunks per stage, uneven stage layers or ()) for `pp` stages: equal stages with 1 chunk and the
+    interleaved schedule's few smallest chunk counts (it needs micro-batches in multiples of pp), or, when
+    the layers do not split equally, one uneven split; and light ends (the first and last stage one layer
+    lighter, for the embedding and the head) when the layers allow it."""
+    if pp == 1:
+        return [(1, ())]
+    ends = [(1, light_ends(layers, pp))] if pp >= 3 and (layers + 2) % pp == 0 else []
+    if layers % pp:
+        return ends or [(1, even_split(layers, pp))]
+    options = [(1, ()), *ends]
+    if micro_batches % pp == 0:
+        chunks = [v for v in divisors(layers // pp) if v > 1][:MAX_INTERLEAVES]
+        options += [(v, ()) for v in chunks]
+    return options

@@ -1,0 +1,133 @@
+"""The planner's outer search (`loom.plan.outer`) and `loom plan`: published configurations ranked
+against the search's best, the memory limit obeyed, infeasible regions explained, the CLI's output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.cli.main import main
+from loom.cost.hardware import GIB, PROFILES
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
+from loom.plan import Plan
+from loom.plan.outer import search_plans, to_plan
+from loom.plan.outer_space import even_split, stage_options
+from loom.sim.simulator import compute_bound, simulate
+from loom.sim.validation import cases
+
+SMALL = TransformerConfig(name="small", layers=8, hidden=1024, heads=16, vocab=32000)
+
+
+def _case(source: str, label: str):
+    return next(c for c in cases() if c.source == source and c.label == label)
+
+
+@pytest.mark.parametrize(
+    "source,label",
+    [("korthikanti2022", "22B selective_sp"), ("korthikanti2022", "175B selective_sp"),
+     ("korthikanti2022", "22B full")],
+)  # fmt: skip
+def test_search_matches_or_beats_the_published_configuration(source: str, label: str) -> None:
+    case = _case(source, label)
+    p, cluster = case.plan, case.cluster
+    published = simulate(case.model, p, cluster)
+    # the published run's techniques: its recompute policy and sequence parallelism, no sharded optimizer
+    found = search_plans(
+        case.model, cluster, cluster.gpus, p.global_batch, p.seq, dtype=p.dtype,
+        overlap_grad_sync=p.overlap_grad_sync, recompute=(p.recompute,), optimizer_levels=(0,),
+        sequence_parallel=(p.sequence_parallel,),
+    )  # fmt: skip
+    best = found.best.result
+    assert best.tokens_per_s >= published.tokens_per_s * (1 - 1e-9)
+    top = [c.plan for c in found.candidates[:10]]
+    assert p in top
+    assert published.iteration_s <= 1.1 * best.iteration_s
+
+
+def test_a_memory_limit_below_pure_data_parallelism_is_obeyed() -> None:
+    cluster = PROFILES["h100-sxm"]
+    unlimited = search_plans(SMALL, cluster, 8, 64, 2048)
+    pure_dp = simulate(SMALL, unlimited.best.plan.replace(dp=8, tp=1, pp=1, interleave=1, schedule=None,
+                       recompute="none", optimizer_level=0, sequence_parallel=False, micro_batch=1,
+                       stage_layers=()), cluster.with_size(8))  # fmt: skip
+    limit = pure_dp.memory_per_device_gib * 0.6
+    found = search_plans(SMALL, cluster, 8, 64, 2048, memory_limit=limit * GIB)
+    assert found.candidates
+    for candidate in found.candidates:
+        assert candidate.result.memory_per_device_gib <= limit
+    best = found.best.plan
+    assert (best.dp, best.recompute, best.optimizer_level) != (8, "none", 0)
+
+
+def test_nothing_fits_says_why_per_region() -> None:
+    found = search_plans(SMALL, PROFILES["h100-sxm"], 8, 64, 2048, memory_limit=0.01 * GIB)
+    assert found.best is None
+    reasons = {item.region: item.reason for item in found.infeasible}
+    assert reasons["dp=8 tp=1 pp=1"].startswith("does not fit:")
+    assert "of 0.01" in reasons["dp=8 tp=1 pp=1"]
+
+
+def test_infeasible_regions_name_the_cause() -> None:
+    found = search_plans(SMALL, PROFILES["h100-sxm"].with_size(32, 8), 32, 64, 2048)
+    reasons = {item.region: item.reason for item in found.infeasible}
+    assert "exceeds the 8 GPUs per node" in reasons["tp=16"]
+    assert "exceeds the model's 8 layers" in reasons["dp=2 tp=1 pp=16"]
+
+
+def test_uneven_stages_put_extra_layers_in_the_middle() -> None:
+    assert even_split(10, 4) == (2, 3, 3, 2)
+    assert even_split(7, 2) == (4, 3)
+    assert (1, (7, 8, 8, 7)) in stage_options(30, 4, 8)  # light ends: (30 + 2) splits over 4
+    assert stage_options(10, 4, 8) == [(1, (2, 3, 3, 2))]
+
+
+def test_the_best_plan_converts_to_a_plan_that_prices_the_same() -> None:
+    cluster = PROFILES["h100-sxm"]
+    found = search_plans(SMALL, cluster, 8, 64, 2048)
+    plan = to_plan(found.best)
+    again = simulate(SMALL, plan.parallel_plan(global_batch=64, seq=2048), cluster.with_size(8))
+    assert again.iteration_s == pytest.approx(found.best.result.iteration_s)
+    assert plan.predicted_step_s == pytest.approx(found.best.result.iteration_s)
+
+
+def test_loom_plan_takes_a_config_as_the_model(capsys) -> None:
+    assert main(["plan", "--model", "configs/demo.toml", "--gpus", "8", "--top", "1"]) == 0
+    assert "best plan dp" in capsys.readouterr().out
+
+
+def test_loom_plan_prints_writes_and_reports(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt3-175b", "--hardware", "h100-sxm", "--gpus", "64", "--global-batch", "64"]
+    assert main([*args, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "best plan" in text and "runners-up" in text and "slower by" in text and "infeasible" in text
+    assert Plan.load(out).predicted_step_s > 0
+    assert main([*args, "--json", "--top", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["runners_up"]) == 3 and data["best"]["result"]["fits"]
+    assert any("exceeds" in item["reason"] for item in data["infeasible"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--gpus", "8"], "--model NAME"), (["--model", "gpt3-175b", "--global-batch", "8"], "--gpus"),
+     (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "unknown model"),
+     (["configs/demo.toml", "--model", "gpt3-175b"], "give one model"),
+     (["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--memory-limit", "0"], "--memory-limit")],
+)  # fmt: skip
+def test_loom_plan_bad_input_names_the_option(argv, message, capsys) -> None:
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_the_compute_bound_never_exceeds_the_simulated_step(level: int) -> None:
+    cluster = PROFILES["h100-sxm"].with_size(16)
+    for plan in (
+        ParallelPlan(dp=2, tp=2, pp=4, interleave=2, global_batch=32, seq=2048, optimizer_level=level),
+        ParallelPlan(dp=4, tp=2, pp=2, micro_batch=2, global_batch=32, seq=2048, recompute="full",
+                     optimizer_level=level, stage_layers=(5, 3)),
+    ):  # fmt: skip
+        assert compute_bound(SMALL, plan, cluster) <= simulate(SMALL, plan, cluster).iteration_s
