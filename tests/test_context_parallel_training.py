@@ -176,3 +176,10 @@ def test_loom_train_with_cp_gives_the_losses_of_tp(dist_run, tmp_path):
 def test_train_config_refuses_what_cp_cannot_run(tmp_path, parallel, data, error):
     with pytest.raises(ValueError, match=error):
         job_config(tmp_path, parallel={"dp": 1, **parallel}, data=data).validate()
+
+
+def test_sequence_parallelism_under_cp_cuts_each_ranks_piece_over_tp(tmp_path):
+    parallel = {"dp": 1, "cp": 2, "tp": 4, "sequence_parallel": True, "attention": "ring"}
+    with pytest.raises(ValueError, match="tp = 4 x parallel.cp = 2; use a seq_len divisible by 8"):
+        # each rank's 6 tokens of a sequence do not cut over tp = 4
+        job_config(tmp_path, model={"n_heads": 4}, data={"seq_len": 12}, parallel=parallel).validate()

@@ -18,10 +18,23 @@ def attention_case():
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     by_seq = [distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k, v)]  # the sequence cut: gathered
     by_rows = [distribute_tensor(t, mesh, [Shard(0)]) for t in (q, k, v)]  # 3 rows over 2 ranks: uneven
-    return [
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    positional = F.scaled_dot_product_attention(q, k, v, mask, 0.0)  # sdpa's positional mask and dropout
+    errors = [
         (local_attention(*cut, is_causal=True).full_tensor() - expected).abs().max().item()
         for cut in (by_seq, by_rows)
     ]
+    errors.append((local_attention(*by_rows, mask, 0.0).full_tensor() - positional).abs().max().item())
+    # a DTensor and a plain tensor met inside a namedtuple are lifted as inside a plain tuple
+    from collections import namedtuple
+
+    from loom.parallel.lift import LiftPlainTensors
+
+    pair = namedtuple("Pair", "a b")
+    with LiftPlainTensors():
+        joined = torch.cat(pair(by_rows[0], torch.zeros(3, 8, 4)), dim=2)
+    errors.append((joined.full_tensor() - torch.cat([q, torch.zeros(3, 8, 4)], dim=2)).abs().max().item())
+    return errors
 
 
 def test_attention_on_3d_inputs_cut_along_the_sequence_or_unevenly_matches_one_device(dist_run):

@@ -270,3 +270,10 @@ def test_cost_formula_of_the_expert_parallel_exchanges():
     plan = ParallelPlan(dp=4, ep=2, micro_batch=2, global_batch=8, seq=16)
     tokens_bytes = 2 * 16 * 2 * 64 * 2  # micro_batch * seq * top_k * hidden * bf16
     assert [c.nbytes for c in layer_moe_collectives(model, plan)] == [64] + [tokens_bytes] * 4
+
+
+def test_an_uneven_expert_split_suggests_only_ep_values_that_fit_dp():
+    from loom.models.moe import check_expert_split
+
+    with pytest.raises(ValueError, match=r"choose ep in \[1, 3, 6\]"):  # 2 is not an inner factor of 12
+        check_expert_split(4, 6, 12, ep_name="ep", experts_name="experts")

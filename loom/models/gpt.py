@@ -284,7 +284,11 @@ class MoEMLP(nn.Module):
         mesh, cut = x.device_mesh, [p.is_shard() for p in x.placements]
         local = {name: local_parameter(p, cut) for name, p in self.moe.named_parameters()}
         cut_experts = local["experts.up_proj"].shape[0] != self.moe.config.experts
-        assert not cut_experts or self.moe.experts.exchange is not None, "loom.parallelize connects experts"
+        if cut_experts and self.moe.experts.exchange is None:
+            raise RuntimeError(
+                "the experts are cut over ep but not connected to their exchange: lay the model out with "
+                "loom.parallelize, which connects them"
+            )
         self.moe.reduce_sums = lambda sums: {k: _sum_over(v, mesh, cut) for k, v in sums.items()}
         out = functional_call(self.moe, local, (x.to_local(),))
         return DTensor.from_local(out, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())

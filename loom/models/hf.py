@@ -284,6 +284,10 @@ def greedy(
     shape, which DTensor's sharding propagation computes once instead of once per new length (on a small
     model that is most of the decoding time)."""
     rows = [list(ids) for ids in prompts]
+    if window < multiple:
+        raise ValueError(
+            f"greedy: a window of {window} ids holds no multiple of {multiple}; widen the window"
+        )
     window -= window % multiple
     longest = max(map(len, rows), default=0) + max_new_tokens - 1
     length = min(window, longest + -longest % multiple)

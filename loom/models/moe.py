@@ -176,7 +176,9 @@ def check_expert_split(ep: int, experts: int, dp: int | None, *, ep_name: str, e
     from loom.dist.mesh import is_inner_factor, prime_factors
 
     if experts % ep:
-        choices = [d for d in range(1, experts + 1) if experts % d == 0 and (dp or d) % d == 0]
+        choices = [
+            d for d in range(1, experts + 1) if experts % d == 0 and (dp is None or is_inner_factor(d, dp))
+        ]
         raise ValueError(f"{ep_name} = {ep} must divide {experts_name} = {experts}; choose ep in {choices}")
     if dp is not None and not is_inner_factor(ep, dp):
         raise ValueError(

@@ -357,6 +357,8 @@ def _mixtral_experts_config(experts: nn.Module) -> MoEConfig:
     return MoEConfig(
         hidden=experts.hidden_dim, ffn_hidden=experts.intermediate_dim, experts=experts.num_experts,
         top_k=config.num_experts_per_tok, activation="swiglu",
+        # the model's own router weighs the experts; a top-1 config must not ask for renormalised weights
+        normalize_weights=config.num_experts_per_tok > 1,
     )  # fmt: skip
 
 

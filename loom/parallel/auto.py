@@ -33,14 +33,19 @@ def auto_plan(
     cluster: str,
 ) -> Plan:
     """The Plan the full search picks for `model` on `mesh` (see the module docstring)."""
-    text = None
+    answer = None
     if dist.get_rank() == 0:
-        text = _solve(
-            model, mesh, example_inputs or (), example_kwargs or {}, full_batch, memory_limit, cluster
-        )
-    box = [text]
+        try:
+            answer = ("plan", _solve(model, mesh, example_inputs or (), example_kwargs or {}, full_batch,
+                                     memory_limit, cluster))  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only rank 0
+            answer = ("error", f"{type(error).__name__}: {error}")
+    box = [answer]
     dist.broadcast_object_list(box, src=0)
-    return Plan.from_json(box[0], "the automatic plan")
+    kind, text = box[0]
+    if kind == "error":
+        raise ValueError(f"parallelize(mode='auto'): the planner failed on rank 0: {text}")
+    return Plan.from_json(text, "the automatic plan")
 
 
 def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster) -> str:  # noqa: ANN001

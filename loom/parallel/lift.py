@@ -51,9 +51,9 @@ def _leaves(items: Any) -> list:
     `tree_flatten`'s (torch functions take no other containers)."""
     found = []
     for item in items:
-        if type(item) in (list, tuple):
+        if isinstance(item, list | tuple):  # namedtuples too (torch.Size holds ints only)
             found.extend(_leaves(item))
-        elif type(item) is dict:
+        elif isinstance(item, dict):
             found.extend(_leaves(item.values()))
         else:
             found.append(item)
@@ -82,11 +82,21 @@ def local_attention(
     keeps each query head with its key/value head when the cut divides the key/value heads). A mask is cut
     alike where it is not broadcast.
     """
-    if isinstance(attn_mask, torch.Tensor):
-        kwargs = {**kwargs, "attn_mask": attn_mask}
-    elif attn_mask is not None or args:
-        args = (attn_mask, *args)
-    return attention_on_local_shards(F.scaled_dot_product_attention, query, key, value, *args, **kwargs)
+    if len(args) > len(_SDPA_AFTER_MASK):
+        raise TypeError(
+            f"scaled_dot_product_attention takes at most {4 + len(_SDPA_AFTER_MASK)} positional arguments"
+        )
+    kwargs = {
+        **dict(zip(_SDPA_AFTER_MASK, args, strict=False)),
+        **kwargs,
+    }  # sdpa's own names, as a positional call means them
+    return attention_on_local_shards(
+        F.scaled_dot_product_attention, query, key, value, attn_mask=attn_mask, **kwargs
+    )
+
+
+# `F.scaled_dot_product_attention`'s parameters after the mask, in order
+_SDPA_AFTER_MASK = ("dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def attention_on_local_shards(

@@ -592,10 +592,12 @@ class TrainConfig:
                     f"parallel.tp = {par.tp} must divide {what} = {size}; choose tp in {divisors} "
                     f"or change {what.split(' ')[0]}"
                 )
-        if par.sequence_parallel and par.tp > 1 and data.seq_len % par.tp:
+        # with cp each rank holds seq_len / cp tokens of a sequence, which sequence parallelism cuts over tp
+        if par.sequence_parallel and par.tp > 1 and data.seq_len % (par.tp * par.cp):
+            within = f" x parallel.cp = {par.cp}" if par.cp > 1 else ""
             raise ValueError(
-                f"parallel.sequence_parallel cuts data.seq_len = {data.seq_len} over parallel.tp = {par.tp}; "
-                f"use a seq_len divisible by {par.tp} or set sequence_parallel = false"
+                f"parallel.sequence_parallel cuts data.seq_len = {data.seq_len} over parallel.tp = {par.tp}"
+                f"{within}; use a seq_len divisible by {par.tp * par.cp} or set sequence_parallel = false"
             )
         if par.pp > model.n_layers:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
