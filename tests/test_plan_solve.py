@@ -178,9 +178,10 @@ def test_search_beats_megatron_on_hugging_face_gpt2():
     assert "lm_head.weight" not in layouts_ and layouts_["transformer.wte.weight"] == ["tp", "None"]  # tied
 
 
-def auto_plan_case(plan: Plan, steps: int = 3):
-    """The MLP regression trained `steps` SGD steps on one device and under `plan` on 4 ranks (dp 2 x tp 2,
-    each data-parallel replica reading its rows): losses and first-step gradients of both."""
+def _one_device_and_parallel(lay_out, steps: int = 3):
+    """The MLP regression trained `steps` SGD steps on one device, and on 4 ranks (dp 2 x tp 2, each
+    data-parallel replica reading its rows) after `lay_out(model, x_rows, y_rows)`: both runs' losses and
+    first-step gradients, and the parallel model."""
     import copy
 
     import loom
@@ -191,8 +192,16 @@ def auto_plan_case(plan: Plan, steps: int = 3):
     data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
     expected = _sgd(reference, data, lambda t: t)
     mesh = loom.init(MESH)
-    loom.parallelize(model, plan=plan)
-    actual = _sgd(model, data, lambda t: t.chunk(2)[mesh.dp_rank()])
+    rows = lambda t: t.chunk(2)[mesh.dp_rank()]
+    lay_out(model, rows(data[0][0]), rows(data[0][1]))
+    return expected, _sgd(model, data, rows), model
+
+
+def auto_plan_case(plan: Plan):
+    """One device's and `plan`'s losses and first-step gradients (`_one_device_and_parallel`)."""
+    import loom
+
+    expected, actual, _ = _one_device_and_parallel(lambda model, x, y: loom.parallelize(model, plan=plan))
     return expected, actual
 
 
@@ -232,24 +241,15 @@ def test_a_solved_plan_trains_as_one_device(dist_run, how):
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
-def auto_mode_case(memory_limit, steps: int = 3):
-    """`loom.parallelize(mode="auto")` on the MLP regression (dp 2 x tp 2, each replica its rows): the one
-    device's and the parallel run's losses and first-step gradients, the plan chosen, and whether this rank
-    holds a strict part of every weight."""
-    import copy
-
+def auto_mode_case(memory_limit):
+    """`loom.parallelize(mode="auto")` on the MLP regression: the one device's and the parallel run's losses
+    and first-step gradients, the plan chosen, and whether this rank holds a strict part of every weight."""
     import loom
 
-    torch.manual_seed(0)
-    reference = Regression(d=16)
-    model = copy.deepcopy(reference)
-    data = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(steps)]
-    expected = _sgd(reference, data, lambda t: t)
-    mesh = loom.init(MESH)
-    rows = lambda t: t.chunk(2)[mesh.dp_rank()]
-    loom.parallelize(model, mode="auto", example_inputs=(rows(data[0][0]), rows(data[0][1])),
-                     memory_limit=memory_limit)  # fmt: skip
-    actual = _sgd(model, data, rows)
+    def lay_out(model, x, y):
+        loom.parallelize(model, mode="auto", example_inputs=(x, y), memory_limit=memory_limit)
+
+    expected, actual, model = _one_device_and_parallel(lay_out)
     weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
     strict = all(p.to_local().numel() < p.numel() for p in weights)
     return expected, actual, model.loom.plan.to_json(), strict
