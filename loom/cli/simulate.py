@@ -252,8 +252,9 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
     if args.dp is None:
         gpus = args.gpus or tp * pp * cp
         if gpus % (tp * pp * cp):
+            degrees = f"tp*pp*cp = {tp * pp * cp}" if cp > 1 else f"tp*pp = {tp * pp}"
             raise PlanError(
-                [f"--gpus {gpus} is not a multiple of tp*pp*cp = {tp * pp * cp}; choose degrees that multiply to it"]
+                [f"--gpus {gpus} is not a multiple of {degrees}; choose degrees that multiply to it"]
             )
         dp = gpus // (tp * pp * cp)
     else:
