@@ -79,10 +79,10 @@ def layer_activation_bytes(
         e * h * 4  # norm 1 input, QKV input, norm 2 input, MLP input
         + mask * h * 2  # dropout masks after attention and after the MLP
     ) * replicated
-    attention = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
-    attention += e * local * q  # input of the output projection
+    blockwise = flash_attention or (cp > 1 and attention == "ring")  # no s x s tensors kept
+    qkv = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
+    qkv += e * local * q  # input of the output projection
     scores = 0.0
-    blockwise = flash_attention or (cp > 1 and attention == "ring")
     if recompute == "none" and not blockwise:
         # softmax output (and with dropout its mask and the dropped-out probabilities), a·s·s per sequence;
         # Ulysses: a/cp heads of whole sequences on each rank
@@ -90,4 +90,4 @@ def layer_activation_bytes(
     f = model.ffn
     # GELU keeps its input and the down projection's input; SwiGLU keeps gate and up outputs and their product
     mlp = e * local * f * (3 if model.gated_mlp else 2) * model.top_k
-    return outside + attention + scores + mlp
+    return outside + qkv + scores + mlp
