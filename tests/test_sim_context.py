@@ -28,6 +28,7 @@ from loom.plan import Plan
 from loom.plan.outer import search_plans, to_plan
 from loom.plan.outer_space import Mesh, micro_batch_sizes
 from loom.sim import check_plan, simulate
+from loom.train.config import load_config
 
 # Llama-like: 32 heads of 128, 8 key/value heads (grouped-query attention), no dropout
 MODEL = TransformerConfig(
@@ -260,3 +261,21 @@ def test_dominated_micro_batches_of_a_cp_mesh_are_pruned():
     assert micro_batch_sizes(ring, 8, flash_attention=True) == [1, 2]
     assert micro_batch_sizes(ring, 8) == [1, 2, 4, 8]
     assert micro_batch_sizes(ulysses, 2) == [1, 2]  # 2 sequences do not spread over 4 replicas
+
+
+def test_a_configs_cp_is_priced_with_the_collectives_loom_train_is_checked_against():
+    """`loom simulate CONFIG.toml` with `[parallel] cp`: the cp bytes per layer are those of
+    `Plan.predicted_collectives` (which tests/test_context_parallel_training.py checks against a run)."""
+    overrides = ["--parallel.dp", "1", "--parallel.cp", "2", "--parallel.attention", "ring",
+                 "--model.positions", "rotary"]  # fmt: skip
+    config = load_config("configs/demo.toml", overrides)
+    model, priced = config.cost_model(config.train.workers)
+    assert (priced.cp, priced.attention) == (2, "ring")
+    predicted = config.plan(config.train.workers).predicted_collectives(
+        model, global_batch=priced.micro_batch * priced.dp, seq=priced.seq
+    )
+    # the attention's exchanges (with dp = 1 the gradient sync over dp+cp is named "cp" too)
+    over_cp = [c for c in predicted if c.axis == "cp" and c.source.startswith(("ring", "ulysses"))]
+    assert over_cp and simulate(model, priced, H100.with_size(4)).cp_bytes_per_layer * model.layers == _sent(
+        over_cp
+    )
