@@ -279,3 +279,19 @@ def test_a_configs_cp_is_priced_with_the_collectives_loom_train_is_checked_again
     assert over_cp and simulate(model, priced, H100.with_size(4)).cp_bytes_per_layer * model.layers == _sent(
         over_cp
     )
+
+
+def test_loom_plan_writes_a_cp_plan_that_loom_simulate_prices_again(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--gpus", "8", "--global-batch", "8",
+            "--seq", "65536", "--json", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["plan"]["cp"] > 1
+    saved = Plan.load(out)
+    assert (saved.cp, saved.attention) == (best["plan"]["cp"], best["plan"]["attention"])
+    again = ["simulate", "--plan", str(out), "--model", "llama3-8b", "--hardware", "h100-sxm", "--global-batch",
+             "8", "--seq", "65536", "--json"]  # fmt: skip
+    assert main(again) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["iteration_s"] == pytest.approx(best["result"]["iteration_s"])
