@@ -92,12 +92,11 @@ def cp_span(plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
 def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
     """Scores, softmax, dropout and context of one layer's forward on one rank (what selective recomputation
     redoes); with cp > 1 the rank's queries against the whole sequence (see the module's docstring)."""
-    dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
-    s, b, d = plan.seq, plan.micro_batch, model.head_dim
-    heads = b * model.heads / plan.tp
     if plan.cp > 1 and plan.attention == "ring":
         return _ring_core(model, plan, cluster)
-    heads /= plan.cp  # Ulysses: each rank attends whole sequences with its share of the heads
+    dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
+    s, b, d = plan.seq, plan.micro_batch, model.head_dim
+    heads = b * model.heads / (plan.tp * plan.cp)  # Ulysses: whole sequences, the rank's share of the heads
     matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     if plan.flash_attention:
         # a fused causal kernel computes only the score blocks on and below the diagonal, at its own

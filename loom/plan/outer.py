@@ -220,8 +220,8 @@ def to_plan(candidate: Candidate) -> Plan:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
     return Plan(
-        dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule, virtual_stages=p.interleave,
-        micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
+        dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule,
+        virtual_stages=p.interleave, micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=p.dtype,
         predicted_step_s=r.iteration_s, predicted_memory_bytes=int(r.memory_per_device_gib * GIB),
     )  # fmt: skip
