@@ -22,10 +22,13 @@ HELP = "search the best parallel plan of a model on a cluster (no GPU needed)"
 DESCRIPTION = f"""\
 Search mesh shapes (dp, tp, pp; ep for experts), pipeline stages (uneven allowed), micro-batch size and
 count, optimizer level and recompute policy under a memory limit, each plan priced by loom's simulator.
+Context parallelism (cp: each sequence cut over cp ranks, Ulysses or ring attention) is searched from
+8192 tokens per sequence, or when no plan without it fits.
 
 examples:
   loom plan --model gpt3-175b --hardware h100-sxm --gpus 1024 --global-batch 1536
   loom plan --model llama3-70b --hardware h100-sxm --gpus 64 --global-batch 256 --seq 8192 --memory-limit 60
+  loom plan --model llama3-8b --hardware h100-sxm --gpus 16 --global-batch 16 --seq 65536
   loom plan configs/demo.toml --gpus 8 --out plan.json     # the model, batch and sequence of a config
   loom plan --model gpt3-175b --gpus 1024 --global-batch 1536 --top 10 --json
 
@@ -94,8 +97,9 @@ def _describe(c: Candidate) -> str:
     interleave = f" x{p.interleave} chunks" if p.interleave > 1 else ""
     ep = f" ep {p.ep}" if p.ep > 1 else ""
     sp = " +sp" if p.sequence_parallel else ""
+    cp = f" cp {p.cp} {p.attention}" if p.cp > 1 else ""
     return (
-        f"dp {p.dp} tp {p.tp}{sp} pp {p.pp}{interleave}{stages}{ep}, micro-batch {p.micro_batch} x "
+        f"dp {p.dp}{cp} tp {p.tp}{sp} pp {p.pp}{interleave}{stages}{ep}, micro-batch {p.micro_batch} x "
         f"{p.micro_batches}, optimizer level {p.optimizer_level}, recompute {p.recompute}"
     )
 
@@ -112,6 +116,7 @@ def _json(found: SearchResult, top: int) -> dict:
         "considered": found.considered,
         "simulated": found.simulated,
         "search_s": found.seconds,
+        "notes": found.notes,
     }
 
 
@@ -134,6 +139,8 @@ def _print(console: Console, model: TransformerConfig, found: SearchResult, top:
         )  # fmt: skip
     console.print(table)
     _print_infeasible(console, found)
+    for note in found.notes:
+        console.print(note, highlight=False)
     console.print(
         f"searched {found.considered} plans, simulated {found.simulated}, in {found.seconds:.1f} s",
         highlight=False,

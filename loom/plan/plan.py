@@ -212,16 +212,15 @@ class Plan:
         simulator plays them as one schedule (a pipelined run with accumulation flushes between its
         schedule runs, so it takes a little longer than priced). Strategies, parameter layouts and
         per-module recompute are not priced: the simulator prices Megatron's layouts over tp. Stages given
-        as blocks per stage are priced as they are (uneven included).
+        as blocks per stage are priced as they are (uneven included). `cp` and `attention` are priced as
+        loom's GPT runs them (`loom.sim.simulator`).
         """
-        if self.cp > 1:
-            raise FieldError(OWNER, "cp", self.cp, "the simulator does not price context parallelism; use 1")
         return self._step_plan(global_batch, seq, accumulation, flash_attention, overlap_grad_sync)
 
     def _step_plan(
         self, global_batch: int, seq: int, accumulation: int, flash_attention: bool, overlap_grad_sync: bool
     ) -> ParallelPlan:
-        """`parallel_plan` without the simulator's refusal of cp > 1 (the predicted collectives take it)."""
+        """`parallel_plan` with the fields a caller may leave to their defaults given."""
         self._require_resolved("parallel_plan")
         check_sizes(OWNER, {"global_batch": global_batch, "seq": seq, "accumulation": accumulation})
         per_step = self.dp * self.micro_batches * accumulation
