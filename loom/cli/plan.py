@@ -91,7 +91,8 @@ def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]
     return model, gpus, batch, seq
 
 
-def _describe(c: Candidate) -> str:
+def describe(c: Candidate) -> str:
+    """One line: the candidate's mesh, stages, micro-batches, optimizer level and recompute policy."""
     p = c.plan
     stages = f" stages {','.join(map(str, p.stage_layers))}" if p.stage_layers else ""
     interleave = f" x{p.interleave} chunks" if p.interleave > 1 else ""
@@ -120,10 +121,12 @@ def _json(found: SearchResult, top: int) -> dict:
     }
 
 
-def _print(console: Console, model: TransformerConfig, found: SearchResult, top: int) -> None:
+def print_search(console: Console, model: TransformerConfig, found: SearchResult, top: int) -> None:
+    """The best plan with its step time, MFU and memory, the `top` runners-up and why each lost, the
+    infeasible regions and the search's size (what `loom plan` prints; `loom train` with mode = auto too)."""
     best = found.best
     r = best.result
-    console.print(f"[bold]{model.name}[/]: best plan {_describe(best)}", highlight=False)
+    console.print(f"[bold]{model.name}[/]: best plan {describe(best)}", highlight=False)
     console.print(
         f"  step {_duration(r.iteration_s)}, MFU {r.mfu:.1%}, memory {_gib(r.memory_per_device_gib)} per device "
         f"(limit {found.memory_limit_gib:g})",
@@ -134,7 +137,7 @@ def _print(console: Console, model: TransformerConfig, found: SearchResult, top:
         table.add_column(column)
     for c in found.candidates[1 : top + 1]:
         table.add_row(
-            _describe(c), _duration(c.result.iteration_s), _gib(c.result.memory_per_device_gib),
+            describe(c), _duration(c.result.iteration_s), _gib(c.result.memory_per_device_gib),
             found.why_lost(c),
         )  # fmt: skip
     console.print(table)
@@ -174,7 +177,7 @@ def execute(args: argparse.Namespace) -> int:
                 print(f"  {item.region}: {item.reason}", file=sys.stderr)
         return 1
     if not args.json:
-        _print(Console(), model, found, args.top)
+        print_search(Console(), model, found, args.top)
     if args.out:
         path = to_plan(found.best).save(args.out)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)

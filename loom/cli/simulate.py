@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -217,17 +216,6 @@ def _config(args: argparse.Namespace) -> TrainConfig | None:
             "config, so give CONFIG.toml first (loom simulate CONFIG.toml --parallel.tp 4)"
         )
     return load_config(args.config, overrides) if args.config else None
-
-
-def _read_plan(path: str) -> Plan:
-    """A plan file (`Plan.save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return Plan.load(path)  # which says what is wrong with the file
-    if isinstance(data, dict) and isinstance(data.get("plan"), dict):
-        return Plan.from_dict(data["plan"], f"the plan of checkpoint file {path!r}")
-    return Plan.from_dict(data, f"plan file {path!r}")
 
 
 def _stage_layers(text: str | None, layers: int, stages: int) -> list[int] | None:
@@ -452,7 +440,7 @@ def execute(args: argparse.Namespace) -> int:
             require_matplotlib()
         config = _config(args)
         _check_sources(args)
-        saved = _read_plan(args.plan) if args.plan else None
+        saved = Plan.read(args.plan) if args.plan else None
         model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
         print(f"loom simulate: error: {exc}", file=sys.stderr)

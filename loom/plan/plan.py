@@ -343,3 +343,15 @@ class Plan:
         except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as exc:
             raise ValueError(f"plan file {str(path)!r} cannot be read ({exc}); give a plan.json") from None
         return cls.from_json(text, f"plan file {str(path)!r}")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Plan:
+        """A plan file (`save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan (a
+        ValueError naming the file when it is missing or broken)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return cls.load(path)  # which says what is wrong with the file
+        if isinstance(data, dict) and isinstance(data.get("plan"), dict):
+            return cls.from_dict(data["plan"], f"the plan of checkpoint file {str(path)!r}")
+        return cls.from_dict(data, f"plan file {str(path)!r}")

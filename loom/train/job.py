@@ -40,7 +40,6 @@ from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import (
-    SCHEDULES,
     BlockStage,
     Pipeline,
     gpt_pipeline,
@@ -159,7 +158,7 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
     `parallel.tp > 1` each stage is laid out tensor-parallel on its own dp x tp ranks (the GPT by its
     strategies, a Hugging Face model by its recipe's Megatron module plan)."""
     par = config.parallel
-    virtual = SCHEDULES[par.schedule].min_virtual
+    virtual = par.virtual_stages
     if config.model.is_hf:
         model = whole_hf_model(config)
         pipeline = model_pipeline(
@@ -184,7 +183,7 @@ def all_stages(config: TrainConfig, model: nn.Module) -> list[BlockStage]:
     lists them by pipeline rank): the blocks cut into `pp x virtual` stages as `parallel.stages` says, or
     evenly."""
     par = config.parallel
-    count = par.pp * SCHEDULES[par.schedule].min_virtual
+    count = par.pp * par.virtual_stages
     if isinstance(model, GPT):
         return gpt_stages(model, count, _split(par))
     return split_model(model, count, split=_split(par))
@@ -260,7 +259,7 @@ def build_trainer(
         config.data.seq_len,
     )  # fmt: skip
     options = dict(
-        lr_scheduler=schedule, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm,
+        lr_scheduler=schedule, grad_accum=config.accumulation, clip_grad_norm=t.clip_grad_norm,
         precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
@@ -337,7 +336,8 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
 def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
-    mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
+    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started)
+    mesh = loom.init(config.plan(loom.world_size()).mesh_sizes())
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
     t, is_main = config.train, loom.rank() == 0
@@ -384,7 +384,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
             else pipeline_plan_text(config, model, mesh),
             flush=True,
         )
-    steps = (micro_batches(_sequence_shards(model, next(batches)), t.grad_accum) for _ in iter(int, 1))
+    accumulation = config.accumulation
+    steps = (micro_batches(_sequence_shards(model, next(batches)), accumulation) for _ in iter(int, 1))
     start, first_step = time.perf_counter(), trainer.step + 1
     results = trainer.fit(
         steps,
@@ -503,7 +504,7 @@ def _model_name(config: TrainConfig, model: nn.Module) -> str:
 
 def pipeline_plan_text(config: TrainConfig, model: nn.Module, mesh: loom.Mesh) -> str:
     """The plan of a pipeline run: mesh, schedule, each pipeline rank's stages (blocks, parameters)."""
-    par, virtual = config.parallel, SCHEDULES[config.parallel.schedule].min_virtual
+    par, virtual = config.parallel, config.parallel.virtual_stages
     m = config.model
     lines = [
         f"plan: {mesh}, pipeline schedule {par.schedule} with {par.microbatches} micro-batches, "
