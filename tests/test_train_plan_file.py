@@ -45,6 +45,12 @@ def _one_device(tmp_path, model=None):
     return job_config(tmp_path, model=model or {}, parallel={"dp": 1}, train={"workers": 1})
 
 
+@pytest.fixture(scope="module")
+def one_device(dist_run, tmp_path_factory) -> torch.Tensor:
+    """The tiny job's losses on one device (its 2-layer model)."""
+    return _losses(dist_run, _one_device(tmp_path_factory.mktemp("one_device")))
+
+
 def test_a_plan_from_loom_plan_trains_like_its_parallel_config(dist_run, tmp_path, capsys):
     toml = _write_toml(job_config(tmp_path, parallel=TWO_WORKERS), tmp_path / "job.toml")
     assert main(["plan", str(toml), "--out", str(tmp_path / "plan.json")]) == 0
@@ -68,24 +74,27 @@ def test_a_plan_from_loom_plan_trains_like_its_parallel_config(dist_run, tmp_pat
     assert saved_plan(tmp_path / "ckpt" / "step_000006") == plan
 
 
-@pytest.mark.parametrize(
-    ("plan", "layers"),
-    [
-        (Plan(pp=2, schedule="interleaved", virtual_stages=3, micro_batches=2), 6),
-        (Plan(dp=2, micro_batches=2, optimizer_level=2), 2),
-    ],
-    ids=["pp2-3-virtual-stages", "dp2-accumulating-level2"],
-)
-def test_a_plan_file_trains_like_one_device(dist_run, tmp_path, plan, layers):
-    plan.save(tmp_path / "plan.json")
-    model = {"n_layers": layers}
+@pytest.mark.slow
+def test_three_virtual_stages_from_a_plan_file_train_like_one_device(dist_run, tmp_path):
+    """`[parallel]` runs each schedule's fewest virtual stages; a plan file gives any number."""
+    Plan(pp=2, schedule="interleaved", virtual_stages=3, micro_batches=2).save(tmp_path / "plan.json")
+    model = {"n_layers": 6}
     config = job_config(tmp_path, model=model, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")})
-    assert config.accumulation == (2 if plan.pp == 1 else 1)
-    expected = _losses(dist_run, _one_device(tmp_path, model=model))
+    assert config.parallel.virtual_stages == 3
+    expected = _losses(dist_run, _one_device(tmp_path, model))
     torch.testing.assert_close(_losses(dist_run, config), expected, rtol=RTOL, atol=0)
 
 
-def test_auto_mode_prints_its_choice_and_trains_like_one_device(dist_run, tmp_path, capfd):
+def test_accumulated_micro_batches_of_a_plan_file_train_like_one_device(dist_run, tmp_path, one_device):
+    """Without a pipeline a plan's micro-batches are accumulated (as `loom plan` prices them): 2 per step
+    on each of 2 data-parallel ranks, at optimizer level 2."""
+    Plan(dp=2, micro_batches=2, optimizer_level=2).save(tmp_path / "plan.json")
+    config = job_config(tmp_path, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")})
+    assert config.accumulation == 2 and config.cost_model(2)[1].micro_batches == 2
+    torch.testing.assert_close(_losses(dist_run, config), one_device, rtol=RTOL, atol=0)
+
+
+def test_auto_mode_prints_its_choice_and_trains_like_one_device(tmp_path, capfd, one_device):
     metrics = tmp_path / "metrics.jsonl"
     train = {"metrics_file": str(metrics), "log_every": 1}
     auto = job_config(tmp_path, parallel={"dp": -1, "mode": "auto"}, train=train)
@@ -97,7 +106,7 @@ def test_auto_mode_prints_its_choice_and_trains_like_one_device(dist_run, tmp_pa
     assert f"optimizer level {chosen.plan.optimizer_level}" in out.split("running", 1)[1]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = torch.tensor([line["loss"] for line in lines if line["kind"] == "step"])
-    torch.testing.assert_close(losses, _losses(dist_run, _one_device(tmp_path)), rtol=RTOL, atol=0)
+    torch.testing.assert_close(losses, one_device, rtol=RTOL, atol=0)
     assert losses[-1] < losses[0]
 
 

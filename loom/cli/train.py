@@ -53,7 +53,7 @@ examples:
   loom train configs/demo.toml --verbose
   loom train configs/demo.toml --train.steps 50 --parallel.tp 1
   loom train configs/demo.toml --train.workers 2 --parallel.optimizer_level 2
-  loom train configs/demo.toml --parallel.plan plan.json   # after: loom plan configs/demo.toml --out plan.json
+  loom plan job.toml --out plan.json && loom train job.toml --parallel.plan plan.json   # no [parallel] sizes
   loom train auto.toml        # [parallel] mode = "auto" and memory_limit = "2GiB": the planner chooses
   loom train configs/demo.toml --checkpoint.dir runs/ckpt --checkpoint.every_steps 50 --fault.max_restarts 5
   torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 ... -m loom.cli.main train gpt.toml
