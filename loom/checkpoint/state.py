@@ -11,6 +11,9 @@
   parameters; levels 1-3 read their own chunks' boxes straight into the chunks, once the optimizer builds
   them (at the first step, when the gradient buckets are known). So a checkpoint of any level loads at any
   level, on any mesh or number of processes;
+- with replicas that step alone (`loom.parallel.local_sgd`: `[parallel] sync = "local_sgd" | "diloco"`),
+  each rank's own entry instead of the optimizer's states: its parameters, inner and outer states and global
+  weights (`replica_state`), restored on the same mesh;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
 

@@ -164,6 +164,10 @@ class Replicated:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def adopt_params(self) -> None:
+        """Start the meetings from the parameters as they are now (weights loaded after this was built,
+        with no state of its own: the replicas' common starting point)."""
+
     def rank_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this rank: `state_dict()` and the parameters as this rank holds them
         (its shards; between two syncs each replica's differ, so no rank can stand for another)."""
@@ -266,6 +270,12 @@ class DiLoCo(Replicated):
         )
         self.outer = outer(self.global_weights, **kwargs)
         self._pending: dict[int, tuple[int, Any, torch.Tensor]] = {}  # fragment -> (apply at, work, buffer)
+
+    @torch.no_grad()
+    def adopt_params(self) -> None:
+        """The global weights become the parameters as they are now (see `Replicated.adopt_params`)."""
+        for weight, param in zip(self.global_weights, self.params, strict=True):
+            weight.copy_(_local(param))
 
     def _offset(self, fragment: int) -> int:
         """The inner step (mod sync_every) at which `fragment` starts its sync."""

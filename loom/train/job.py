@@ -409,6 +409,8 @@ def _train(
         resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
         if apply_rollback(config.checkpoint.dir, resumed, batches) and is_main:
             print("rolled back: skipping the data of the steps that were not finite", flush=True)
+    if replicas and trainer.optimizer.inner_steps == 0:  # weights loaded without the replicas' own state
+        trainer.optimizer.adopt_params()
     for undo in disarm:
         undo()
     for fault in faults:
