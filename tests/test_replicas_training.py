@@ -1,7 +1,7 @@
 """`loom train` with `[parallel] sync = "local_sgd" | "diloco"` (loom.train.replicas) on 2 gloo ranks, one
 replica each (tier 3: the main job).
 
-- DiLoCo's losses fall, and the only all-reduces of its steps are the syncs, every `sync_every` steps, of
+- DiLoCo's (and local SGD's) losses fall, and the only all-reduces of its steps are the syncs, every `sync_every` steps, of
   the parameters' bytes (counted as tests/test_local_sgd.py counts them, per step by the heartbeats);
 - exactness (fp32, inner SGD without momentum, decay or clipping): `sync_every = 1` with outer SGD(lr 1,
   momentum 0) is synchronous data parallelism, losses and parameters within 1e-6;
@@ -63,9 +63,10 @@ def _counted_run(config: TrainConfig) -> tuple[dict, dict[int, list[int]]]:
         launch.BEAT_HOOKS.remove(beat)
 
 
-def test_diloco_learns_and_all_reduces_only_at_syncs(dist_run, tmp_path):
+@pytest.mark.parametrize("sync", ["diloco", pytest.param("local_sgd", marks=pytest.mark.slow)])
+def test_replicas_learn_and_all_reduce_only_at_syncs(dist_run, tmp_path, sync):
     steps, every = 9, 3
-    config = _config(tmp_path, "count", {"sync": "diloco", "sync_every": every}, {"steps": steps})
+    config = _config(tmp_path, "count", {"sync": sync, "sync_every": every}, {"steps": steps})
     done = dist_run(2, _counted_run, config)
     param_bytes = 4 * sum(p.numel() for p in GPT(config.model.gpt_config()).parameters())  # fp32, tied once
     for summary, calls in done:
