@@ -9,7 +9,8 @@ replica each (tier 3: the main job).
   checkpoint, taken between two syncs with a fragment's average in flight, and the run ends bitwise as the
   uninterrupted one: every rank's parameters, inner and outer states, and losses;
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
-- bad `[parallel]` settings are refused naming the key and the fix.
+- bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
+  rank's replica entry (one of synchronous training).
 """
 
 import warnings
@@ -19,9 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from job_cases import job_config
+from torch.distributed.checkpoint.metadata import Metadata
 
 from loom.checkpoint import read_model_tensors
+from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.safe import SafeLoadPlanner, SafeReader
+from loom.checkpoint.state import replica_load_template
 from loom.cli.train import restart_policy
 from loom.dist import launch
 from loom.fault import Fault, supervise
@@ -178,3 +182,16 @@ def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_
 def test_bad_sync_settings_name_the_key_and_the_fix(parallel, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}})
+
+
+def _metadata(*paths: tuple) -> Metadata:
+    return Metadata(state_dict_metadata={}, planner_data={".".join(path): path for path in paths})
+
+
+def test_a_checkpoint_without_this_ranks_replica_entry_is_refused():
+    mine = ("optim", "replicas", "rank_00000")
+    assert replica_load_template(_metadata(("model", "w"), mine)) == {"optim": {"replicas": {mine[2]: None}}}
+    assert replica_load_template(_metadata(("model", "w"))) == {}  # weights only: start from them
+    synchronous = _metadata(("model", "w"), ("optim", "state", "w", "exp_avg"))
+    with pytest.raises(CheckpointError, match="saved by synchronous training .* resume with the sync"):
+        replica_load_template(synchronous)
