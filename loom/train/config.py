@@ -48,6 +48,10 @@ _TRUE, _FALSE, _NONE = ("true", "1", "yes", "on"), ("false", "0", "no", "off"), 
 
 # `loom train` runs every pipeline schedule but zbv (its V placement is offered in Python only)
 CONFIG_SCHEDULES = tuple(name for name in SCHEDULES if name != "zbv")
+# how data-parallel replicas meet: gradients every step, or weights every `sync_every` steps
+SYNCS = ("every_step", "local_sgd", "diloco")
+# the keys of `[parallel]` that only DiLoCo reads
+_DILOCO_KEYS = ("outer_lr", "outer_momentum", "fragments", "fragment_delay", "mix", "outer_dtype")
 # the simulator also prices fp8; training computes in the others
 TRAIN_PRECISIONS = tuple(name for name in PRECISIONS if name != "fp8")
 
@@ -357,6 +361,19 @@ class ParallelConfig(_Section):
     stages: tuple[int, ...] | None = _key(
         None, "blocks per pipeline stage, in model order, one count per stage (uneven allowed); none: even"
     )
+    # replicas over slow links (loom.parallel.local_sgd): the dp replicas step alone and meet every few steps
+    sync: Literal[SYNCS] = _key(
+        "every_step", "how dp replicas meet: gradients every step, or weights every sync_every steps"
+    )
+    sync_every: int = _key(50, "local_sgd, diloco: inner steps between two syncs of the replicas")
+    outer_lr: float = _key(0.7, "diloco: learning rate of the outer SGD on the averaged pseudo-gradient")
+    outer_momentum: float = _key(0.9, "diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
+    fragments: int = _key(1, "diloco: parameters cut into F fragments, each synced at its own step")
+    fragment_delay: int = _key(
+        0, "diloco: inner steps a fragment's average is overlapped with (< sync_every)"
+    )
+    mix: float = _key(0.5, "diloco with fragment_delay > 0: share of the local weights kept when it lands")
+    outer_dtype: Literal["fp32", "bf16"] = _key("fp32", "diloco: dtype the pseudo-gradients travel in")
 
     def __post_init__(self) -> None:
         # TOML writes a byte count as a number: the key holds the text of either form
@@ -365,6 +382,44 @@ class ParallelConfig(_Section):
         self._source: Plan | None = None  # the Plan that filled the keys (`adopt`), if any
         self._origin = ""  # where it came from, for error messages
         super().__post_init__()
+
+    def _check_sync(self) -> None:
+        """The keys of `sync`: in range, and each set only for the syncs that read it."""
+        self._at_least(1, "sync_every", "fragments")
+        self._at_least(0, "fragment_delay")
+        if self.outer_lr <= 0:
+            self._fail("outer_lr", "use a value > 0 (1 with outer_momentum = 0 takes the average as it is)")
+        if not 0 <= self.outer_momentum < 1:
+            self._fail("outer_momentum", "use a value in [0, 1)")
+        if not 0 <= self.mix <= 1:
+            self._fail("mix", "use a value in [0, 1]")
+        readers = {"sync_every": ("local_sgd", "diloco")}
+        readers.update((key, ("diloco",)) for key in _DILOCO_KEYS)
+        defaults = ParallelConfig.__dataclass_fields__
+        for key, syncs in readers.items():
+            if self.sync not in syncs and getattr(self, key) != defaults[key].default:
+                use = " or ".join(repr(sync) for sync in syncs)
+                raise ValueError(
+                    f"parallel.{key} = {getattr(self, key)!r} is read only with parallel.sync = {use}, not "
+                    f"{self.sync!r}; remove parallel.{key} or set parallel.sync"
+                )
+        if self.sync != "diloco":
+            return
+        if self.fragments > self.sync_every:
+            self._fail(
+                "fragments",
+                f"each fragment syncs once per sync_every = {self.sync_every} steps: use at most that",
+            )
+        if self.fragment_delay >= self.sync_every:
+            self._fail(
+                "fragment_delay",
+                f"an average must land before its fragment's next sync: use less than sync_every = {self.sync_every}",
+            )
+
+    @property
+    def replicas_step_alone(self) -> bool:
+        """True when the data-parallel replicas step alone and meet every `sync_every` steps."""
+        return self.sync != "every_step"
 
     def check(self) -> None:
         if self.mode == "auto":
@@ -377,6 +432,7 @@ class ParallelConfig(_Section):
         if self.plan is not None:
             self.adopt(Plan.read(self.plan), f"parallel.plan = {self.plan!r}")
         self.to_plan()
+        self._check_sync()
 
     def _check_auto(self) -> None:
         """`mode = "auto"`: the planner decides the sizes, so none is given; the memory limit parses."""
@@ -817,6 +873,7 @@ class TrainConfig:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
         self._check_context()
         self.check_pipeline()
+        self.check_replicas()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
         if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
             model.gpt_config().check_expert_parallel(par.ep, dp)
@@ -925,6 +982,31 @@ class TrainConfig:
                 f"parallel.pp = {pp}: {source} sets output_router_logits = true, whose auxiliary router "
                 'loss pipeline stages do not compute; set "output_router_logits": false there, or use '
                 "parallel.pp = 1"
+            )
+
+    def check_replicas(self) -> None:
+        """With `parallel.sync` other than "every_step": a ValueError for each setting that replicas stepping
+        alone refuse, saying how to fix it (each replica may be tensor-parallel inside; nothing else cuts it)."""
+        par, model = self.parallel, self.model
+        if not par.replicas_step_alone:
+            return
+        refused = (
+            ("parallel.pp", par.pp, 1, "pipelines do not step alone yet"),
+            ("parallel.cp", par.cp, 1, "context-parallel ranks do not step alone yet"),
+            ("parallel.ep", par.ep, 1, "experts cut over dp ranks need every replica at each step"),
+            ("parallel.optimizer_level", par.optimizer_level, 0, "ZeRO shards states over the dp replicas"),
+            ("model.experts", model.experts, 1, "the experts' balancing is not kept per replica yet"),
+        )
+        for key, value, allowed, why in refused:
+            if value != allowed:
+                raise ValueError(
+                    f"{key} = {value} with parallel.sync = {par.sync!r}: {why}; set {key} = {allowed} or "
+                    "parallel.sync = 'every_step'"
+                )
+        if model.is_hf:
+            raise ValueError(
+                f"parallel.sync = {par.sync!r} trains loom's GPT; a Hugging Face model (model.hf_config / "
+                "hf_pretrained) syncs every step yet: set parallel.sync = 'every_step'"
             )
 
     def check_pipeline(self) -> None:
