@@ -46,17 +46,20 @@ def test_search_matches_or_beats_the_published_configuration(source: str, label:
     assert published.iteration_s <= 1.1 * best.iteration_s
 
 
-def test_a_memory_limit_below_pure_data_parallelism_is_obeyed() -> None:
+@pytest.mark.parametrize(
+    "fraction,choices",
+    [(0.6, {}), (0.6, {"recompute": ("none",), "optimizer_levels": (0,)}), (0.4, {}),
+     (0.6, {"sequence_parallel": (False,), "optimizer_levels": (0,)})],
+)  # fmt: skip
+def test_a_memory_limit_below_pure_data_parallelism_is_obeyed(fraction: float, choices: dict) -> None:
     cluster = PROFILES["h100-sxm"]
-    unlimited = search_plans(SMALL, cluster, 8, 64, 2048)
-    pure_dp = simulate(SMALL, unlimited.best.plan.replace(dp=8, tp=1, pp=1, interleave=1, schedule=None,
-                       recompute="none", optimizer_level=0, sequence_parallel=False, micro_batch=1,
-                       stage_layers=()), cluster.with_size(8))  # fmt: skip
-    limit = pure_dp.memory_per_device_gib * 0.6
-    found = search_plans(SMALL, cluster, 8, 64, 2048, memory_limit=limit * GIB)
-    assert found.candidates
-    for candidate in found.candidates:
-        assert candidate.result.memory_per_device_gib <= limit
+    pure_dp = ParallelPlan(dp=8, global_batch=64, seq=2048)
+    limit = simulate(SMALL, pure_dp, cluster.with_size(8)).memory_per_device_gib * fraction
+    found = search_plans(SMALL, cluster, 8, 64, 2048, memory_limit=limit * GIB, keep=20, **choices)
+    assert found.candidates and found.memory_limit_gib == pytest.approx(limit)
+    for candidate in found.candidates:  # priced again, apart from the search
+        again = simulate(SMALL, candidate.plan, cluster.with_size(8))
+        assert again.memory_per_device_gib <= limit and candidate.result.memory_per_device_gib <= limit
     best = found.best.plan
     assert (best.dp, best.recompute, best.optimizer_level) != (8, "none", 0)
 
