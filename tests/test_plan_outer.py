@@ -27,7 +27,8 @@ def _case(source: str, label: str):
 @pytest.mark.parametrize(
     "source,label",
     [("korthikanti2022", "22B selective_sp"), ("korthikanti2022", "175B selective_sp"),
-     ("korthikanti2022", "22B full")],
+     ("korthikanti2022", "22B full"), ("narayanan2021", "1.7B"),
+     pytest.param("narayanan2021", "310.1B", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_search_matches_or_beats_the_published_configuration(source: str, label: str) -> None:
     case = _case(source, label)
