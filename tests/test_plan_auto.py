@@ -109,6 +109,7 @@ def _check(results) -> Plan:
     return Plan.from_json(results[0][2])
 
 
+@pytest.mark.slow  # 4 ranks; capture and search on rank 0: 10-60 s each on 2 shared cores
 @pytest.mark.parametrize("family", ["cnn", "gpt", "gpt2", "llama", "mixtral"])
 def test_auto_plans_train_as_one_device(dist_run, family):
     _check(dist_run(4, auto_case, family, None))
@@ -126,6 +127,7 @@ def _cut_over(plan: Plan, axis: str) -> list[str]:
     return [name for name, spec in plan.parameter_layouts.items() if axis in str(spec)]
 
 
+@pytest.mark.slow  # 4 ranks, an integer program under a memory limit
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, family):
     """Half the unsharded states per device: the plan cuts weights over tp (not only over dp), every rank

@@ -243,6 +243,11 @@ class Gather(Primitive):
         table, ids = layout_of(params), layout_of(indices)
         mesh = params.device_mesh
         rows = table.dim_axes[0]
+        axes = [axis for dims in ids.dim_axes for axis in dims] + list(table.dim_axes[1]) + list(rows)
+        if len(axes) != len(set(axes)):
+            # one mesh dim cuts the ids and the table (layouts the automatic planner chose, which no
+            # strategy of this operator names): the local lookup cannot say its output, DTensor's rule can
+            return F.embedding(indices, params)
         block = params.shape[0] // table.cuts(mesh.shape)[0]
         coordinate = mesh.get_coordinate()
         index = 0
