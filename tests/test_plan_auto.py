@@ -87,7 +87,9 @@ def auto_case(family: str, memory_limit: float | None):
     mesh = loom.init(MESH)
     rows = lambda batch: torch.utils._pytree.tree_map(lambda t: t.chunk(2)[mesh.dp_rank()], batch)  # noqa: E731
     args, kwargs = as_call(rows(data[0]))
-    loom.parallelize(model, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit)
+    loom.parallelize(
+        model, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit
+    )
     actual = _train(model, data, as_call, rows)
     sizes = {name: (_local(p).numel(), p.numel()) for name, p in model.named_parameters()}
     return expected, actual, model.loom.plan.to_json(), sizes
@@ -167,5 +169,7 @@ def untraceable_case() -> str:
 def test_an_untraceable_model_fails_on_every_rank_naming_the_operator_and_the_fallbacks(dist_run):
     for message in dist_run(2, untraceable_case):
         assert "parallelize(mode='auto'): the planner failed on rank 0: CaptureError" in message
-        assert "in _Branchy.forward calling Tensor.__bool__ at " in message and "test_plan_auto.py:" in message
+        assert (
+            "in _Branchy.forward calling Tensor.__bool__ at " in message and "test_plan_auto.py:" in message
+        )
         assert "mode='semi_auto' with a module plan" in message and "mode='data_parallel'" in message

@@ -36,10 +36,13 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
     placements = layout.placements(mesh.ndim)
     if tuple(x.placements) == placements:
         return x
-    if any(_masked(p) for p in x.placements) and any(p.is_shard() for p in placements):
-        # a masked pending sum (a vocabulary-cut embedding's) masks with this rank's own ids: it is summed
-        # first, on the pieces as they are; DTensor may otherwise move another mesh dim's cut first, and
-        # the mask no longer fits the piece
+    masked = [_masked(p) for p in x.placements]
+    if any(masked) and any(
+        not m and p != q for m, p, q in zip(masked, x.placements, placements, strict=True)
+    ):
+        # a masked pending sum (a vocabulary-cut embedding's) masks with this rank's own ids: when another
+        # mesh dim moves too, it is summed first, on the pieces as they are; DTensor may otherwise move the
+        # other dim first, and the mask no longer fits the piece
         summed = tuple(Replicate() if _masked(p) else p for p in x.placements)
         x = _GradInPlacements.apply(x.redistribute(mesh.device_mesh, summed))
     out = x.redistribute(mesh.device_mesh, placements)
