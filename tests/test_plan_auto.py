@@ -111,8 +111,15 @@ def _check(results) -> Plan:
     return Plan.from_json(results[0][2])
 
 
-@pytest.mark.slow  # 4 ranks; capture and search on rank 0: 10-60 s each on 2 shared cores
-@pytest.mark.parametrize("family", ["cnn", "gpt", "gpt2", "llama", "mixtral"])
+# 4 ranks; capture and search on rank 0: 10-60 s each on 2 shared cores. `make test` keeps Llama.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=SLOW) for f in ("cnn", "gpt", "gpt2")]
+    + ["llama", pytest.param("mixtral", marks=SLOW)],
+)
 def test_auto_plans_train_as_one_device(dist_run, family):
     _check(dist_run(4, auto_case, family, None))
 
