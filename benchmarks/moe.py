@@ -218,8 +218,13 @@ def train(args: argparse.Namespace) -> None:
         f"{args.batch} x {args.seq} tokens per rank, fp32, {args.threads} thread(s) per rank"
     )
     header = (
-        f"{'step':>4} {'ms':>8} {'tokens/s':>9} {'a2a KiB':>9} {'predicted':>9} {'a2a ms':>7} "
+        f"{'step':>4} {'ms':>8} {'tokens/s':>9} {'a2a KiB':>9} {'formula':>9} {'a2a ms':>7} "
         f"{'share':>6} {'max/mean':>8} {'dropped':>7}"
+    )
+    print(
+        "(ms and tokens/s: the slowest rank; a2a KiB, ms and share of the step: one rank's, mean over ranks; "
+        "formula: loom.cost.moe.moe_collectives for the rows each layer moved; max/mean: pairs per expert "
+        "before capacity over all ranks, the worst layer; dropped: share of all pairs)"
     )
     print(header)
     for index, row in enumerate(rows):
@@ -264,7 +269,7 @@ def train(args: argparse.Namespace) -> None:
     )
     ratio = f"{a2a_s / ep_s:.3f}" if ep_s else "n/a"
     print(
-        f"all-to-all time: measured {a2a_s:.4f} s ({a2a_s / step_s:.1%} of the step), predicted "
+        f"all-to-all time: measured {a2a_s:.4f} s ({median['a2a_share']:.1%} of the step), predicted "
         f"{ep_s:.4f} s ({ep_s / sim.iteration_s:.1%}), measured / predicted {ratio}"
     )
 
