@@ -250,7 +250,7 @@ def train(args: argparse.Namespace) -> None:
     balanced = args.layers * sum(c.nbytes * c.count for c in layer_moe_collectives(model, plan))
     print(
         f"all-to-all bytes per rank and step: measured {median['a2a_kib']:.1f} KiB, simulator (balanced, no "
-        f"drops) {balanced / 1024:.1f} KiB, measured / predicted {1024 * median['a2a_kib'] / balanced:.3f}"
+        f"drops) {balanced / 1024:.1f} KiB, measured / predicted {ratio(1024 * median['a2a_kib'], balanced)}"
     )
     cluster = None
     if args.calibrate:
@@ -267,11 +267,15 @@ def train(args: argparse.Namespace) -> None:
         f"step time: measured {step_s:.4f} s, predicted {sim.iteration_s:.4f} s, measured / predicted "
         f"{step_s / sim.iteration_s:.3f}; tokens/s predicted {sim.tokens_per_s:.0f}"
     )
-    ratio = f"{a2a_s / ep_s:.3f}" if ep_s else "n/a"
     print(
         f"all-to-all time: measured {a2a_s:.4f} s ({median['a2a_share']:.1%} of the step), predicted "
-        f"{ep_s:.4f} s ({ep_s / sim.iteration_s:.1%}), measured / predicted {ratio}"
+        f"{ep_s:.4f} s ({ep_s / sim.iteration_s:.1%}), measured / predicted {ratio(a2a_s, ep_s)}"
     )
+
+
+def ratio(measured: float, predicted: float) -> str:
+    """measured / predicted, or "n/a" when nothing is predicted (ep 1: no all-to-all)."""
+    return f"{measured / predicted:.3f}" if predicted else "n/a"
 
 
 def main() -> None:
