@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom.dist import env
@@ -125,7 +124,7 @@ class Trainer:
         if finite:
             self.optimizer.step()
             # the experts' balancing biases, from the loads of every rank's tokens
-            update_biases(self.steps.module, dist.group.WORLD if dist.is_initialized() else None)
+            update_biases(self.steps.module, self.steps.balance_group())
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler:
             self.scaler.update(finite)
