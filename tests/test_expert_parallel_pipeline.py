@@ -3,8 +3,9 @@
 A tiny MoE GPT (2 layers, d_model 32, 4 SwiGLU experts, top-2, dropless, balancing loss, z-loss and the
 balancing bias) trains 5 steps of Lipschitz AdamW (tests/equivalence.py) with clipping, cut into 2 pipeline
 stages each run by the data-parallel ranks of its pipeline rank, the stage's experts cut over ep of them:
-pp 2 x dp 2 with ep 2 on 4 ranks (1f1b; gpipe at optimizer level 1), and, marked slow, pp 2 x dp 4 with
-ep 2 on 8 ranks (a real expert-dp group of 2) and pp 2 x dp 2 x tp 2 with ep 2. The balancing losses are
+pp 2 x dp 2 with ep 2 on 4 ranks (1f1b; gpipe at optimizer level 1; 1f1b at level 3), and, marked slow,
+the interleaved (level 2) and zbv schedules (4 layers, two stages per rank), pp 2 x dp 4 with ep 2 on 8
+ranks (a real expert-dp group of 2) and pp 2 x dp 2 x tp 2 with ep 2. The balancing losses are
 those of each micro-batch's tokens over every replica, so the reference is one device accumulating the
 same micro-batches (the k-th of every replica's rows, together). Compared: losses and gradient norms
 (rtol 1e-5), every whole parameter (`assert_params_close`) and the balancing biases (exactly: the loads are
@@ -12,12 +13,14 @@ integers); each rank's expert shards are the same within an expert-dp group and 
 group.
 """
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
+from job_cases import job_config
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
@@ -25,12 +28,21 @@ from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import gpt_pipeline, source_names
 from loom.train import Trainer
+from loom.train.config import load_config
+from loom.train.job import run
 
 STEPS, GLOBAL_BATCH, SEQ, CLIP = 5, 8, 8, 0.5
 CONFIG = GPTConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, mlp="swiglu", experts=4, top_k=2,
     z_loss_coef=1e-3, expert_bias_rate=1e-2,
 )  # fmt: skip
+
+
+VIRTUAL = {"interleaved": 2, "zero_bubble": 2, "zbv": 2}  # stages per rank (4 layers: one block each)
+
+
+def _config(schedule: str) -> GPTConfig:
+    return dataclasses.replace(CONFIG, n_layers=2 * VIRTUAL.get(schedule, 1))
 
 
 def _batches():
@@ -52,9 +64,9 @@ def _biases(modules) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def _reference(dp: int, microbatches: int):
+def _reference(dp: int, microbatches: int, schedule: str):
     """One device accumulating the pipeline's micro-batches: losses, norms, parameters, biases."""
-    model = GPT(CONFIG)
+    model = GPT(_config(schedule))
     trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, 0, **ADAMW), clip_grad_norm=CLIP)
     metrics = [trainer.train_step(_micro_batches(batch, dp, microbatches)) for batch in _batches()]
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -88,8 +100,9 @@ def ep_pipeline_case(schedule: str, dp: int, tp: int, ep: int, microbatches: int
     """5 Trainer steps of the MoE GPT's pipeline on pp 2 x dp x tp, experts cut over ep of each stage."""
     mesh = loom.init({"pp": 2, "dp": dp} | ({"tp": tp} if tp > 1 else {}))
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
-        model = GPT(CONFIG, Strategies(dp, tp, tp > 1, ep))
-    pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches)
+        model = GPT(_config(schedule), Strategies(dp, tp, tp > 1, ep))
+    virtual = VIRTUAL.get(schedule, 1)
+    pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
     trainer = Trainer(pipe, make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW), clip_grad_norm=CLIP)
     rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
     metrics = [trainer.train_step([(rows(ids), rows(targets))]) for ids, targets in _batches()]
@@ -107,6 +120,9 @@ def ep_pipeline_case(schedule: str, dp: int, tp: int, ep: int, microbatches: int
 CASES = [  # (schedule, dp, tp, ep, micro-batches, optimizer level)
     ("1f1b", 2, 1, 2, 2, 0),
     ("gpipe", 2, 1, 2, 2, 1),
+    ("1f1b", 2, 1, 2, 2, 3),  # each stage's parameters gathered around its work, experts over expert-dp
+    pytest.param(("interleaved", 2, 1, 2, 2, 2), marks=pytest.mark.slow),  # two stages per rank
+    pytest.param(("zbv", 2, 1, 2, 2, 0), marks=pytest.mark.slow),  # split backward: the weight pass apart
     pytest.param(("1f1b", 4, 1, 2, 2, 1), marks=pytest.mark.slow),  # an expert-dp group of 2 per stage
     pytest.param(("1f1b", 2, 2, 2, 2, 0), marks=pytest.mark.slow),  # ep x tp x pp
 ]
@@ -115,7 +131,7 @@ CASES = [  # (schedule, dp, tp, ep, micro-batches, optimizer level)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}-level{c[5]}")
 def test_expert_parallel_pipeline_matches_one_device(dist_run, case):
     schedule, dp, tp, ep, microbatches, level = case
-    expected, expected_norms, reference, expected_biases = _reference(dp, microbatches)
+    expected, expected_norms, reference, expected_biases = _reference(dp, microbatches, schedule)
     results = dist_run(2 * dp * tp, ep_pipeline_case, *case)
     trained = set()
     for rank, (losses, norms, params, biases, errors) in enumerate(results):
@@ -129,3 +145,25 @@ def test_expert_parallel_pipeline_matches_one_device(dist_run, case):
         assert biases and all(torch.equal(b, expected_biases[n]) for n, b in biases.items()), where
         trained |= set(params)
     assert trained == set(reference), "every parameter lives on some stage"
+
+
+def test_a_config_with_experts_and_a_pipeline_cuts_each_stage_s_experts():
+    overrides = ["--model.d_model", "32", "--train.global_batch", "8", "--model.experts", "4"]
+    config = load_config(
+        None, [*overrides, "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.microbatches", "2"]
+    )
+    config.validate(4)
+    plan = config.plan(4)
+    assert (plan.pp, plan.dp, plan.ep) == (2, 2, 2)
+
+
+def test_loom_train_with_a_pipeline_and_ep_follows_one_device(dist_run, tmp_path):
+    """The job `loom train` runs: `[parallel] pp = 2, ep = 2` (dp 2) gives the one-device losses. Without
+    balancing losses or bias, routing is per token, so the micro-batches' grouping changes nothing."""
+    moe = {"experts": 4, "mlp": "swiglu", "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
+    one = job_config(tmp_path, model=moe, parallel={"dp": 1}, train={"workers": 1, "steps": 3})
+    parallel = {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}
+    four = job_config(tmp_path, model=moe, parallel=parallel, train={"workers": 4, "steps": 3})
+    expected = dist_run(1, run, one)[0]["losses"]
+    assert len(expected) == 3
+    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)

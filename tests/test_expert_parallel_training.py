@@ -187,10 +187,10 @@ RULES = [
         6,
         r"innermost factors of dp = 6 \(prime factors \[2, 3\]\)",
     ),
-    (
-        ["--model.experts", "4", "--parallel.pp", "2", "--parallel.microbatches", "2"],
-        2,
-        "pipeline stages do not",
+    (  # with a pipeline, each stage's experts are cut over its own dp ranks: world / pp
+        ["--model.experts", "4", "--parallel.pp", "2", "--parallel.ep", "4", "--parallel.microbatches", "2"],
+        4,
+        "parallel.ep = 4 .* divide dp = 2",
     ),
     (["--model.experts", "4", "--model.top_k", "5"], 1, "model.top_k = 5 is out of range"),
 ]

@@ -721,11 +721,6 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.pp == 1:
             return
-        if model.experts > 1:
-            raise ValueError(
-                f"parallel.pp = {par.pp} with model.experts = {model.experts}: pipeline stages do not carry "
-                "the experts' balancing losses yet; set parallel.pp = 1 (data, tensor and expert parallel)"
-            )
         virtual = par.plan().virtual_stages  # micro-batches against pp: a rule of the Plan
         if par.stages is not None and sum(par.stages) != model.n_layers:
             raise ValueError(

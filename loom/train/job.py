@@ -168,7 +168,8 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
         )  # fmt: skip
     else:
         with torch.device("meta"):
-            model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
+            strategies = Strategies(mesh.dp_size, par.tp, par.sequence_parallel, par.ep)
+            model = GPT(gpt_config(config), strategies)
         pipeline = gpt_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
             seed=config.train.seed, split=_split(par),
