@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from equivalence import ADAMW, RTOL, assert_params_close
 from job_cases import job_config
+from test_pipeline_hf import assert_matches, pipeline_case
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
@@ -167,3 +168,20 @@ def test_loom_train_with_a_pipeline_and_ep_follows_one_device(dist_run, tmp_path
     expected = dist_run(1, run, one)[0]["losses"]
     assert len(expected) == 3
     assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)
+
+
+HF_CASES = [  # (dp, optimizer level, schedule): pp 2, ep 2
+    (2, 0, "1f1b"),
+    pytest.param((2, 1, "gpipe"), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: f"dp{c[0]}-level{c[1]}-{c[2]}")
+def test_hugging_face_mixtral_with_ep_in_pipeline_stages_matches_one_device(dist_run, case):
+    """An unedited Mixtral (4 layers, 4 experts, top-2) cut into 2 stages, each stage's experts cut over ep 2
+    of its dp 2 (`model_pipeline(..., ep=2)`): one device's losses, gradient norms, gradients (level 0),
+    parameters, evaluation loss and whole model; every rank holds 2 of each layer's 4 experts."""
+    dp, level, schedule = case
+    results = dist_run(2 * dp, pipeline_case, "mixtral", dp, level, schedule, None, 1, 1, 2)
+    assert_matches("mixtral", results, level)
+    assert all(result["local_experts"] == [2] for result in results)

@@ -663,7 +663,7 @@ class TrainConfig:
 
     def _check_hf_experts(self, world_size: int | None) -> None:
         """`parallel.ep > 1` on a Hugging Face model: its family's recipe names its experts (Mixtral), `ep`
-        divides their number and is made of the innermost factors of dp, and there is no pipeline."""
+        divides their number and is made of the innermost factors of dp (with a pipeline: each stage's)."""
         from loom.models.hf import causal_lm_class
         from loom.models.moe import check_expert_split
         from loom.models.recipes import RECIPES
@@ -683,11 +683,6 @@ class TrainConfig:
             par.ep, hf_config.num_local_experts, dp, ep_name="parallel.ep",
             experts_name=f"num_local_experts in {model.hf_config or model.hf_pretrained}",
         )  # fmt: skip
-        if par.pp > 1:
-            raise ValueError(
-                f"parallel.ep = {par.ep} with parallel.pp = {par.pp}: pipeline stages do not cut experts yet; "
-                "set parallel.pp = 1 (data, tensor and expert parallel) or parallel.ep = 1"
-            )
 
     def _check_hf_pipeline(self) -> None:
         """A Hugging Face model cut into pipeline stages needs its family's recipe (where its embeddings,

@@ -164,7 +164,7 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
         model = whole_hf_model(config)
         pipeline = model_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
-            loss_fn=hf.shifted_causal_lm_loss, split=_split(par),
+            loss_fn=hf.shifted_causal_lm_loss, split=_split(par), ep=par.ep,
         )  # fmt: skip
     else:
         with torch.device("meta"):
