@@ -168,7 +168,7 @@ def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_devic
         (  # with a pipeline, each stage's experts are cut over its own dp ranks
             "mixtral",
             {"dp": 2, "ep": 4, "pp": 2, "microbatches": 2},
-            r"parallel.ep = 4: expert groups .* dp = 2",
+            r"parallel.ep = 4 .*divide dp = 2",
         ),
     ],
 )
