@@ -5,7 +5,8 @@ balancing bias) trains 5 steps of Lipschitz AdamW (tests/equivalence.py) with cl
 stages each run by the data-parallel ranks of its pipeline rank, the stage's experts cut over ep of them:
 pp 2 x dp 2 with ep 2 on 4 ranks (1f1b; gpipe at optimizer level 1; 1f1b at level 3), and, marked slow,
 the interleaved (level 2) and zbv schedules (4 layers, two stages per rank), pp 2 x dp 4 with ep 2 on 8
-ranks (a real expert-dp group of 2) and pp 2 x dp 2 x tp 2 with ep 2. The balancing losses are
+ranks at level 3 (an expert-dp group of 2: the expert shards sharded at rest) and pp 2 x dp 2 x tp 2 with
+ep 2. The balancing losses are
 those of each micro-batch's tokens over every replica, so the reference is one device accumulating the
 same micro-batches (the k-th of every replica's rows, together). Compared: losses and gradient norms
 (rtol 1e-5), every whole parameter (`assert_params_close`) and the balancing biases (exactly: the loads are
@@ -107,12 +108,16 @@ def ep_pipeline_case(schedule: str, dp: int, tp: int, ep: int, microbatches: int
     trainer = Trainer(pipe, make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW), clip_grad_norm=CLIP)
     rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
     metrics = [trainer.train_step([(rows(ids), rows(targets))]) for ids, targets in _batches()]
-    errors = _shards(model, pipe, mesh, ep)
     params, biases = {}, {}
-    with pipe.full_parameters():
+    experts = next(moe for moe in moe_layers(pipe.modules[0])).experts.up_proj.to_local()
+    at_rest = experts.untyped_storage().nbytes()
+    with pipe.full_parameters():  # level 3: sharded at rest
+        errors = _shards(model, pipe, mesh, ep)
+        if level == 3 and (at_rest == 0) != (dp // ep > 1):  # sharded over an expert-dp group of 2+
+            errors.append(f"level 3: the expert shard holds {at_rest} bytes at rest (expert-dp {dp // ep})")
         for stage in pipe.modules:
             for name, p in zip(source_names(model, stage), stage.parameters(), strict=True):
-                params[name] = loom.full(p.detach())
+                params[name] = loom.full(p.detach()).clone()
             layers = set(moe_layers(stage))
             biases |= _biases((n, m) for n, m in model.named_modules() if m in layers)
     return [m.loss for m in metrics], [m.grad_norm for m in metrics], params, biases, errors
@@ -124,7 +129,7 @@ CASES = [  # (schedule, dp, tp, ep, micro-batches, optimizer level)
     ("1f1b", 2, 1, 2, 2, 3),  # each stage's parameters gathered around its work, experts over expert-dp
     pytest.param(("interleaved", 2, 1, 2, 2, 2), marks=pytest.mark.slow),  # two stages per rank
     pytest.param(("zbv", 2, 1, 2, 2, 0), marks=pytest.mark.slow),  # split backward: the weight pass apart
-    pytest.param(("1f1b", 4, 1, 2, 2, 1), marks=pytest.mark.slow),  # an expert-dp group of 2 per stage
+    pytest.param(("1f1b", 4, 1, 2, 2, 3), marks=pytest.mark.slow),  # an expert-dp group of 2 per stage
     pytest.param(("1f1b", 2, 2, 2, 2, 0), marks=pytest.mark.slow),  # ep x tp x pp
 ]
 
