@@ -25,12 +25,15 @@ format: setup
 	$(BIN)/ruff check --fix loom tests benchmarks examples
 
 # `make test` samples the slow cases (tests marked `slow`: more combinations of the same features);
-# `make test-all` runs every case. Both print the 15 slowest tests.
+# `make test-all` runs every case. Both print the 15 slowest tests. Two pytest processes: one runs every
+# test that uses the multi-rank worker pool, the other the rest beside it (see tests/conftest.py).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+
 test: setup lint
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+	$(PYTEST) -m "not slow"
 
 test-all: setup lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(PYTEST)
 
 # The main job (a small GPT learning arithmetic on 4 workers, dp=2 x tp=2, optimizer level 1), then the two
 # MindSpore layout examples checked against one device.

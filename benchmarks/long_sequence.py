@@ -11,9 +11,10 @@ Printed per case:
   before each call through /proc/self/clear_refs) above its resident memory before the call, so the
   inputs and whatever the allocator caches count in the baseline, not in the peak (0 when the call fits in
   memory the allocator already held);
-- comm KB: bytes the rank sent per call (forward and backward) as `CollectiveRecorder` counts them, and
-  the same from `loom.cost.context`'s formulas (they should agree exactly; sends and receives are counted
-  as one exchange's send bytes);
+- comm KB: bytes the rank sent per call (forward and backward) as `CollectiveRecorder` counts them, the
+  same from `loom.cost.context`'s formulas, and what the simulator prices per layer for a one-layer model of
+  these heads (`loom.sim.simulate`'s `cp_bytes_per_layer`; the layout, contiguous or head-tail, moves the
+  same bytes). All three should agree exactly; sends and receives are counted as one exchange's send bytes;
 - ms min / max: the median time of one forward and backward per rank, the fastest and the slowest rank.
   The exchanges keep the ranks in step, so a rank with less to do waits for its neighbours and the times
   come out alike; the imbalance shows in the time itself, and in
@@ -40,9 +41,13 @@ import torch.distributed as dist
 
 import loom
 from loom.cost.context import ring_collectives, ulysses_collectives
+from loom.cost.hardware import get_cluster
+from loom.cost.plan import ParallelPlan
+from loom.cost.transformer import TransformerConfig
 from loom.dist.comm import CollectiveRecorder
 from loom.parallel.context import causal_work, shard_sequence, ulysses_attention
 from loom.parallel.ring import ring_attention
+from loom.sim import simulate
 
 CASES = (
     ("ulysses", "contiguous", ulysses_attention, ulysses_collectives),
@@ -125,6 +130,14 @@ def measure(
     return rows
 
 
+def simulated_sent(name: str, seq: int, cp: int, batch: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes per layer a rank sends over cp as the simulator prices a one-layer model of these heads (fp32)."""
+    model = TransformerConfig(name="attention", layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads,
+                              vocab=256, dropout=False)  # fmt: skip
+    plan = ParallelPlan(cp=cp, attention=name, micro_batch=batch, global_batch=batch, seq=seq, dtype="fp32")
+    return simulate(model, plan, get_cluster("h100-sxm", gpus=cp)).cp_bytes_per_layer
+
+
 def work_imbalance(name: str, layout: str, cp: int) -> float:
     """Largest over smallest, among the ranks, of the causal scores each computes (`causal_work`)."""
     if name == "ulysses":
@@ -133,16 +146,18 @@ def work_imbalance(name: str, layout: str, cp: int) -> float:
     return max(work) / min(work)
 
 
-def report(cp: int, results: list[list[dict]]) -> None:
-    """One line per case: peak memory, traffic measured and predicted, per-rank time spread."""
+def report(cp: int, results: list[list[dict]], shape: dict) -> None:
+    """One line per case: peak memory, traffic measured, by the formulas and simulated, per-rank time spread."""
     for index, row in enumerate(results[0]):
         per_rank = [rank_rows[index] for rank_rows in results]
         times = [r["time"] for r in per_rank]
         sent = max(r["sent"] for r in per_rank)
+        simulated = simulated_sent(row["name"], row["seq"], cp, **shape)
         print(
             f"{row['seq']:>6} {cp:>3} {row['name']:>8} {row['layout']:>10} "
             f"{max(r['peak'] for r in per_rank) / 2**20:>8.1f} {sent / 1024:>9.1f} {row['formula'] / 1024:>9.1f} "
-            f"{min(times) * 1e3:>8.1f} {max(times) * 1e3:>8.1f} {work_imbalance(row['name'], row['layout'], cp):>9.2f}"
+            f"{simulated / 1024:>9.1f} {min(times) * 1e3:>8.1f} {max(times) * 1e3:>8.1f} "
+            f"{work_imbalance(row['name'], row['layout'], cp):>9.2f}"
         )
 
 
@@ -163,11 +178,12 @@ def main() -> None:
         f"{args.head_dim}, fp32, forward + backward; per rank: peak memory rise, bytes sent per call, median time"
     )
     print(f"{'seq':>6} {'cp':>3} {'attn':>8} {'layout':>10} {'peak MB':>8} {'sent KB':>9} {'formula':>9} "
-          f"{'ms min':>8} {'ms max':>8} {'work max/min':>9}")  # fmt: skip
+          f"{'simulated':>9} {'ms min':>8} {'ms max':>8} {'work max/min':>9}")  # fmt: skip
+    shape = {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     for cp in args.cp:
         results = loom.launch(measure, cp, args.seqs, args.batch, args.heads, args.kv_heads, args.head_dim,
                               args.repeats)  # fmt: skip
-        report(cp, results)
+        report(cp, results, shape)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test that runs on the pool goes to
+# one xdist worker, so the suite starts one pool and its groups never compete with each other for the cores.
+# The rest (one-process tests, and the launcher, fault and command-line tests, which start their own
+# workers and spend much of their time waiting on them: restarts, heartbeat timeouts) runs beside it.
+POOL_GROUP = "worker_pool"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if {"dist_run", "worker_pool"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
+
+
 @pytest.fixture(scope="session")
 def worker_pool() -> Iterator[WorkerPool]:
     """The session's pool of worker groups (closed at the end of the session)."""

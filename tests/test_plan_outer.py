@@ -13,7 +13,7 @@ from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
 from loom.plan.outer import search_plans, to_plan
-from loom.plan.outer_space import even_split, stage_options
+from loom.plan.outer_space import even_split, meshes, micro_batch_sizes, stage_options
 from loom.sim.simulator import compute_bound, simulate
 from loom.sim.validation import cases
 
@@ -27,7 +27,8 @@ def _case(source: str, label: str):
 @pytest.mark.parametrize(
     "source,label",
     [("korthikanti2022", "22B selective_sp"), ("korthikanti2022", "175B selective_sp"),
-     ("korthikanti2022", "22B full")],
+     ("korthikanti2022", "22B full"), ("narayanan2021", "1.7B"),
+     pytest.param("narayanan2021", "310.1B", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_search_matches_or_beats_the_published_configuration(source: str, label: str) -> None:
     case = _case(source, label)
@@ -46,17 +47,20 @@ def test_search_matches_or_beats_the_published_configuration(source: str, label:
     assert published.iteration_s <= 1.1 * best.iteration_s
 
 
-def test_a_memory_limit_below_pure_data_parallelism_is_obeyed() -> None:
+@pytest.mark.parametrize(
+    "fraction,choices",
+    [(0.6, {}), (0.6, {"recompute": ("none",), "optimizer_levels": (0,)}), (0.4, {}),
+     (0.6, {"sequence_parallel": (False,), "optimizer_levels": (0,)})],
+)  # fmt: skip
+def test_a_memory_limit_below_pure_data_parallelism_is_obeyed(fraction: float, choices: dict) -> None:
     cluster = PROFILES["h100-sxm"]
-    unlimited = search_plans(SMALL, cluster, 8, 64, 2048)
-    pure_dp = simulate(SMALL, unlimited.best.plan.replace(dp=8, tp=1, pp=1, interleave=1, schedule=None,
-                       recompute="none", optimizer_level=0, sequence_parallel=False, micro_batch=1,
-                       stage_layers=()), cluster.with_size(8))  # fmt: skip
-    limit = pure_dp.memory_per_device_gib * 0.6
-    found = search_plans(SMALL, cluster, 8, 64, 2048, memory_limit=limit * GIB)
-    assert found.candidates
-    for candidate in found.candidates:
-        assert candidate.result.memory_per_device_gib <= limit
+    pure_dp = ParallelPlan(dp=8, global_batch=64, seq=2048)
+    limit = simulate(SMALL, pure_dp, cluster.with_size(8)).memory_per_device_gib * fraction
+    found = search_plans(SMALL, cluster, 8, 64, 2048, memory_limit=limit * GIB, keep=20, **choices)
+    assert found.candidates and found.memory_limit_gib == pytest.approx(limit)
+    for candidate in found.candidates:  # priced again, apart from the search
+        again = simulate(SMALL, candidate.plan, cluster.with_size(8))
+        assert again.memory_per_device_gib <= limit and candidate.result.memory_per_device_gib <= limit
     best = found.best.plan
     assert (best.dp, best.recompute, best.optimizer_level) != (8, "none", 0)
 
@@ -131,3 +135,34 @@ def test_the_compute_bound_never_exceeds_the_simulated_step(level: int) -> None:
                      optimizer_level=level, stage_layers=(5, 3)),
     ):  # fmt: skip
         assert compute_bound(SMALL, plan, cluster) <= simulate(SMALL, plan, cluster).iteration_s
+
+
+def test_the_top_plans_are_those_of_every_plan_simulated() -> None:
+    # with one recompute policy and optimizer level no choice is pruned as dominated: the search's bound and
+    # micro-batch cut-offs must then leave the same top 10 as simulating the whole space
+    cluster = PROFILES["h100-sxm"].with_size(8)
+    fixed = {"recompute": ("full",), "optimizer_levels": (0,), "sequence_parallel": (False,)}
+    found = search_plans(SMALL, cluster, 8, 64, 2048, **fixed)
+    every = []
+    for mesh in meshes(SMALL, cluster, 8, 64, 2048)[0]:
+        for micro in micro_batch_sizes(mesh, 64):
+            for interleave, stages in stage_options(SMALL.layers, mesh.pp, 64 // (mesh.dp * micro)):
+                plan = ParallelPlan(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, micro_batch=micro, interleave=interleave,
+                                    stage_layers=stages, global_batch=64, seq=2048, recompute="full")  # fmt: skip
+                result = simulate(SMALL, plan, cluster)
+                every += [result.iteration_s] if result.fits else []
+    assert len(every) > 10
+    top = [c.result.iteration_s for c in found.candidates[:10]]
+    assert top == pytest.approx(sorted(every)[:10])
+
+
+def test_a_published_row_under_a_limit_below_its_data_parallel_memory() -> None:
+    # Narayanan's 1.7B row runs as pure data parallelism; 70% of its memory forces another plan
+    case = _case("narayanan2021", "1.7B")
+    p, cluster = case.plan, case.cluster
+    limit = simulate(case.model, p, cluster).memory_per_device_gib * 0.7
+    found = search_plans(case.model, cluster, cluster.gpus, p.global_batch, p.seq, limit * GIB, dtype=p.dtype,
+                         overlap_grad_sync=p.overlap_grad_sync, optimizer_levels=(0,))  # fmt: skip
+    assert found.candidates and all(c.plan.dp < cluster.gpus for c in found.candidates)
+    for candidate in found.candidates:
+        assert simulate(case.model, candidate.plan, cluster).memory_per_device_gib <= limit

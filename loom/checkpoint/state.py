@@ -11,6 +11,9 @@
   parameters; levels 1-3 read their own chunks' boxes straight into the chunks, once the optimizer builds
   them (at the first step, when the gradient buckets are known). So a checkpoint of any level loads at any
   level, on any mesh or number of processes;
+- with replicas that step alone (`loom.parallel.local_sgd`: `[parallel] sync = "local_sgd" | "diloco"`),
+  each rank's own entry instead of the optimizer's states: its parameters, inner and outer states and global
+  weights (`replica_state`), restored on the same mesh;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
 
@@ -34,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.chunks import Pieces, pieces_of
 from loom.checkpoint.manifest import CheckpointError
+from loom.dist import env
+from loom.parallel.local_sgd import Replicated
 from loom.parallel.zero import BucketShard, ZeroOptimizer
 
 # One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
@@ -65,6 +70,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     the first step (nothing built yet: a resumed run starts from fresh states, as this one would)."""
     if isinstance(optimizer, ZeroOptimizer):
         return zero_optimizer_state(model, optimizer)
+    if isinstance(optimizer, Replicated):
+        return replica_state(optimizer)
     return get_optimizer_state_dict(model, optimizer)
 
 
@@ -116,6 +123,8 @@ def load_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: 
     states where the checkpoint has them, laid out as this run holds them (levels 1-3 read theirs into their
     chunks when they build them: `load_optimizer_state`)."""
     state: dict[str, Any] = {"model": model_state(model)}
+    if isinstance(optimizer, Replicated):
+        return {**state, **replica_load_template(metadata)}
     # none saved at levels 1-3 before the first step, or in a weights-only checkpoint: start fresh
     if isinstance(optimizer, ZeroOptimizer) or not _has_optimizer_state(metadata):
         return state
@@ -134,6 +143,8 @@ def load_optimizer_state(
     1-3 `read` (collective) reads the states into the chunks when the optimizer builds them (the first step)."""
     if isinstance(optimizer, ZeroOptimizer):
         defer_zero_load(model, optimizer, saved_optimizer_states(metadata), read)
+    elif isinstance(optimizer, Replicated):
+        load_replica_state(optimizer, state)
     elif "optim" in state:
         load_plain_state(model, optimizer, state["optim"])
 
@@ -231,6 +242,45 @@ def _named_groups(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, st
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group without its parameters."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+# ---- replicas that meet on their own schedule (local SGD, DiLoCo: loom.parallel.local_sgd) -----------------
+
+
+def _replica_key() -> str:
+    return f"rank_{env.rank():05d}"
+
+
+def replica_state(optimizer: Replicated) -> dict[str, Any]:
+    """Each rank's own entry (`Replicated.rank_state`: its parameters, inner and outer optimizer states,
+    global weights): between two syncs every replica holds other values, so none can be saved once for all
+    as the model's entry is. One Python value per rank, inside a tuple, which DCP saves whole (it walks
+    into dicts and lists only) and reads back with the weights-only unpickler."""
+    return {"replicas": {_replica_key(): (optimizer.rank_state(),)}}
+
+
+def replica_load_template(metadata: Metadata) -> dict[str, Any]:
+    """The place of this rank's entry (empty when the checkpoint holds no optimizer state: a fresh start
+    from its weights); a `CheckpointError` when the checkpoint has optimizer states but none for this rank."""
+    key = _replica_key()
+    paths = _saved_paths(metadata).values()
+    if ("optim", "replicas", key) in {tuple(path) for path in paths}:
+        return {"optim": {"replicas": {key: None}}}
+    if not _has_optimizer_state(metadata):
+        return {}
+    raise CheckpointError(
+        f"the checkpoint holds no local SGD / DiLoCo state of rank {env.rank()}: it was saved by synchronous "
+        "training (parallel.sync = 'every_step') or on fewer ranks; resume with the sync and mesh it was "
+        "saved with"
+    )
+
+
+def load_replica_state(optimizer: Replicated, state: dict[str, Any]) -> None:
+    """Give this rank its entry back (read by DCP into `replica_load_template`'s place), parameters
+    included; nothing without one."""
+    if "optim" in state:
+        (entry,) = state["optim"]["replicas"][_replica_key()]
+        optimizer.load_rank_state(entry)
 
 
 # ---- optimizer levels 1-3: chunk states <-> per-parameter states -------------------------------------------

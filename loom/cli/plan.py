@@ -22,10 +22,13 @@ HELP = "search the best parallel plan of a model on a cluster (no GPU needed)"
 DESCRIPTION = f"""\
 Search mesh shapes (dp, tp, pp; ep for experts), pipeline stages (uneven allowed), micro-batch size and
 count, optimizer level and recompute policy under a memory limit, each plan priced by loom's simulator.
+Context parallelism (cp: each sequence cut over cp ranks, Ulysses or ring attention) is searched from
+8192 tokens per sequence, or when no plan without it fits.
 
 examples:
   loom plan --model gpt3-175b --hardware h100-sxm --gpus 1024 --global-batch 1536
   loom plan --model llama3-70b --hardware h100-sxm --gpus 64 --global-batch 256 --seq 8192 --memory-limit 60
+  loom plan --model llama3-8b --hardware h100-sxm --gpus 16 --global-batch 16 --seq 65536
   loom plan configs/demo.toml --gpus 8 --out plan.json     # the model, batch and sequence of a config
   loom plan --model gpt3-175b --gpus 1024 --global-batch 1536 --top 10 --json
 
@@ -88,14 +91,16 @@ def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]
     return model, gpus, batch, seq
 
 
-def _describe(c: Candidate) -> str:
+def describe(c: Candidate) -> str:
+    """One line: the candidate's mesh, stages, micro-batches, optimizer level and recompute policy."""
     p = c.plan
     stages = f" stages {','.join(map(str, p.stage_layers))}" if p.stage_layers else ""
     interleave = f" x{p.interleave} chunks" if p.interleave > 1 else ""
     ep = f" ep {p.ep}" if p.ep > 1 else ""
     sp = " +sp" if p.sequence_parallel else ""
+    cp = f" cp {p.cp} {p.attention}" if p.cp > 1 else ""
     return (
-        f"dp {p.dp} tp {p.tp}{sp} pp {p.pp}{interleave}{stages}{ep}, micro-batch {p.micro_batch} x "
+        f"dp {p.dp}{cp} tp {p.tp}{sp} pp {p.pp}{interleave}{stages}{ep}, micro-batch {p.micro_batch} x "
         f"{p.micro_batches}, optimizer level {p.optimizer_level}, recompute {p.recompute}"
     )
 
@@ -112,13 +117,16 @@ def _json(found: SearchResult, top: int) -> dict:
         "considered": found.considered,
         "simulated": found.simulated,
         "search_s": found.seconds,
+        "notes": found.notes,
     }
 
 
-def _print(console: Console, model: TransformerConfig, found: SearchResult, top: int) -> None:
+def print_search(console: Console, model: TransformerConfig, found: SearchResult, top: int) -> None:
+    """The best plan with its step time, MFU and memory, the `top` runners-up and why each lost, the
+    infeasible regions and the search's size (what `loom plan` prints; `loom train` with mode = auto too)."""
     best = found.best
     r = best.result
-    console.print(f"[bold]{model.name}[/]: best plan {_describe(best)}", highlight=False)
+    console.print(f"[bold]{model.name}[/]: best plan {describe(best)}", highlight=False)
     console.print(
         f"  step {_duration(r.iteration_s)}, MFU {r.mfu:.1%}, memory {_gib(r.memory_per_device_gib)} per device "
         f"(limit {found.memory_limit_gib:g})",
@@ -129,11 +137,13 @@ def _print(console: Console, model: TransformerConfig, found: SearchResult, top:
         table.add_column(column)
     for c in found.candidates[1 : top + 1]:
         table.add_row(
-            _describe(c), _duration(c.result.iteration_s), _gib(c.result.memory_per_device_gib),
+            describe(c), _duration(c.result.iteration_s), _gib(c.result.memory_per_device_gib),
             found.why_lost(c),
         )  # fmt: skip
     console.print(table)
     _print_infeasible(console, found)
+    for note in found.notes:
+        console.print(note, highlight=False)
     console.print(
         f"searched {found.considered} plans, simulated {found.simulated}, in {found.seconds:.1f} s",
         highlight=False,
@@ -167,7 +177,7 @@ def execute(args: argparse.Namespace) -> int:
                 print(f"  {item.region}: {item.reason}", file=sys.stderr)
         return 1
     if not args.json:
-        _print(Console(), model, found, args.top)
+        print_search(Console(), model, found, args.top)
     if args.out:
         path = to_plan(found.best).save(args.out)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)

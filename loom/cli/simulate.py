@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -21,7 +20,15 @@ from loom.cost.hardware import PROFILES, Link, get_cluster
 from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
-from loom.plan import OPTIMIZER_LEVELS, PRECISIONS, RECOMPUTE, SIMULATED_SCHEDULES, Plan, default_schedule
+from loom.plan import (
+    ATTENTIONS,
+    OPTIMIZER_LEVELS,
+    PRECISIONS,
+    RECOMPUTE,
+    SIMULATED_SCHEDULES,
+    Plan,
+    default_schedule,
+)
 from loom.sim.presets import PRESETS, get_model, load_model_config
 from loom.sim.simulator import BUBBLE_DEFINITION, PlanError, SimResult, simulate
 from loom.sim.timeline import MissingDependency, draw_timeline, require_matplotlib
@@ -32,7 +39,8 @@ TAKES_CONFIG_OVERRIDES = True  # `loom simulate CONFIG.toml --parallel.tp 4`, as
 HELP = "predict step time, MFU and memory of a parallel plan (no GPU needed)"
 DESCRIPTION = f"""\
 Simulate one training iteration of a transformer under a parallel plan on a modelled cluster: the pipeline
-schedule played as events, tensor/expert/data-parallel communication, recomputation and the optimizer step.
+schedule played as events, tensor/expert/context/data-parallel communication, recomputation and the
+optimizer step.
 
 examples:
   loom simulate configs/demo.toml            # the run `loom train configs/demo.toml` makes
@@ -43,6 +51,8 @@ examples:
   loom simulate --model llama3-70b --hardware h200 --gpus 64 --tp 8 --pp 2 --global-batch 256 --seq 8192 \\
       --recompute full --optimizer-level 1 --json
   loom simulate --layers 24 --hidden 2048 --heads 16 --vocab 32000 --gpus 8 --tp 2 --global-batch 64
+  loom simulate --model llama3-8b --hardware h100-sxm --gpus 8 --cp 8 --attention ring --seq 65536 \\
+      --global-batch 8 --flash-attention --optimizer-level 1 --recompute full  # a sequence over 8 ranks
   loom simulate --model gpt3-175b --gpus 64 --tp 8 --pp 8 --interleave 3 --global-batch 64 --timeline t.png
   loom simulate --model-config config.json --hardware this-machine.json --gpus 2
   loom simulate --model llama3-8b --gpus 8 --tp 8 --global-batch 64 --seq 4096 --recompute full \\
@@ -51,8 +61,10 @@ examples:
 models: {", ".join(PRESETS)}
 hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`
 
-dp defaults to gpus / (tp * pp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
-with --plan to dp * the plan's micro-batches * micro-batch. A CONFIG.toml sets the model, the plan, the batch
+dp defaults to gpus / (tp * pp * cp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
+with --plan to dp * the plan's micro-batches * micro-batch. --cp cuts each sequence over cp ranks (inside a
+node after tp, as the mesh orders its axes): Ulysses (tp * cp must divide the heads) or ring attention
+(the sequence a multiple of 2 * cp); not with pipelines. A CONFIG.toml sets the model, the plan, the batch
 and the devices itself: only the hardware and output options go with it, and after CONFIG.toml the
 `--section.key value` overrides that `loom train` takes.
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
@@ -79,7 +91,7 @@ def positive_int(text: str) -> int:
 
 DEFAULT_SEQ = 2048
 PLAN_FLAGS = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "recompute")
-PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype", "stage_layers")
+PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype", "stage_layers", "cp", "attention")
 MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts")
 MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
@@ -105,13 +117,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--swiglu", action="store_true", help="gated (SwiGLU) MLP, Llama-style")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--hardware", default="a100-80gb", help="profile name or file (default a100-80gb)")
-    hardware.add_argument("--gpus", type=positive_int, help="devices (default dp * tp * pp)")
+    hardware.add_argument("--gpus", type=positive_int, help="devices (default dp * tp * pp * cp)")
     hardware.add_argument(
         "--gpus-per-node", type=positive_int, help="devices per node (default: the profile's)"
     )
     plan = parser.add_argument_group("plan")
     for axis in ("dp", "tp", "pp", "interleave", "ep", "micro-batch", "global-batch"):
         plan.add_argument(f"--{axis}", type=positive_int, metavar="N")
+    plan.add_argument(
+        "--cp", type=positive_int, metavar="N", help="context parallel: each sequence cut over N ranks"
+    )
+    plan.add_argument(
+        "--attention", choices=ATTENTIONS, help="attention over the cp ranks (default ulysses; needs --cp)"
+    )
     plan.add_argument(
         "--seq", type=positive_int, metavar="N", help=f"sequence length (default {DEFAULT_SEQ})"
     )
@@ -200,17 +218,6 @@ def _config(args: argparse.Namespace) -> TrainConfig | None:
     return load_config(args.config, overrides) if args.config else None
 
 
-def _read_plan(path: str) -> Plan:
-    """A plan file (`Plan.save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return Plan.load(path)  # which says what is wrong with the file
-    if isinstance(data, dict) and isinstance(data.get("plan"), dict):
-        return Plan.from_dict(data["plan"], f"the plan of checkpoint file {path!r}")
-    return Plan.from_dict(data, f"plan file {path!r}")
-
-
 def _stage_layers(text: str | None, layers: int, stages: int) -> list[int] | None:
     """`--stage-layers`: counts separated by commas, or light-ends (`loom.cost.plan.light_ends`)."""
     if text is None:
@@ -227,14 +234,17 @@ def _stage_layers(text: str | None, layers: int, stages: int) -> list[int] | Non
 
 def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
     """The Plan and global batch the plan flags describe (`layers`: the model's, for --stage-layers)."""
-    tp, pp = args.tp or 1, args.pp or 1
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    if args.attention and cp == 1:
+        raise PlanError([f"--attention {args.attention} spans a sequence cut over cp ranks: give --cp N too"])
     if args.dp is None:
-        gpus = args.gpus or tp * pp
-        if gpus % (tp * pp):
+        gpus = args.gpus or tp * pp * cp
+        if gpus % (tp * pp * cp):
+            degrees = f"tp*pp*cp = {tp * pp * cp}" if cp > 1 else f"tp*pp = {tp * pp}"
             raise PlanError(
-                [f"--gpus {gpus} is not a multiple of tp*pp = {tp * pp}; choose degrees that multiply to it"]
+                [f"--gpus {gpus} is not a multiple of {degrees}; choose degrees that multiply to it"]
             )
-        dp = gpus // (tp * pp)
+        dp = gpus // (tp * pp * cp)
     else:
         dp = args.dp
     micro, interleave = args.micro_batch or 1, args.interleave or 1
@@ -247,7 +257,8 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
             ]
         )
     plan = Plan(
-        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, schedule=args.schedule or default_schedule(interleave),
+        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=args.attention or "ulysses",
+        schedule=args.schedule or default_schedule(interleave),
         virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=args.recompute or "none",
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
         precision=args.dtype or "bf16", stages=_stage_layers(args.stage_layers, layers, pp * interleave),
@@ -343,6 +354,7 @@ def _print(
         f"micro-batch {p.micro_batch} x {p.micro_batches}, global batch {p.global_batch} x {p.seq} tokens, "
         f"recompute {p.recompute}{', sequence parallel' if p.sequence_parallel else ''}, "
         f"optimizer level {p.optimizer_level}, {p.schedule}"
+        + (f", cp {p.cp} ({p.attention} attention)" if p.cp > 1 else "")
     )
     summary = Table(title="predicted iteration", show_header=False)
     rows = [
@@ -368,6 +380,12 @@ def _print(
     memory = ", ".join(f"{name} {_gib(gib)}" for name, gib in result.memory_breakdown_gib.items())
     console.print(parts)
     console.print(f"memory: {memory}")
+    if plan.cp > 1:
+        console.print(
+            f"context parallel: each rank sends {result.cp_bytes_per_layer / 2**20:,.2f} MiB over its cp group "
+            "per layer and micro-batch (forward and backward); cp_comm is what compute leaves exposed",
+            highlight=False,
+        )
     if plan.pp > 1:
         stages = ", ".join(
             f"{gib:.1f}" + (f" ({n} layers)" if plan.stage_layers else "")
@@ -422,7 +440,7 @@ def execute(args: argparse.Namespace) -> int:
             require_matplotlib()
         config = _config(args)
         _check_sources(args)
-        saved = _read_plan(args.plan) if args.plan else None
+        saved = Plan.read(args.plan) if args.plan else None
         model = config.model.transformer_config() if config is not None else _model(args)
     except (ValueError, MissingDependency) as exc:
         print(f"loom simulate: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from loom.cli.plan import describe, print_search
 from loom.dist.launch import LaunchError
 from loom.fault import Fault, RestartPolicy, supervise
 from loom.train.config import TrainConfig, config_help, load_config
@@ -24,6 +25,10 @@ DESCRIPTION = """\
 Train the reference GPT, or a Hugging Face causal LM ([model] hf_config or hf_pretrained), as CONFIG.toml
 says: mesh (dp x tp), optimizer level, recomputation, precision, data and schedule. Keys can be overridden
 on the command line as --section.key value. At the end the model continues a few prompts greedily.
+
+[parallel] plan = "plan.json" runs a saved plan (`loom plan ... --out plan.json`) instead of the sizes;
+[parallel] mode = "auto" lets the planner choose them for the run's devices (printed as `loom plan` prints
+its search; memory_limit and hardware shape the search).
 
 The workers are supervised: a worker that dies, raises during training or hangs (no heartbeat for
 fault.heartbeat_timeout_s: one per step and one per start-up phase) stops the job, which restarts from the
@@ -48,6 +53,8 @@ examples:
   loom train configs/demo.toml --verbose
   loom train configs/demo.toml --train.steps 50 --parallel.tp 1
   loom train configs/demo.toml --train.workers 2 --parallel.optimizer_level 2
+  loom plan job.toml --out plan.json && loom train job.toml --parallel.plan plan.json   # no [parallel] sizes
+  loom train auto.toml        # [parallel] mode = "auto" and memory_limit = "2GiB": the planner chooses
   loom train configs/demo.toml --checkpoint.dir runs/ckpt --checkpoint.every_steps 50 --fault.max_restarts 5
   torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 ... -m loom.cli.main train gpt.toml
 """
@@ -79,16 +86,20 @@ def execute(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         # under torchrun the ranks are its processes; locally, the workers loom starts
-        config.preflight(int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers)
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.train.workers
+        config.preflight(world_size)  # with parallel.mode = "auto", the planner chooses here
         faults = faults_from_env()
         check_faults(config, faults)
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
     if under_torchrun():
+        if os.environ.get("RANK", "0") == "0":
+            print_plan_source(Console(), config, world_size)
         return _run_here(config, faults, verbose)
     console = Console()
     console.print(f"[bold]loom train[/] {escape(args.config)} on {config.train.workers} local worker(s)")
+    print_plan_source(console, config, world_size)
     if config.fault.max_restarts and not config.checkpoint.dir:
         console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
@@ -101,6 +112,27 @@ def execute(args: argparse.Namespace) -> int:
         return 1
     _report(console, summary)
     return 0
+
+
+def print_plan_source(console: Console, config: TrainConfig, world_size: int) -> None:
+    """Where the run's [parallel] values come from, when not from its keys: the planner's search as `loom
+    plan` prints it, the faster plans loom train cannot run, and the one it runs (`mode = "auto"`); or the
+    plan file (`parallel.plan`)."""
+    par = config.parallel
+    if par.mode == "auto":
+        chosen = config.auto_plan(world_size)
+        console.print(
+            f"parallel.mode = 'auto': the planner's search on {world_size} x {chosen.hardware}",
+            highlight=False,
+        )
+        print_search(console, chosen.model, chosen.search, top=3)
+        for candidate, reason in chosen.skipped[:3]:
+            console.print(f"  skipped {describe(candidate)}: {escape(reason)}", highlight=False)
+        console.print(f"[bold]running[/] {describe(chosen.candidate)}", highlight=False)
+    elif par.origin is not None:
+        plan = config.plan(world_size)
+        predicted = f", predicted step {plan.predicted_step_s:.3g} s" if plan.predicted_step_s else ""
+        console.print(f"running the plan of {escape(par.origin)}{predicted}", highlight=False)
 
 
 def _run_here(config: TrainConfig, faults: list[Fault], verbose: bool) -> int:

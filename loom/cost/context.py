@@ -12,7 +12,8 @@ send and receive: the buffer):
   brings each block's gradients home). Bytes per rank stay near the whole sequence's keys and values
   ((cp - 1) blocks of seq / cp) whatever cp is.
 
-`communication_time` prices the lists; `attention_flops` gives the busiest rank's matmul work, which the
+`communication_time` prices the lists; `exposed_time` prices what of one phase's list the attention's own
+compute leaves uncovered (the simulator charges that per layer); `attention_flops` gives the busiest rank's matmul work, which the
 causal mask makes uneven on the contiguous cut. Entries are `loom.cost.traffic.StepCollective`s over axis
 "cp", so `loom.cost.traffic.summary` and `CollectiveRecorder.summary(mesh_axes(...))` compare directly.
 """
@@ -30,13 +31,17 @@ __all__ = [
     "BACKWARD_FLOPS_PER_SCORE",
     "FORWARD_FLOPS_PER_SCORE",
     "GRAD_BYTES",
+    "RING_GRADS",
+    "RING_KV",
     "attention_flops",
     "communication_time",
+    "exposed_time",
     "ring_collectives",
     "ulysses_collectives",
 ]
 
 CP = "cp"
+RING_KV, RING_GRADS = "ring k,v", "ring grad k,v"  # the sources of ring attention's two kinds of exchange
 GRAD_BYTES = 4  # ring attention sums key/value gradients in fp32 buffers, which travel as they are
 # per score (one query head, one query, one key), in units of head_dim: forward q.k and p.v (2 each);
 # backward recomputes q.k, then dv, dp, dq and dk (as flash attention's backward does)
@@ -95,11 +100,9 @@ def ring_collectives(
     out = []
     for kind in ("send", "recv"):
         out += [
-            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="forward", source="ring k,v"),
-            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="backward", source="ring k,v"),
-            StepCollective(
-                kind=kind, axis=CP, nbytes=grads, count=cp, phase="backward", source="ring grad k,v"
-            ),
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="forward", source=RING_KV),
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="backward", source=RING_KV),
+            StepCollective(kind=kind, axis=CP, nbytes=grads, count=cp, phase="backward", source=RING_GRADS),
         ]
     return out
 
@@ -109,13 +112,32 @@ def communication_time(collectives: Iterable[StepCollective], span: GroupSpan, c
     compute (ring attention overlaps its key/value exchanges with the blocks' attention; this is the upper
     bound). An exchange is priced once, as a send/receive: each rank sends to its successor while it
     receives from its predecessor, so every link carries one message at a time."""
+    return sum(c.count * _priced(c, span, cluster) for c in collectives)
+
+
+def exposed_time(
+    collectives: Iterable[StepCollective], span: GroupSpan, cluster: Cluster, *, phase: str, step_s: float
+) -> float:
+    """Seconds of `phase`'s communication in `collectives` that compute leaves exposed on one rank, when
+    one ring step's block of attention takes `step_s`. Ulysses' all-to-alls are waited on where they are
+    issued: wholly exposed. Ring attention starts each key/value exchange before computing a step's block
+    and waits for it after (`loom.parallel.ring`): hidden up to `step_s`, the remainder exposed; the
+    gradients' exchanges are waited on as soon as they start: exposed. With `step_s = 0` the sum over both
+    phases is `communication_time`."""
     seconds = 0.0
     for c in collectives:
-        if c.kind == "recv":
-            continue  # the other half of an exchange, priced with its send
-        kind = "send_recv" if c.kind == "send" else c.kind
-        seconds += c.count * collective_time(kind, c.nbytes, span, cluster)
+        if c.phase == phase:
+            hidden = step_s if c.source == RING_KV else 0.0
+            seconds += c.count * max(0.0, _priced(c, span, cluster) - hidden)
     return seconds
+
+
+def _priced(c: StepCollective, span: GroupSpan, cluster: Cluster) -> float:
+    """Seconds of one of `c`'s calls; a receive is free, the other half of an exchange priced with its send."""
+    if c.kind == "recv":
+        return 0.0
+    kind = "send_recv" if c.kind == "send" else c.kind
+    return collective_time(kind, c.nbytes, span, cluster)
 
 
 def attention_flops(

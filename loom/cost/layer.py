@@ -3,9 +3,16 @@
 Each piece is a dict of named components in seconds, so that the simulator can report where time goes:
 "matmul" (GEMMs), "elementwise" (memory-bound kernels: norms, activations, softmax, dropout, residuals),
 "tp_comm" (tensor/sequence-parallel collectives, not overlapped, as in Megatron; the collectives are those
-`loom.cost.traffic` predicts, priced one by one) and "ep_comm"
-(expert-parallel all-to-alls). Backward runs two GEMMs per forward GEMM (input and weight gradients) and
-moves about twice the bytes of each elementwise kernel.
+`loom.cost.traffic` predicts, priced one by one), "ep_comm" (expert-parallel all-to-alls) and "cp_comm"
+(context-parallel attention's exchanges over the cp group, `loom.cost.context`: what compute leaves
+exposed). Backward runs two GEMMs per forward GEMM (input and weight gradients) and moves about twice the
+bytes of each elementwise kernel.
+
+With cp > 1 each rank holds seq / cp tokens of its sequences, which loom's GPT treats as rows of their own
+(`loom.cost.traffic.shards_as_rows`): every piece but the attention core is priced on those rows. The core
+attends the rank's queries to the whole sequence: Ulysses whole sequences for heads / cp heads, ring
+attention cp steps of a block of seq / cp queries against one of seq / cp keys, the chunk pairs the causal
+mask hides skipped (the head-tail cut gives every rank and every step the same work).
 """
 
 from __future__ import annotations
@@ -14,19 +21,22 @@ from dataclasses import dataclass
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
+from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
+    attention_collectives,
     embedding_collectives,
     head_collectives,
     layer_collectives,
+    shards_as_rows,
     stage_stream_bytes,
 )
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["Costs", "PieceCosts", "piece_costs"]
+__all__ = ["Costs", "PieceCosts", "cp_span", "piece_costs"]
 
 Costs = dict[str, float]
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
@@ -46,6 +56,7 @@ class PieceCosts:
     head_bwd: Costs
     p2p_s: float  # sending one micro-batch's activations to the next stage
     p2p_bytes: float
+    layer_cp: tuple[StepCollective, ...] = ()  # one layer's attention exchanges over cp, one micro-batch
 
 
 def _scaled(costs: Costs, factor: float) -> Costs:
@@ -72,11 +83,20 @@ def _comm(collectives: list[StepCollective], phase: str, plan: ParallelPlan, clu
     )
 
 
+def cp_span(plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
+    """Where a cp group sits: its ranks tp apart (the mesh orders its axes pp, dp, cp, tp, tp innermost),
+    so cp fills a node after tp, before dp."""
+    return group_span(plan.cp, plan.tp, cluster.gpus_per_node)
+
+
 def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
-    """Scores, softmax, dropout and context of one layer's forward (what selective recomputation redoes)."""
+    """Scores, softmax, dropout and context of one layer's forward on one rank (what selective recomputation
+    redoes); with cp > 1 the rank's queries against the whole sequence (see the module's docstring)."""
+    if plan.cp > 1 and plan.attention == "ring":
+        return _ring_core(model, plan, cluster)
     dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
     s, b, d = plan.seq, plan.micro_batch, model.head_dim
-    heads = b * model.heads / plan.tp
+    heads = b * model.heads / (plan.tp * plan.cp)  # Ulysses: whole sequences, the rank's share of the heads
     matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     if plan.flash_attention:
         # a fused causal kernel computes only the score blocks on and below the diagonal, at its own
@@ -88,7 +108,25 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
     return {"matmul": matmul, "elementwise": memory_time(dev, moved, kernels=2)}
 
 
-def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, float]:
+def _ring_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    """Ring attention's forward on one rank: cp steps, each a block of seq / cp queries against one of
+    seq / cp keys, of which the head-tail cut leaves half the scores to compute (`loom.cost.context.
+    attention_flops`: heads * seq^2 / (2 cp) scores per rank). Blockwise with a running log-sum-exp, it never
+    holds the whole scores: a fused kernel's speed with flash attention, else explicit GEMMs and a softmax
+    over the block's scores (no dropout)."""
+    dev, dt, e, cp = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.cp
+    block, heads = plan.seq / cp, plan.micro_batch * model.heads / plan.tp
+    matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
+    if plan.flash_attention:
+        return {"matmul": matmul / dev.attention_efficiency, "elementwise": 0.0}
+    scores = cp * CAUSAL_SHARE * heads * block * block
+    return {"matmul": matmul, "elementwise": memory_time(dev, 2 * e * scores, kernels=2 * cp)}
+
+
+def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, Costs]:
+    """One layer's forward on one rank, and its attention core's share of it."""
+    core = _attention_core(model, plan, cluster)
+    plan = shards_as_rows(plan)  # with cp > 1, what follows is token-local: priced on the rank's rows
     # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
     dt = "fp8" if plan.fp8_matmuls else plan.dtype
     dev, e, t = cluster.device, DTYPE_BYTES[plan.dtype], plan.tp
@@ -111,14 +149,22 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     activation = (3 if model.gated_mlp else 2) * e * routed * f / t
     permute = 4 * e * routed * h if model.is_moe else 0.0
     elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
-    core = _attention_core(model, plan, cluster)
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
         "tp_comm": _comm(layer_collectives(model, plan), "forward", plan, cluster),
         "ep_comm": _ep_comm(model, plan, cluster, "forward"),
     }
-    return costs, core["matmul"] + core["elementwise"]
+    return costs, core
+
+
+def _cp_comm(
+    layer_cp: list[StepCollective], plan: ParallelPlan, cluster: Cluster, phase: str, core_s: float
+) -> float:
+    """Seconds of one layer's cp exchanges in `phase` left exposed: ring attention's key/value exchanges
+    hide behind one ring step's block (`core_s`, the phase's attention core, over cp steps)."""
+    step_s = core_s / plan.cp if plan.attention == "ring" else 0.0
+    return exposed_time(layer_cp, cp_span(plan, cluster), cluster, phase=phase, step_s=step_s)
 
 
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
@@ -169,23 +215,34 @@ def _backward(forward: Costs) -> Costs:
 def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> PieceCosts:
     """Per-micro-batch forward, backward and recomputation costs of every piece of the model under `plan`."""
     fwd, core = _layer_forward(model, plan, cluster)
+    layer_bwd = _backward(fwd)
+    core_bwd = _backward(core)
+    if plan.cp > 1 and plan.attention == "ring":
+        # ring attention's backward recomputes each block's scores before its four gradient GEMMs
+        extra = (BACKWARD_FLOPS_PER_SCORE / FORWARD_FLOPS_PER_SCORE - 2) * core["matmul"]
+        layer_bwd["matmul"] += extra
+        core_bwd["matmul"] += extra
+    layer_cp = attention_collectives(model, plan)
+    if plan.cp > 1:
+        fwd["cp_comm"] = _cp_comm(layer_cp, plan, cluster, "forward", _total(core))
+        layer_bwd["cp_comm"] = _cp_comm(layer_cp, plan, cluster, "backward", _total(core_bwd))
     if plan.recompute == "full":
-        recompute = dict(fwd)
+        recompute = dict(fwd)  # the whole forward again, its collectives included
     elif plan.recompute == "selective":
-        recompute = {"matmul": 0.0, "elementwise": core}  # attention core; priced as one lump
+        recompute = {"matmul": 0.0, "elementwise": _total(core)}  # attention core; priced as one lump
     else:
         recompute = {}
+    rows = shards_as_rows(plan)  # with cp > 1 the rest is token-local: priced on the rank's rows
     # what loom sends between stages (the prediction's figure): without sequence parallelism every
     # tensor-parallel rank sends the whole stream, not Megatron's 1/tp scatter and gather
-    p2p_bytes = stage_stream_bytes(model, plan)
+    p2p_bytes = stage_stream_bytes(model, rows)
     span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
     (embed_fwd, embed_bwd), (head_fwd, head_bwd) = (
-        _embedding(model, plan, cluster),
-        _head(model, plan, cluster),
+        _embedding(model, rows, cluster),
+        _head(model, rows, cluster),
     )
-    layer_bwd = _backward(fwd)
-    layer_bwd["tp_comm"] = _comm(layer_collectives(model, plan), "backward", plan, cluster)
-    layer_bwd["ep_comm"] = _ep_comm(model, plan, cluster, "backward")
+    layer_bwd["tp_comm"] = _comm(layer_collectives(model, rows), "backward", rows, cluster)
+    layer_bwd["ep_comm"] = _ep_comm(model, rows, cluster, "backward")
     return PieceCosts(
         layer_fwd=fwd,
         layer_bwd=layer_bwd,
@@ -196,4 +253,9 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         head_bwd=head_bwd,
         p2p_s=collective_time("send_recv", p2p_bytes, span, cluster) if plan.pp > 1 else 0.0,
         p2p_bytes=p2p_bytes,
+        layer_cp=tuple(layer_cp),
     )
+
+
+def _total(costs: Costs) -> float:
+    return sum(costs.values())

@@ -10,7 +10,9 @@ Activations of one layer, in bytes, for sequence s, micro-batch b, hidden h, hea
 no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); plus sequence parallel
 sbh/t·(34 + 5as/h); tensor parallel + selective recomputation sbh(10 + 24/t); plus sequence parallel
 34sbh/t; full recomputation 2sbh (2sbh/t with sequence parallelism). `layer_activation_bytes` derives these
-from the tensors a layer keeps, so it also covers GQA, SwiGLU, MoE, no dropout and fused attention.
+from the tensors a layer keeps, so it also covers GQA, SwiGLU, MoE, no dropout, fused attention and context
+parallelism (each rank keeps its s/cp tokens' tensors; Ulysses the scores of its a/cp heads over the whole
+sequence, ring attention none: it works block by block, as a fused kernel does).
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ def korthikanti_activation_bytes(
 
 def layer_activation_bytes(
     model: TransformerConfig, s: int, b: int, t: int = 1, *, recompute: str = "none",
-    sequence_parallel: bool = False, flash_attention: bool = False, dtype_bytes: int = 2,
+    sequence_parallel: bool = False, flash_attention: bool = False, dtype_bytes: int = 2, cp: int = 1,
+    attention: str = "ulysses",
 ) -> float:  # fmt: skip
-    """Bytes of activations one layer keeps for backward on one tensor-parallel rank, tensor by tensor."""
+    """Bytes of activations one layer keeps for backward on one tensor-parallel rank, tensor by tensor; with
+    `cp` > 1 on one rank of the cp group (sequences of `s` tokens cut over it, `attention` spanning them)."""
     e, h, d = dtype_bytes, model.hidden, model.head_dim
-    tokens = s * b
+    tokens = s * b / cp
     local = tokens / t  # tensor-parallel-sharded regions
     replicated = tokens / t if sequence_parallel else tokens  # norms, dropouts: sharded only with SP
     if recompute == "full":
@@ -75,13 +79,15 @@ def layer_activation_bytes(
         e * h * 4  # norm 1 input, QKV input, norm 2 input, MLP input
         + mask * h * 2  # dropout masks after attention and after the MLP
     ) * replicated
-    attention = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
-    attention += e * local * q  # input of the output projection
+    blockwise = flash_attention or (cp > 1 and attention == "ring")  # no s x s tensors kept
+    qkv = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
+    qkv += e * local * q  # input of the output projection
     scores = 0.0
-    if recompute == "none" and not flash_attention:
-        # softmax output (and with dropout its mask and the dropped-out probabilities), a·s·s per sequence
-        scores = (e + (mask + e if model.dropout else 0)) * model.heads * s * s * b / t
+    if recompute == "none" and not blockwise:
+        # softmax output (and with dropout its mask and the dropped-out probabilities), a·s·s per sequence;
+        # Ulysses: a/cp heads of whole sequences on each rank
+        scores = (e + (mask + e if model.dropout else 0)) * model.heads * s * s * b / (t * cp)
     f = model.ffn
     # GELU keeps its input and the down projection's input; SwiGLU keeps gate and up outputs and their product
     mlp = e * local * f * (3 if model.gated_mlp else 2) * model.top_k
-    return outside + attention + scores + mlp
+    return outside + qkv + scores + mlp

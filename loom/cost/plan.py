@@ -6,7 +6,8 @@ them for the layers above (the Plan, `[parallel]` of a config, the pipeline runn
 `loom.plan.Plan` is converted to a `ParallelPlan` in one place (`Plan.parallel_plan`), because `cost/`
 and `sim/` sit below `plan/` and never import it.
 
-Rank order is Megatron's: tp innermost, then dp (with ep carved out of dp, innermost there), then pp.
+Rank order is Megatron's: tp innermost, then cp, then dp (with ep carved out of dp, innermost there), then pp
+(as `loom.plan.Plan.mesh_sizes` orders the mesh axes).
 Nothing here executes anything.
 """
 
@@ -137,7 +138,7 @@ class ParallelPlan:
         False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
     )
     stage_layers: tuple[int, ...] = ()
-    cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.cost.traffic` only)
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (no pipelines: `loom.sim.simulator`)
     attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
 
     def __post_init__(self) -> None:

@@ -86,6 +86,7 @@ __all__ = [
     "head_collectives",
     "layer_collectives",
     "pipeline_collectives",
+    "shards_as_rows",
     "stage_layers",
     "stage_stream_bytes",
     "step_collectives",
@@ -414,7 +415,7 @@ def step_collectives(
         raise ValueError("step_collectives predicts tensor-parallel layouts (tp > 1, loom's semi_auto mode)")
     if plan.cp > 1 and model.learned_positions:
         raise ValueError("step_collectives predicts context parallelism with rotary positions only")
-    rows = _shards_as_rows(plan)
+    rows = shards_as_rows(plan)
     check = StepCollective(kind="all_reduce", axis=WORLD, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
                            phase="forward", source="even-batch check of the inputs' sizes")  # fmt: skip
     layer = layer_collectives(model, rows) + attention_collectives(model, plan)
@@ -429,9 +430,11 @@ def step_collectives(
     )  # fmt: skip
 
 
-def _shards_as_rows(plan: ParallelPlan) -> ParallelPlan:
+def shards_as_rows(plan: ParallelPlan) -> ParallelPlan:
     """The plan as loom's GPT runs it under cp > 1: each rank's piece of a sequence (seq / cp tokens) is a
-    row of its own, the batch cut over dp * cp (named back to dp+cp by `_batch_over_cp`)."""
+    row of its own, the batch cut over dp * cp (named back to dp+cp by `_batch_over_cp`). The simulator
+    prices everything but attention on it: token-local work, tensor-parallel collectives, and the gradient
+    reduction over dp x cp (ranks tp apart, as the mesh orders pp, dp, cp, tp). The plan itself for cp = 1."""
     if plan.cp == 1:
         return plan
     if plan.seq % plan.cp:
@@ -442,7 +445,7 @@ def _shards_as_rows(plan: ParallelPlan) -> ParallelPlan:
 
 
 def _batch_over_cp(items: list[StepCollective], plan: ParallelPlan) -> list[StepCollective]:
-    """With cp > 1 the collectives of `_shards_as_rows`' batch axis run over dp+cp."""
+    """With cp > 1 the collectives of `shards_as_rows`' batch axis run over dp+cp."""
     if plan.cp == 1:
         return items
     return [dataclasses.replace(c, axis=c.axis.replace(DP, f"{DP}+{CP}")) for c in items]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from loom.dist.mesh import Mesh
 from loom.layout.tensor_layout import TensorLayout
@@ -36,10 +36,24 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
     placements = layout.placements(mesh.ndim)
     if tuple(x.placements) == placements:
         return x
+    masked = [_masked(p) for p in x.placements]
+    if any(masked) and any(
+        not m and p != q for m, p, q in zip(masked, x.placements, placements, strict=True)
+    ):
+        # a masked pending sum (a vocabulary-cut embedding's) masks with this rank's own ids: when another
+        # mesh dim moves too, it is summed first, on the pieces as they are; DTensor may otherwise move the
+        # other dim first, and the mask no longer fits the piece
+        summed = tuple(Replicate() if _masked(p) else p for p in x.placements)
+        x = _GradInPlacements.apply(x.redistribute(mesh.device_mesh, summed))
     out = x.redistribute(mesh.device_mesh, placements)
     if any(p.is_partial() for p in x.placements):
         out = _GradInPlacements.apply(out)
     return out
+
+
+def _masked(p: Placement) -> bool:
+    """A masked pending sum: DTensor's vocabulary-cut embedding output (a `Partial` holding a mask)."""
+    return p.is_partial() and hasattr(p, "mask_buffer")
 
 
 class _GradInPlacements(torch.autograd.Function):

@@ -509,7 +509,11 @@ def _whole_rows(per_row: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     if not isinstance(logits, DTensor):
         return per_row
     vocab = logits.ndim - 1
-    rows = [Replicate() if isinstance(p, Shard) and p.dim == vocab else p for p in logits.placements]
+    # a pending sum of the logits (a head whose contracted dim an automatic plan cut) is summed too
+    rows = [
+        Replicate() if (isinstance(p, Shard) and p.dim == vocab) or p.is_partial() else p
+        for p in logits.placements
+    ]
     return per_row.redistribute(logits.device_mesh, rows)
 
 

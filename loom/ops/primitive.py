@@ -35,6 +35,9 @@ class Primitive:
         # the mesh of the model this primitive belongs to, set when `loom.parallelize` lays the model out
         # (`bind_primitives`); unbound, it computes on the current mesh (`loom.init`'s, the API surface)
         self.mesh: Mesh | None = None
+        # laid out by the automatic planner (`bind_primitives(..., follow_inputs=True)`): the strategies are
+        # set aside and the operator computes on its inputs as they arrive, by DTensor's own rules
+        self.follow_inputs = False
         self._check = consistency.FirstCall()
 
     @property
@@ -87,6 +90,8 @@ class Primitive:
                 f"{self.name} takes {count} tensor input(s) ({', '.join(self.input_names)}) first, then its "
                 f"other arguments; got {got}: pass tensors (torch.tensor(...) for numbers or lists)"
             )
+        if self.follow_inputs:
+            return self.compute(*tensors, *extra)
         mesh = self.mesh if self.mesh is not None else current_mesh()
         recording = active_recording()
         dry_run = recording is not None and any(t.is_meta for t in tensors)
@@ -167,10 +172,14 @@ class Primitive:
         return text
 
 
-def bind_primitives(model: nn.Module, mesh: Mesh) -> None:
+def bind_primitives(model: nn.Module, mesh: Mesh, follow_inputs: bool | None = None) -> None:
     """Make every primitive held by `model`'s modules compute on `mesh` (the mesh the model is laid out on),
-    whatever mesh is current when it runs: a pipeline stage on its stage mesh, the whole model elsewhere."""
+    whatever mesh is current when it runs: a pipeline stage on its stage mesh, the whole model elsewhere.
+    `follow_inputs=True` (the automatic planner chose the layouts) sets the primitives' strategies aside:
+    they compute on their inputs as those arrive; None leaves that setting as it is."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, Primitive):
                 value.mesh = mesh
+                if follow_inputs is not None:
+                    value.follow_inputs = follow_inputs

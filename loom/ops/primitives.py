@@ -184,11 +184,19 @@ class BatchMatMul(MatMul):
         x_labels, w_labels = self.labels([x.shape, w.shape])
         batch = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
         i, j = x.shape[-1 if self.transpose_a else -2], w.shape[-2 if self.transpose_b else -1]
-        axes = {}
+        axes, seen = {}, {}
         for labels, tensor in ((w_labels, w), (x_labels, x)):  # x's axes win where both have a label
             for label, size, dim_axes in zip(labels, tensor.shape, layout_of(tensor).dim_axes, strict=True):
                 if size != 1 or label not in axes:
                     axes[label] = dim_axes
+                if size != 1:
+                    seen.setdefault(label, set()).add(dim_axes)
+        used = [axis for dim_axes in axes.values() for axis in dim_axes]
+        pending = any(p.is_partial() for t in (x, w) for p in t.placements)
+        if pending or len(used) != len(set(used)) or any(len(cuts) > 1 for cuts in seen.values()):
+            # inputs no strategy laid out alike (the automatic planner's layouts): the local product cannot
+            # say its output; DTensor's rule moves them to a layout it can
+            return super().compute(x, w)
         out_labels = BATCH[: len(batch)] + "ij"
         layout = TensorLayout(tuple(axes[label] for label in out_labels), partial=axes["k"])
         used = {axis for dim_axes in axes.values() for axis in dim_axes}
@@ -243,6 +251,11 @@ class Gather(Primitive):
         table, ids = layout_of(params), layout_of(indices)
         mesh = params.device_mesh
         rows = table.dim_axes[0]
+        axes = [axis for dims in ids.dim_axes for axis in dims] + list(table.dim_axes[1]) + list(rows)
+        if len(axes) != len(set(axes)):
+            # one mesh dim cuts the ids and the table (layouts the automatic planner chose, which no
+            # strategy of this operator names): the local lookup cannot say its output, DTensor's rule can
+            return F.embedding(indices, params)
         block = params.shape[0] // table.cuts(mesh.shape)[0]
         coordinate = mesh.get_coordinate()
         index = 0

@@ -1,8 +1,9 @@
 """`loom.parallelize(model, mode="auto")`: the planner chooses the layouts, then they are applied as a Plan.
 
 Rank 0 captures the model on the example batch (at its global size: every data-parallel rank brings its
-own rows), builds the priced problem on the current mesh and solves it (`loom.plan.solve.search`, under
-`memory_limit` when given); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
+own rows), builds the priced problem on the current mesh and solves it (`loom.plan.solve`, under `memory_limit`
+when given; the local regions of the model's recipe, Mixtral's experts, keep their parameters whole and
+run on each rank's rows); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
 even where the solver could break a tie differently. The capture traces with fake tensors: no parameter
 memory is allocated.
 """
@@ -10,6 +11,7 @@ memory is allocated.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 from loom.dist.mesh import Mesh
 from loom.plan import Plan
 
-__all__ = ["auto_plan", "global_meta"]
+__all__ = ["auto_plan", "global_meta", "local_regions"]
 
 
 def auto_plan(
@@ -50,13 +52,42 @@ def auto_plan(
 
 def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster) -> str:  # noqa: ANN001
     from loom.plan.capture import capture  # the planner's imports (torch.export, scipy) only when asked
-    from loom.plan.solve import search
+    from loom.plan.problem import build_problem
+    from loom.plan.solve import solve
+    from loom.plan.to_plan import pins
 
     factor = 1 if full_batch else mesh.dp_size
     graph = capture(model, tuple(_global(x, factor) for x in args),
                     {key: _global(value, factor) for key, value in kwargs.items()})  # fmt: skip
-    solution = search(graph, dict(mesh.axis_sizes()), cluster, memory_limit=memory_limit)
-    return solution.plan().to_json()
+    problem = build_problem(graph, dict(mesh.axis_sizes()), cluster)
+    regions = local_regions(model)
+    pinned = pins(problem, _replicated(model, regions)) if regions else None
+    plan = solve(problem, pinned=pinned, memory_limit=memory_limit).plan()
+    if regions:
+        plan = plan.replace(strategies={**plan.strategies, **regions})
+    return plan.to_json()
+
+
+def local_regions(model: nn.Module) -> dict[str, Any]:
+    """The module plan entries of the local regions the model's family recipe names (Mixtral's experts:
+    their routing has data-dependent shapes, which DTensor cannot run): they run on each rank's own rows with
+    replicated parameters, whatever the planner chose around them."""
+    from loom.models.recipes import known_recipe
+
+    recipe = known_recipe(model)
+    plan = recipe.tensor_plan if recipe is not None else {}
+    return {pattern: dict(entry) for pattern, entry in plan.items() if entry.get("local")}
+
+
+def _replicated(model: nn.Module, regions: dict[str, Any]) -> dict[str, Any]:
+    """Fixed strategies keeping every parameter of the local regions whole on every rank."""
+    fixed = {}
+    for path, module in model.named_modules():
+        if any(fnmatchcase(path, pattern) for pattern in regions):
+            whole = {name: ["None"] * p.ndim for name, p in module.named_parameters(recurse=False)}
+            if whole:
+                fixed[path] = {"parameter_plan": whole}
+    return fixed
 
 
 def _global(x: Any, batch_factor: int) -> Any:

@@ -24,10 +24,11 @@ class GradView:
     copies: int
 
 
-def grad_views(params: Iterable[torch.Tensor]) -> list[GradView]:
-    """The gradients of `params` as this rank holds them (plain gradients are the same on every rank)."""
+def grad_views(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[GradView]:
+    """The gradients of `params` as this rank holds them (plain gradients are the same on every rank of
+    `group`, by default the world)."""
     views = []
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _size(group)
     for param in params:
         grad = param.grad
         if grad is None:
@@ -44,13 +45,18 @@ def grad_views(params: Iterable[torch.Tensor]) -> list[GradView]:
     return views
 
 
-def global_grad_norm(views: Iterable[GradView]) -> torch.Tensor:
-    """The 2-norm of all gradients together, as `clip_grad_norm_` computes it on one device (fp32)."""
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def global_grad_norm(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of all gradients together, as `clip_grad_norm_` computes it on one device (fp32), over
+    the ranks of `group` (default: the world; a replica's own ranks when replicas step alone)."""
     total = torch.zeros((), dtype=torch.float64)
     for view in views:
         total += view.local.detach().double().pow(2).sum() / view.copies
-    if dist.is_initialized():
-        dist.all_reduce(total)
+    if _size(group) > 1:
+        dist.all_reduce(total, group=group)
     return total.sqrt().float()
 
 
@@ -70,13 +76,14 @@ def scale_grads_(views: Iterable[GradView], factor: float) -> None:
             view.local.mul_(factor)
 
 
-def all_finite(views: Iterable[GradView]) -> bool:
-    """True when no gradient on any rank holds an inf or a NaN (every rank gets the same answer)."""
+def all_finite(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> bool:
+    """True when no gradient on any rank of `group` (default: the world) holds an inf or a NaN (every rank
+    gets the same answer)."""
     bad = torch.zeros((), dtype=torch.float32)
     for view in views:
         if not torch.isfinite(view.local).all():
             bad.fill_(1.0)
             break
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if _size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return bad.item() == 0.0

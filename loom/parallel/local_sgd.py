@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DiLoCo", "LocalSGD", "fragments_of"]
+__all__ = ["DiLoCo", "LocalSGD", "Replicated", "fragments_of"]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -103,8 +103,9 @@ def _replicas(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-class _Replicated:
-    """What LocalSGD and DiLoCo share: the inner optimizer, the step count, the parameter list."""
+class Replicated:
+    """What LocalSGD and DiLoCo share: the inner optimizer, the step count, the parameter list, the
+    checkpoint state of this rank (`rank_state`)."""
 
     def __init__(
         self,
@@ -140,16 +141,64 @@ class _Replicated:
         """Clear the gradients (the inner optimizer's)."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
+    def step(self) -> None:
+        """One inner step, then the syncs due at it."""
+        self.inner.step()
+        self.skip()
 
-class LocalSGD(_Replicated):
+    @torch.no_grad()
+    def skip(self) -> None:
+        """A step whose inner update is left out (a non-finite gradient on this replica): it still counts,
+        and the syncs due at it still happen, so that every replica meets at the same steps."""
+        self.inner_steps += 1
+        self._sync_due()
+
+    def _sync_due(self) -> None:
+        """The syncs due after inner step `inner_steps`."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def adopt_params(self) -> None:
+        """Start the meetings from the parameters as they are now (weights loaded after this was built,
+        with no state of its own: the replicas' common starting point)."""
+
+    def rank_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank: `state_dict()` and the parameters as this rank holds them
+        (its shards; between two syncs each replica's differ, so no rank can stand for another)."""
+        return {"optimizer": self.state_dict(), "params": [_local(p).detach().clone() for p in self.params]}
+
+    @torch.no_grad()
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Resume this rank from `rank_state()`: the optimizer's state and the parameters."""
+        saved = state["params"]
+        if len(saved) != len(self.params):
+            raise ValueError(
+                f"the saved replica holds {len(saved)} parameters; this one has {len(self.params)}: the model "
+                "differs from the saved run's"
+            )
+        for param, value in zip(self.params, saved, strict=True):
+            local = _local(param)
+            if local.shape != value.shape:
+                raise ValueError(
+                    f"a saved parameter of shape {tuple(value.shape)} does not fit {tuple(local.shape)}: the "
+                    "model or its sharding differs from the saved run's"
+                )
+            local.copy_(value)
+        self.load_state_dict(state["optimizer"])
+
+
+class LocalSGD(Replicated):
     """Replicas step alone with `inner` and average their parameters every `sync_every` steps (see the
     module docstring)."""
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """One inner step; every `sync_every`-th also averages the parameters over the replicas."""
-        self.inner.step()
-        self.inner_steps += 1
+    def _sync_due(self) -> None:
+        """Every `sync_every`-th inner step averages the parameters over the replicas."""
         if self.inner_steps % self.sync_every == 0:
             self.average()
 
@@ -173,7 +222,7 @@ class LocalSGD(_Replicated):
         self.inner_steps = int(state["inner_steps"])
 
 
-class DiLoCo(_Replicated):
+class DiLoCo(Replicated):
     """Inner steps alone, outer steps on the averaged pseudo-gradient (see the module docstring).
 
     `outer`: an optimizer class for the global weights (default `torch.optim.SGD`) built with
@@ -222,15 +271,18 @@ class DiLoCo(_Replicated):
         self.outer = outer(self.global_weights, **kwargs)
         self._pending: dict[int, tuple[int, Any, torch.Tensor]] = {}  # fragment -> (apply at, work, buffer)
 
+    @torch.no_grad()
+    def adopt_params(self) -> None:
+        """The global weights become the parameters as they are now (see `Replicated.adopt_params`)."""
+        for weight, param in zip(self.global_weights, self.params, strict=True):
+            weight.copy_(_local(param))
+
     def _offset(self, fragment: int) -> int:
         """The inner step (mod sync_every) at which `fragment` starts its sync."""
         return (fragment + 1) * self.sync_every // len(self.fragments) % self.sync_every
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """One inner step, then the fragments whose turn it is: start (or finish) their outer step."""
-        self.inner.step()
-        self.inner_steps += 1
+    def _sync_due(self) -> None:
+        """The fragments whose turn it is: start (or finish) their outer step."""
         for fragment in range(len(self.fragments)):
             pending = self._pending.get(fragment)
             if pending is not None and pending[0] == self.inner_steps:

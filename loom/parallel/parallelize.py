@@ -164,9 +164,13 @@ def parallelize(
     _check_auto(mode, example_inputs, example_kwargs, memory_limit, plan or module_plan or parameter_plan)
     mesh = require_mesh("loom.parallelize")
     if mode == "auto":
+        # the planner lays out everything: the model's loom.ops primitives (loom's GPT) set their own
+        # strategies aside, in the trace and in training, and DTensor's rules carry the chosen layouts
+        bind_primitives(model, mesh, follow_inputs=True)
         plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
                          memory_limit=memory_limit, cluster=cluster)  # fmt: skip
-        mode = "semi_auto"
+        # no dry run: the plan holds every layout (and a meta run of a Hugging Face model stops on `.item()`)
+        mode, example_inputs, example_kwargs = "semi_auto", None, None
     ep = 1
     if plan is not None:
         plan = plan_for_mesh(plan, mesh)

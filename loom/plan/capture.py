@@ -31,6 +31,7 @@ A model that cannot be traced raises `CaptureError`, naming the module and the e
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -146,18 +147,22 @@ def _placeholder_kinds(program: torch.export.ExportedProgram) -> list[tuple[str,
 
 def _capture_error(model: nn.Module, error: Exception, stage: str) -> CaptureError:
     """A `CaptureError` naming the innermost module of `model` whose forward was running when `error` was
-    raised, the model's line of code that raised it, the first line of the error, and the fallbacks."""
+    raised, the torch operator being called then (`Tensor.__bool__`: a tensor's value decides control flow),
+    the model's line of code that raised it, the first line of the error, and the fallbacks."""
     paths = {id(module): path for path, module in model.named_modules()}
     torch_dir = os.path.dirname(torch.__file__)
-    where, line = None, None
+    where, line, source, called = None, None, None, None
     trace = error.__traceback__
     while trace is not None:
         frame = trace.tb_frame
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in paths:
             where = paths[id(owner)]
+        if frame.f_code.co_name == "__torch_function__" and callable(frame.f_locals.get("func")):
+            called = frame.f_locals["func"]  # the torch function tracing stopped in
         if not frame.f_code.co_filename.startswith((torch_dir, os.path.dirname(__file__))):
             line = f"{frame.f_code.co_filename}:{trace.tb_lineno}"
+            source = linecache.getline(frame.f_code.co_filename, trace.tb_lineno).strip()
         trace = trace.tb_next
     place = ""
     if where is not None:
@@ -167,13 +172,25 @@ def _capture_error(model: nn.Module, error: Exception, stage: str) -> CaptureErr
             if where
             else f" in {type(model).__name__}.forward"
         )
+    if called is not None:
+        place += f" calling {_operator_name(called)}"
     if line is not None:
-        place += f" at {line}"
+        place += f" at {line}" + (f" (`{source}`)" if source else "")
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return CaptureError(
         f"cannot capture {type(model).__name__} for the automatic planner: {stage} failed{place}: "
         f"{type(error).__name__}: {first}. {FALLBACKS}."
     )
+
+
+def _operator_name(func: Any) -> str:
+    """`Tensor.__bool__`, `torch.nonzero`, `aten.nonzero.default`: how a user knows the operator."""
+    if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(func)
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    name = name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
+    module = getattr(func, "__module__", None)
+    return f"torch.{name}" if module in ("torch", "torch._C._VariableFunctions") else name
 
 
 # ---- building the Graph ----

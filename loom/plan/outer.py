@@ -1,5 +1,7 @@
 """The planner's outer search: mesh shape, pipeline stages, micro-batches, optimizer level and recompute
-policy of a transformer on a cluster, ranked by loom's simulator (`loom.sim.simulator.simulate`).
+policy of a transformer on a cluster, ranked by loom's simulator (`loom.sim.simulator.simulate`). Context
+parallelism (cp, with Ulysses or ring attention) joins the mesh shapes for long sequences
+(`LONG_SEQUENCE` tokens and more), or when no plan without it fits.
 
 The search runs in two passes, both priced by the simulator's own functions:
 1. every plan of the space (`loom.plan.outer_space`) gets its memory (`stage_memories`, no schedule
@@ -20,7 +22,15 @@ from dataclasses import dataclass, field
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, ParallelPlan
 from loom.cost.transformer import TransformerConfig
-from loom.plan.outer_space import Infeasible, Mesh, meshes, micro_batch_sizes, stage_options
+from loom.plan.outer_space import (
+    LONG_SEQUENCE,
+    Infeasible,
+    Mesh,
+    context_degrees,
+    meshes,
+    micro_batch_sizes,
+    stage_options,
+)
 from loom.plan.plan import Plan
 from loom.sim.simulator import SimResult, compute_bound, simulate, stage_memories
 
@@ -100,14 +110,15 @@ def _policies(
 def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recomputes, levels, sp_choices):
     """The fitting options of one mesh shape, and the least memory seen (inf when none was tried)."""
     options, least = [], float("inf")
-    for micro in micro_batch_sizes(mesh, base.global_batch):
+    for micro in micro_batch_sizes(mesh, base.global_batch, flash_attention=base.flash_attention):
         fit_here = False
         count = base.global_batch // (mesh.dp * micro)
         for interleave, stages in stage_options(model.layers, mesh.pp, count):
-            for sp in sp_choices if mesh.tp > 1 else (False,):
+            for sp in _sp_choices(mesh, base.seq, sp_choices):
                 plan = base.replace(
-                    dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, micro_batch=micro,
-                    interleave=interleave, schedule=None, stage_layers=stages, sequence_parallel=sp,
+                    dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, cp=mesh.cp, attention=mesh.attention,
+                    micro_batch=micro, interleave=interleave, schedule=None, stage_layers=stages,
+                    sequence_parallel=sp,
                 )  # fmt: skip
                 variants, gib = _policies(model, cluster, plan, limit, recomputes, levels)
                 least = min(least, gib)
@@ -117,6 +128,13 @@ def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recompu
         if not fit_here:
             break  # a larger micro-batch holds more activations: it fits nowhere either
     return options, least
+
+
+def _sp_choices(mesh: Mesh, seq: int, choices: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Sequence parallelism where it can run: tp > 1, and with cp each rank's seq / cp tokens cut over tp."""
+    if mesh.tp == 1:
+        return (False,)
+    return tuple(sp for sp in choices if not (sp and seq % (mesh.tp * mesh.cp)))
 
 
 def search_plans(
@@ -134,6 +152,7 @@ def search_plans(
     dtype: str = "bf16",
     overlap_grad_sync: bool = True,
     flash_attention: bool = False,
+    context: tuple[int, ...] | None = None,
 ) -> SearchResult:
     """Search mesh shapes, stages, micro-batches, optimizer levels and recompute policies for `model` on
     `gpus` devices of `cluster`'s kind at `global_batch` sequences of `seq` tokens.
@@ -141,7 +160,9 @@ def search_plans(
     `memory_limit`: bytes per device (default: the device's memory). Returns the fitting plans best
     first, exact for the first `keep` (later ones are those simulated on the way), and the infeasible
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
-    tried, cheapest first; `dtype`, `overlap_grad_sync` and `flash_attention` are held fixed.
+    tried, cheapest first; `dtype`, `overlap_grad_sync` and `flash_attention` are held fixed. `context`:
+    the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
+    least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits.
     """
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
@@ -150,21 +171,34 @@ def search_plans(
         global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
         flash_attention=flash_attention,
     )  # fmt: skip
-    shapes, infeasible = meshes(model, cluster, gpus, global_batch, seq)
-    options = []
-    for mesh in shapes:
-        found, least = _mesh_options(
-            model, cluster, mesh, base, limit, recompute, optimizer_levels, sequence_parallel
-        )
-        options += found
-        if not found:
-            region = f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}" + (f" ep={mesh.ep}" if mesh.ep > 1 else "")
-            infeasible.append(Infeasible(region, f"does not fit: {least:.0f} GiB of {limit:g}"))
+    choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel)
+    degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))
+    options, infeasible = _options(choices, meshes(model, cluster, gpus, global_batch, seq, degrees))
+    notes = []
+    if not options and context is None and degrees == (1,) and len(context_degrees(gpus, seq)) > 1:
+        # memory forces it: cut the sequences over cp ranks (the meshes without cp, already refused, again)
+        more = meshes(model, cluster, gpus, global_batch, seq, context_degrees(gpus, seq))
+        found, why = _options(choices, ([m for m in more[0] if m.cp > 1], more[1]))
+        options, infeasible = found, infeasible + [i for i in why if i not in infeasible]
+        notes.append("no plan fits without context parallelism: cp was searched too")
     candidates = _simulate_best(model, cluster, options, keep)
     return SearchResult(
         candidates=candidates, infeasible=infeasible, memory_limit_gib=limit, considered=len(options),
-        simulated=len(candidates), seconds=time.perf_counter() - start,
+        simulated=len(candidates), seconds=time.perf_counter() - start, notes=notes,
     )  # fmt: skip
+
+
+def _options(choices: tuple, space: tuple[list[Mesh], list[Infeasible]]) -> tuple[list, list[Infeasible]]:
+    """The fitting options of every mesh of `space`, and its infeasible regions with those that fit nowhere."""
+    model, cluster, base, limit, recompute, levels, sp = choices
+    shapes, infeasible = space
+    options = []
+    for mesh in shapes:
+        found, least = _mesh_options(model, cluster, mesh, base, limit, recompute, levels, sp)
+        options += found
+        if not found:
+            infeasible.append(Infeasible(mesh.region, f"does not fit: {least:.0f} GiB of {limit:g}"))
+    return options, infeasible
 
 
 def _rank(candidate: Candidate) -> tuple[float, float]:
@@ -186,8 +220,8 @@ def to_plan(candidate: Candidate) -> Plan:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
     return Plan(
-        dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, schedule=p.schedule, virtual_stages=p.interleave,
-        micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
+        dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule,
+        virtual_stages=p.interleave, micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=p.dtype,
         predicted_step_s=r.iteration_s, predicted_memory_bytes=int(r.memory_per_device_gib * GIB),
     )  # fmt: skip

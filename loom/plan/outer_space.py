@@ -1,8 +1,18 @@
-"""The outer search's space: mesh shapes (dp, tp, pp, ep), pipeline stages and micro-batch sizes that can
-run a model on a cluster, and the regions that cannot, each with the reason (`loom.plan.outer` prices them).
+"""The outer search's space: mesh shapes (dp, tp, pp, ep, cp with its attention), pipeline stages and
+micro-batch sizes that can run a model on a cluster, and the regions that cannot, each with the reason
+(`loom.plan.outer` prices them).
 
 What can run is decided by the simulator's own checks (`loom.sim.simulator.check_plan`) on probe plans,
 so the search never disagrees with `loom simulate` about a plan being possible.
+
+Context parallelism (cp, each sequence cut over cp ranks) is tried at powers of two, without pipelines (loom
+runs cp only with pp = 1), with each attention that can cut the model (Ulysses: tp * cp divides the heads;
+ring: the sequence a multiple of 2 * cp). One choice is pruned as dominated: a cp mesh's micro-batch of m
+sequences, m a multiple of cp, holds per rank the tokens, the activations and the attention work of the
+mesh with dp * cp replicas at micro-batch m / cp, which has no cp exchanges to pay for; so when that mesh
+exists (dp * cp divides the global batch) a cp mesh only tries micro-batches below cp. Not for ring
+attention without fused attention: computed block by block, it keeps no scores where the plain kernel keeps
+them all, so it may fit where that mesh does not.
 """
 
 from __future__ import annotations
@@ -10,14 +20,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.cost.hardware import Cluster
-from loom.cost.plan import ParallelPlan, light_ends
+from loom.cost.plan import ATTENTIONS, ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
 from loom.sim.simulator import check_plan
 
-__all__ = ["Infeasible", "Mesh", "divisors", "even_split", "meshes", "micro_batch_sizes", "stage_options"]
+__all__ = [
+    "LONG_SEQUENCE",
+    "Infeasible",
+    "Mesh",
+    "context_degrees",
+    "divisors",
+    "even_split",
+    "meshes",
+    "micro_batch_sizes",
+    "stage_options",
+]
 
 MAX_INTERLEAVES = 3  # chunks per stage tried beyond 1: the smallest divisors of a stage's layers
 MAX_MICRO_BATCH = 8  # beyond it a micro-batch only adds activation memory: matmuls are already large
+LONG_SEQUENCE = 8192  # from this many tokens per sequence the search tries context parallelism unasked
 
 
 @dataclass(frozen=True)
@@ -30,12 +51,21 @@ class Infeasible:
 
 @dataclass(frozen=True)
 class Mesh:
-    """One mesh shape: devices = dp * tp * pp, ep carved out of dp."""
+    """One mesh shape: devices = dp * cp * tp * pp, ep carved out of dp; `attention` spans the cp ranks."""
 
     dp: int
     tp: int
     pp: int
     ep: int = 1
+    cp: int = 1
+    attention: str = "ulysses"
+
+    @property
+    def region(self) -> str:
+        """The shape as the search names it: "dp=8 tp=1 pp=1", with "ep=2", "cp=4 ring" when used."""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        cp = f" cp={self.cp} {self.attention}" if self.cp > 1 else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{ep}{cp}"
 
 
 def divisors(n: int) -> list[int]:
@@ -51,11 +81,19 @@ def _tp_reasons(model: TransformerConfig, cluster: Cluster, tp: int, seq: int) -
     return check_plan(model, probe, cluster.with_size(tp))
 
 
+def context_degrees(gpus: int, seq: int) -> tuple[int, ...]:
+    """cp degrees worth trying for sequences of `seq` tokens on `gpus` devices: 1, and the powers of two
+    from 2 that divide the devices and leave each rank at least 2 tokens of every sequence."""
+    return tuple(1 << k for k in range(gpus.bit_length()) if gpus % (1 << k) == 0 and seq >= 2 << k)
+
+
 def meshes(
-    model: TransformerConfig, cluster: Cluster, gpus: int, global_batch: int, seq: int
-) -> tuple[list[Mesh], list[Infeasible]]:
+    model: TransformerConfig, cluster: Cluster, gpus: int, global_batch: int, seq: int,
+    cps: tuple[int, ...] = (1,),
+) -> tuple[list[Mesh], list[Infeasible]]:  # fmt: skip
     """Every mesh shape of `gpus` devices that can run `model` at `global_batch`, and the regions that
-    cannot. ep (experts over the data-parallel axis) is tried at every degree dividing dp and the experts."""
+    cannot. ep (experts over the data-parallel axis) is tried at every degree dividing dp and the experts;
+    each cp of `cps` (`context_degrees`) above 1 without pipelines, with every attention that fits it."""
     found, infeasible = [], []
     for tp in divisors(gpus):
         reasons = _tp_reasons(model, cluster, tp, seq)
@@ -77,15 +115,48 @@ def meshes(
             else:
                 eps = [e for e in divisors(dp) if model.experts % e == 0] if model.is_moe else [1]
                 found += [Mesh(dp, tp, pp, ep) for ep in eps]
+        for cp in (c for c in cps if c > 1 and (gpus // tp) % c == 0):
+            _context_meshes(model, cluster, Mesh(gpus // (tp * cp), tp, 1, cp=cp), global_batch, seq,
+                            found, infeasible)  # fmt: skip
     return found, infeasible
 
 
-def micro_batch_sizes(mesh: Mesh, global_batch: int) -> list[int]:
+def _context_meshes(
+    model: TransformerConfig, cluster: Cluster, mesh: Mesh, global_batch: int, seq: int,
+    found: list[Mesh], infeasible: list[Infeasible],
+) -> None:  # fmt: skip
+    """`mesh` (cp > 1, pp = 1) with each attention the simulator accepts, into `found`; else why not."""
+    if global_batch % mesh.dp:
+        where = f"dp={mesh.dp} tp={mesh.tp} cp={mesh.cp}"
+        infeasible.append(Infeasible(where, f"dp={mesh.dp} does not divide the global batch {global_batch}"))
+        return
+    why = []
+    for attention in ATTENTIONS:
+        probe = ParallelPlan(dp=mesh.dp, tp=mesh.tp, cp=mesh.cp, attention=attention, global_batch=mesh.dp,
+                             seq=seq)  # fmt: skip
+        reasons = check_plan(model, probe, cluster.with_size(probe.devices))
+        if reasons:
+            why.append(f"{attention}: " + "; ".join(reasons))
+        else:
+            found.append(Mesh(mesh.dp, mesh.tp, 1, cp=mesh.cp, attention=attention))
+    if len(why) == len(ATTENTIONS):
+        infeasible.append(Infeasible(f"dp={mesh.dp} tp={mesh.tp} cp={mesh.cp}", " | ".join(why)))
+
+
+def micro_batch_sizes(mesh: Mesh, global_batch: int, *, flash_attention: bool = False) -> list[int]:
     """Micro-batch sizes: powers of two up to `MAX_MICRO_BATCH` dividing a replica's batch, leaving at
-    least pp micro-batches (fewer never fill the pipeline)."""
+    least pp micro-batches (fewer never fill the pipeline); on a cp mesh, only those below cp when the
+    mesh of dp * cp replicas can take the batch (larger ones are dominated: see the module's docstring;
+    `flash_attention`: the plans' attention is fused)."""
     per_replica = global_batch // mesh.dp
     sizes = [1 << k for k in range(MAX_MICRO_BATCH.bit_length())]
-    return [b for b in sizes if per_replica % b == 0 and per_replica // b >= mesh.pp]
+    same_attention = mesh.attention == "ulysses" or flash_attention
+    dominated = mesh.cp > 1 and global_batch % (mesh.dp * mesh.cp) == 0 and same_attention
+    return [
+        b
+        for b in sizes
+        if per_replica % b == 0 and per_replica // b >= mesh.pp and not (dominated and b % mesh.cp == 0)
+    ]
 
 
 def even_split(layers: int, stages: int) -> tuple[int, ...]:

@@ -212,16 +212,15 @@ class Plan:
         simulator plays them as one schedule (a pipelined run with accumulation flushes between its
         schedule runs, so it takes a little longer than priced). Strategies, parameter layouts and
         per-module recompute are not priced: the simulator prices Megatron's layouts over tp. Stages given
-        as blocks per stage are priced as they are (uneven included).
+        as blocks per stage are priced as they are (uneven included). `cp` and `attention` are priced as
+        loom's GPT runs them (`loom.sim.simulator`).
         """
-        if self.cp > 1:
-            raise FieldError(OWNER, "cp", self.cp, "the simulator does not price context parallelism; use 1")
         return self._step_plan(global_batch, seq, accumulation, flash_attention, overlap_grad_sync)
 
     def _step_plan(
         self, global_batch: int, seq: int, accumulation: int, flash_attention: bool, overlap_grad_sync: bool
     ) -> ParallelPlan:
-        """`parallel_plan` without the simulator's refusal of cp > 1 (the predicted collectives take it)."""
+        """`parallel_plan` with the fields a caller may leave to their defaults given."""
         self._require_resolved("parallel_plan")
         check_sizes(OWNER, {"global_batch": global_batch, "seq": seq, "accumulation": accumulation})
         per_step = self.dp * self.micro_batches * accumulation
@@ -344,3 +343,15 @@ class Plan:
         except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as exc:
             raise ValueError(f"plan file {str(path)!r} cannot be read ({exc}); give a plan.json") from None
         return cls.from_json(text, f"plan file {str(path)!r}")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Plan:
+        """A plan file (`save`), or a checkpoint's plan.json, whose "plan" entry is the run's Plan (a
+        ValueError naming the file when it is missing or broken)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return cls.load(path)  # which says what is wrong with the file
+        if isinstance(data, dict) and isinstance(data.get("plan"), dict):
+            return cls.from_dict(data["plan"], f"the plan of checkpoint file {str(path)!r}")
+        return cls.from_dict(data, f"plan file {str(path)!r}")

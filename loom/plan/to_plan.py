@@ -168,10 +168,16 @@ def solution_plan(solution: Any) -> Plan:
             layouts[_pattern(graph, path)] = tensor_spec(ps, param.info.ndim, mesh)
             owners.add(param.module)
     strategies = {}
-    for module in sorted(owners):
+    for module in sorted(owners - {""}):  # the root's output is the model's: the caller reads it as it is
+        entry = {}
+        into = _module_input(solution, module)
+        if into is not None:
+            entry["in_strategy"] = [into]
         out = _module_output(solution, module)
         if out is not None:
-            strategies[_pattern(graph, module)] = {"out_strategy": [out]}
+            entry["out_strategy"] = [out]
+        if entry:
+            strategies[_pattern(graph, module)] = entry
     sizes = {axis: mesh.get(axis, 1) for axis in ("dp", "tp", "cp")}
     return Plan(
         **sizes,
@@ -180,6 +186,23 @@ def solution_plan(solution: Any) -> Plan:
         predicted_step_s=solution.cost_s if solution.cost_s > 0 else None,
         predicted_memory_bytes=int(solution.memory_bytes) if solution.memory_bytes >= 1 else None,
     )
+
+
+def _module_input(solution: Any, module: str) -> list | None:
+    """The spec the module's one input from outside is read in by the operator chosen for it, so that the
+    operator runs as the solver chose (DTensor's dispatcher, free to pick, may move the input otherwise);
+    None when the module reads several tensors from outside (an in_strategy addresses positional inputs). A
+    pending sum required (a vocabulary-cut embedding's masked ids) arrives whole along that axis: DTensor
+    makes it from there on each rank's piece as it is."""
+    problem, graph = solution.problem, solution.problem.graph
+    inside = [n for n, d in problem.decisions.items() if d.kind == "op" and _inside(graph[n].module, module)]
+    external = _external_inputs(problem, inside)
+    if len(external) != 1:
+        return None
+    op, index = external[0]
+    required, _ = requirement(problem.decisions[op], solution.choice[op], index, problem.mesh)
+    whole = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
+    return tensor_spec(whole, graph.tensor(graph[op].inputs[index]).ndim, problem.mesh)
 
 
 def _module_output(solution: Any, module: str) -> list | None:

@@ -1,4 +1,8 @@
-"""Peak memory of each pipeline stage's devices under a plan: model states plus in-flight activations."""
+"""Peak memory of each pipeline stage's devices under a plan: model states plus in-flight activations.
+
+With cp > 1 a rank keeps the activations of its seq / cp tokens of each sequence (and, for Ulysses without
+fused attention, the scores of its heads / cp over whole sequences), and its optimizer states shard over
+dp x cp from level 1 on: loom reduces and shards gradients over the cp ranks as over data parallelism."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from loom.cost.compute import DTYPE_BYTES
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.memory import layer_activation_bytes, model_state_bytes
 from loom.cost.plan import ParallelPlan
+from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 
 __all__ = ["stage_memory", "stage_parameters"]
@@ -34,13 +39,16 @@ def stage_memory(
 ) -> dict[str, float]:
     """Bytes per device on pipeline rank `rank` by kind; `in_flight` is its peak count of live chunk forwards."""
     dense, expert = stage_parameters(model, plan, rank)
-    states = model_state_bytes(dense, plan.optimizer_level, plan.dp)
-    states += model_state_bytes(expert, plan.optimizer_level, plan.dp // plan.ep)
+    rows = shards_as_rows(plan)  # the gradients' and optimizer states' group: dp x cp
+    states = model_state_bytes(dense, plan.optimizer_level, rows.dp)
+    states += model_state_bytes(expert, plan.optimizer_level, rows.dp // plan.ep)
     s, b, t, e = plan.seq, plan.micro_batch, plan.tp, DTYPE_BYTES[plan.dtype]
     options = {
         "sequence_parallel": plan.sequence_parallel,
         "flash_attention": plan.flash_attention,
         "dtype_bytes": e,
+        "cp": plan.cp,
+        "attention": plan.attention,
     }
     per_layer = layer_activation_bytes(model, s, b, t, recompute=plan.recompute, **options)
     # a chunk in flight keeps its layers' activations: count this rank's largest chunk (uneven stages)
@@ -48,12 +56,13 @@ def stage_memory(
     activations = in_flight * layers_per_chunk * per_layer
     if plan.recompute == "full":  # backward rebuilds one layer's activations at a time
         activations += layer_activation_bytes(model, s, b, t, recompute="none", **options)
-    tokens = s * b / (t if plan.sequence_parallel else 1)
+    local = s * b / plan.cp  # the rank's tokens
+    tokens = local / (t if plan.sequence_parallel else 1)
     if rank == 0 and model.dropout:
         activations += in_flight * tokens * model.hidden  # embedding dropout masks, one byte each
     if rank == plan.pp - 1:
         # final norm and output projection inputs, and the fp32 logits of the micro-batch in backward
-        activations += 2 * e * tokens * model.hidden + 4 * s * b * model.vocab / t
+        activations += 2 * e * tokens * model.hidden + 4 * local * model.vocab / t
     return {
         "model_states": states,
         "activations": activations,

@@ -7,6 +7,11 @@ Order of a simulated step, the way Megatron-LM runs one:
    (overlapped) or after the whole pipeline (not overlapped), one collective at a time;
 3. the optimizer step (memory-bound) and, from optimizer level 1, the all-gather of updated parameters.
 The iteration time is the slowest device's end.
+
+Context parallelism (cp > 1, no pipelines, as loom runs it): each layer's attention adds its exchanges
+over the cp group (`loom.cost.context`, the list `loom.cost.traffic` predicts; the breakdown's cp_comm row
+is the part compute leaves exposed), and the gradients are reduced (from level 1, sharded) over dp x cp,
+each rank's sequence pieces counting as rows of their own (`loom.cost.traffic.shards_as_rows`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import ParallelPlan
+from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import UnitBytes, embedding_unit_bytes, head_unit_bytes, layer_unit_bytes
 from loom.sim.engine import Playback, play
@@ -63,6 +69,9 @@ class SimResult:
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds on the slowest device
     memory_breakdown_gib: dict[str, float] = field(default_factory=dict)
     stage_memory_gib: list[float] = field(default_factory=list)  # per pipeline rank, in rank order
+    # bytes one rank sends over cp per layer and micro-batch, forward and backward (all-to-all send buffers,
+    # ring sends: `loom.cost.context`'s formulas); 0 without context parallelism
+    cp_bytes_per_layer: int = 0
     timeline: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -76,8 +85,10 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     """Why `plan` cannot run `model` on `cluster` (empty when it can, memory aside)."""
     reasons = []
     if plan.devices != cluster.gpus:
+        cp, cps = ("*cp", f"*{plan.cp}") if plan.cp > 1 else ("", "")
         reasons.append(
-            f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {plan.devices} devices, but the cluster has {cluster.gpus}"
+            f"dp*tp*pp{cp} = {plan.dp}*{plan.tp}*{plan.pp}{cps} = {plan.devices} devices, but the cluster has "
+            f"{cluster.gpus}"
         )
     if plan.stage_layers and sum(plan.stage_layers) != model.layers:
         reasons.append(
@@ -102,6 +113,35 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     if plan.schedule == "interleaved" and plan.interleave > 1 and plan.micro_batches % plan.pp:
         reasons.append(
             f"the interleaved schedule needs micro-batches ({plan.micro_batches}) to be a multiple of pp={plan.pp}"
+        )
+    if plan.cp > 1:
+        reasons += _cp_reasons(model, plan)
+    return reasons
+
+
+def _cp_reasons(model: TransformerConfig, plan: ParallelPlan) -> list[str]:
+    """Why loom cannot cut `plan`'s sequences over cp (the rules `loom train` applies to `[parallel]`)."""
+    reasons, cp = [], plan.cp
+    if plan.pp > 1:
+        reasons.append(f"cp={cp} with pp={plan.pp}: pipelines do not cut the sequence over cp yet; use pp=1")
+    if model.is_moe:
+        reasons.append(f"cp={cp}: a mixture of experts does not run with context parallelism yet; use cp=1")
+    if plan.attention == "ring" and plan.seq % (2 * cp):
+        reasons.append(
+            f"ring attention cuts each sequence head-tail into 2*cp = {2 * cp} chunks, but seq {plan.seq} is "
+            f"not a multiple of {2 * cp}; use a multiple, or a smaller cp"
+        )
+    elif plan.seq % cp:
+        reasons.append(f"seq {plan.seq} does not cut into cp={cp} equal pieces; use a multiple of {cp}")
+    if plan.attention == "ulysses" and model.heads % (plan.tp * cp):
+        reasons.append(
+            f"Ulysses attention cuts each tp rank's heads over cp: tp*cp = {plan.tp}*{cp} must divide the "
+            f"{model.heads} heads; use --attention ring or a smaller cp"
+        )
+    if plan.sequence_parallel and plan.tp > 1 and plan.seq % (plan.tp * cp):
+        reasons.append(
+            f"sequence parallelism cuts each rank's seq/cp tokens over tp: seq {plan.seq} must be a multiple "
+            f"of tp*cp = {plan.tp * cp}"
         )
     return reasons
 
@@ -253,14 +293,15 @@ def simulate(
         raise PlanError(reasons)
     pieces = piece_costs(model, plan, cluster)
     forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
-    if plan.optimizer_level == 3 and plan.dp > 1:
+    rows = shards_as_rows(plan)  # gradients reduced, states sharded over dp x cp
+    if plan.optimizer_level == 3 and rows.dp > 1:
         chunks = plan.chunk_layers(model.layers)
-        forward, backward = _sharded_durations(model, plan, cluster, pieces, chunks)
+        forward, backward = _sharded_durations(model, rows, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
     playback = play(
         orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
     )
-    ends = [_grad_sync_end(model, plan, cluster, rank, playback) for rank in range(plan.pp)]
+    ends = [_grad_sync_end(model, rows, cluster, rank, playback) for rank in range(plan.pp)]
     slowest = max(range(plan.pp), key=lambda r: ends[r][1])
     iteration = ends[slowest][1]
     times = (playback.end[slowest], playback.busy[slowest], *ends[slowest])
@@ -292,5 +333,6 @@ def simulate(
         breakdown=breakdown,
         memory_breakdown_gib={name: value / GIB for name, value in fullest.items()},
         stage_memory_gib=[sum(m.values()) / GIB for m in memory],
+        cp_bytes_per_layer=sum(c.count * c.nbytes for c in pieces.layer_cp if c.kind != "recv"),
         timeline=playback.intervals,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import textwrap
 import tomllib
 import types
@@ -47,6 +48,10 @@ _TRUE, _FALSE, _NONE = ("true", "1", "yes", "on"), ("false", "0", "no", "off"), 
 
 # `loom train` runs every pipeline schedule but zbv (its V placement is offered in Python only)
 CONFIG_SCHEDULES = tuple(name for name in SCHEDULES if name != "zbv")
+# how data-parallel replicas meet: gradients every step, or weights every `sync_every` steps
+SYNCS = ("every_step", "local_sgd", "diloco")
+# the keys of `[parallel]` that only DiLoCo reads
+_DILOCO_KEYS = ("outer_lr", "outer_momentum", "fragments", "fragment_delay", "mix", "outer_dtype")
 # the simulator also prices fp8; training computes in the others
 TRAIN_PRECISIONS = tuple(name for name in PRECISIONS if name != "fp8")
 
@@ -311,15 +316,37 @@ class DataConfig(_Section):
         check_vocab_size(self, vocab_size)
 
 
+AUTO_HARDWARE = "a100-80gb"
+"""The profile `mode = "auto"` prices plans on when `parallel.hardware` is unset (`loom plan`'s default)."""
+
+
 @dataclass(kw_only=True)
 class ParallelConfig(_Section):
     """`[parallel]`: mesh sizes (`dp = -1` takes the devices left by tp and pp; `ep` carves expert
     parallelism out of dp), the pipeline schedule and micro-batches, sequence parallelism, the optimizer
     level (ZeRO stage 0-3) and recomputation.
 
-    The TOML surface of a `loom.plan.Plan`: its rules are the Plan's, reported under `parallel.<key>`."""
+    The TOML surface of a `loom.plan.Plan`: its rules are the Plan's, reported under `parallel.<key>`.
+    Two other sources fill the same keys (`adopt`), so that everything downstream reads one description:
+    `plan = "plan.json"`, a saved Plan (`loom plan --out`, `Plan.save`, a checkpoint's plan.json), run as it
+    is; and `mode = "auto"`, the planner's choice on the run's world size (`loom.train.autoplan`, made by
+    `TrainConfig.plan` / `validate` once the world size is known), priced on `hardware` under
+    `memory_limit`."""
 
     SECTION: ClassVar[str] = "parallel"
+    mode: Literal["manual", "auto"] = _key(
+        "manual", "manual: the sizes below (or parallel.plan); auto: the planner chooses them"
+    )
+    plan: str | None = _key(
+        None, "a plan.json (loom plan --out, Plan.save, a checkpoint's) run as is, instead of the sizes below"
+    )
+    memory_limit: str | None = _key(
+        None, "mode = auto: bytes per device, or a size like '2GiB' (none: the hardware's memory)"
+    )
+    hardware: str | None = _key(
+        None,
+        f"mode = auto: the profile plans are priced on, a name or a loom bench file (none: {AUTO_HARDWARE})",
+    )
     dp: int = _key(-1, "data-parallel size (-1: the devices left by tp and pp)")
     tp: int = _key(1, "tensor-parallel size (divides heads, kv heads, d_ff and vocab_size)")
     pp: int = _key(1, "pipeline-parallel size (stages over ranks)")
@@ -334,43 +361,207 @@ class ParallelConfig(_Section):
     stages: tuple[int, ...] | None = _key(
         None, "blocks per pipeline stage, in model order, one count per stage (uneven allowed); none: even"
     )
+    # replicas over slow links (loom.parallel.local_sgd): the dp replicas step alone and meet every few steps
+    sync: Literal[SYNCS] = _key(
+        "every_step", "how dp replicas meet: gradients every step, or weights every sync_every steps"
+    )
+    sync_every: int = _key(50, "local_sgd, diloco: inner steps between two syncs of the replicas")
+    outer_lr: float = _key(0.7, "diloco: learning rate of the outer SGD on the averaged pseudo-gradient")
+    outer_momentum: float = _key(0.9, "diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
+    fragments: int = _key(1, "diloco: parameters cut into F fragments, each synced at its own step")
+    fragment_delay: int = _key(
+        0, "diloco: inner steps a fragment's average is overlapped with (< sync_every)"
+    )
+    mix: float = _key(0.5, "diloco with fragment_delay > 0: share of the local weights kept when it lands")
+    outer_dtype: Literal["fp32", "bf16"] = _key("fp32", "diloco: dtype the pseudo-gradients travel in")
+
+    def __post_init__(self) -> None:
+        # TOML writes a byte count as a number: the key holds the text of either form
+        if isinstance(self.memory_limit, int | float) and not isinstance(self.memory_limit, bool):
+            self.memory_limit = str(self.memory_limit)
+        self._source: Plan | None = None  # the Plan that filled the keys (`adopt`), if any
+        self._origin = ""  # where it came from, for error messages
+        super().__post_init__()
+
+    def _check_sync(self) -> None:
+        """The keys of `sync`: in range, and each set only for the syncs that read it."""
+        self._at_least(1, "sync_every", "fragments")
+        self._at_least(0, "fragment_delay")
+        if self.outer_lr <= 0:
+            self._fail("outer_lr", "use a value > 0 (1 with outer_momentum = 0 takes the average as it is)")
+        if not 0 <= self.outer_momentum < 1:
+            self._fail("outer_momentum", "use a value in [0, 1)")
+        if not 0 <= self.mix <= 1:
+            self._fail("mix", "use a value in [0, 1]")
+        readers = {"sync_every": ("local_sgd", "diloco")}
+        readers.update((key, ("diloco",)) for key in _DILOCO_KEYS)
+        defaults = ParallelConfig.__dataclass_fields__
+        for key, syncs in readers.items():
+            if self.sync not in syncs and getattr(self, key) != defaults[key].default:
+                use = " or ".join(repr(sync) for sync in syncs)
+                raise ValueError(
+                    f"parallel.{key} = {getattr(self, key)!r} is read only with parallel.sync = {use}, not "
+                    f"{self.sync!r}; remove parallel.{key} or set parallel.sync"
+                )
+        if self.sync != "diloco":
+            return
+        if self.fragments > self.sync_every:
+            self._fail(
+                "fragments",
+                f"each fragment syncs once per sync_every = {self.sync_every} steps: use at most that",
+            )
+        if self.fragment_delay >= self.sync_every:
+            self._fail(
+                "fragment_delay",
+                f"an average must land before its fragment's next sync: use less than sync_every = {self.sync_every}",
+            )
+
+    @property
+    def replicas_step_alone(self) -> bool:
+        """True when the data-parallel replicas step alone and meet every `sync_every` steps."""
+        return self.sync != "every_step"
 
     def check(self) -> None:
-        self.plan()
-
-    def plan(self, world_size: int | None = None, precision: str = "fp32") -> Plan:
-        """This section as a Plan (`dp = -1` resolved when `world_size` is given). Each schedule runs its
-        fewest virtual stages; without pipelines one micro-batch per step (`microbatches` is unused)."""
-        try:
-            plan = Plan(
-                dp=self.dp,
-                tp=self.tp,
-                pp=self.pp,
-                ep=self.ep,
-                schedule=self.schedule,
-                virtual_stages=SCHEDULE_VIRTUAL[self.schedule][0],
-                micro_batches=self.microbatches if self.pp > 1 else 1,
-                sequence_parallel=self.sequence_parallel,
-                cp=self.cp,
-                attention=self.attention,
-                optimizer_level=self.optimizer_level,
-                recompute=self.recompute,
-                precision=precision,
-                stages=list(self.stages) if self.stages is not None else None,
+        if self.mode == "auto":
+            self._check_auto()
+        elif self.memory_limit is not None or self.hardware is not None:
+            key = "memory_limit" if self.memory_limit is not None else "hardware"
+            raise ValueError(
+                f"parallel.{key} is the planner's: it needs parallel.mode = 'auto'; remove parallel.{key}"
             )
+        if self.plan is not None:
+            self.adopt(Plan.read(self.plan), f"parallel.plan = {self.plan!r}")
+        self.to_plan()
+        self._check_sync()
+
+    def _check_auto(self) -> None:
+        """`mode = "auto"`: the planner decides the sizes, so none is given; the memory limit parses."""
+        if self.plan is not None:
+            raise ValueError(
+                f"parallel.mode = 'auto' and parallel.plan = {self.plan!r}: the planner would choose the plan "
+                "the file gives; keep one (remove parallel.plan, or set parallel.mode = 'manual')"
+            )
+        given = [f"parallel.{key}" for key in _PLAN_KEYS.values() if _given(self, key)]
+        if given:
+            raise ValueError(
+                f"parallel.mode = 'auto' chooses {', '.join(given)} itself; remove {'it' if len(given) == 1 else 'them'}"
+                " (or set parallel.mode = 'manual' to give the sizes)"
+            )
+        self.memory_limit_bytes()
+
+    def memory_limit_bytes(self) -> int | None:
+        """`memory_limit` in bytes (None when unset); a ValueError naming the key for an unreadable size."""
+        if self.memory_limit is None:
+            return None
+        size = _size_in_bytes(self.memory_limit)
+        if size is None or size <= 0:
+            raise ValueError(
+                f"parallel.memory_limit = {self.memory_limit!r} is not a size; give bytes per device (a number "
+                "> 0) or a size with a unit, e.g. '2GiB', '512MiB', '8GB'"
+            )
+        return size
+
+    def adopt(self, plan: Plan, origin: str, *, replace: bool = False) -> None:
+        """Fill the keys from `plan`, which the run then uses as it is (`to_plan` returns it). `origin` names
+        where it came from in errors. A key already given another value than the plan's is an error naming
+        both, unless `replace` (the planner's choice replaces its previous one)."""
+        if plan.strategies or plan.parameter_layouts or plan.recompute_modules:
+            given = [k for k in ("strategies", "parameter_layouts", "recompute_modules") if getattr(plan, k)]
+            raise ValueError(
+                f"{origin} has {', '.join(given)}: loom train lays out its models with their own tensor-parallel "
+                "plans and one recompute policy; apply such a plan in Python with loom.parallelize(model, "
+                "plan=...), or remove those entries"
+            )
+        if plan.stages is not None and not all(isinstance(n, int) for n in plan.stages):
+            raise ValueError(
+                f"{origin} gives stages as module paths; loom train cuts its blocks by counts: give blocks per "
+                "stage, e.g. [2, 2]"
+            )
+        values = {key: getattr(plan, field) for field, key in _PLAN_KEYS.items()}
+        values["stages"] = tuple(plan.stages) if plan.stages is not None else None
+        if not replace:
+            clashes = [
+                f"parallel.{key} = {_shown(getattr(self, key))} (the plan: {_shown(value)})"
+                for key, value in values.items()
+                if _given(self, key) and getattr(self, key) != value
+            ]
+            if clashes:
+                raise ValueError(
+                    f"{origin} and {'; '.join(clashes)} disagree: the plan file decides the parallel sizes; "
+                    "remove those keys, or parallel.plan"
+                )
+        for key, value in values.items():
+            if key == "schedule" and value not in CONFIG_SCHEDULES:
+                raise ValueError(
+                    f"{origin} runs schedule {value!r}, which loom train does not (use one of "
+                    f"{CONFIG_SCHEDULES}; zbv is offered in Python only)"
+                )
+            setattr(self, key, value)
+        self._source, self._origin = plan, origin
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank: the adopted plan's, else the fewest the schedule runs."""
+        if self._source is not None:
+            return self._source.virtual_stages
+        return SCHEDULE_VIRTUAL[self.schedule][0]
+
+    @property
+    def source(self) -> Plan | None:
+        """The plan that filled the keys (`adopt`), as it was given, or None."""
+        return self._source
+
+    @property
+    def origin(self) -> str | None:
+        """Where the keys came from when a plan filled them (`parallel.plan = '...'`, the planner), else None."""
+        return self._origin or None
+
+    def to_plan(self, world_size: int | None = None, precision: str = "fp32") -> Plan:
+        """This section as a Plan (`dp = -1` resolved when `world_size` is given). Each schedule runs its
+        fewest virtual stages; without pipelines one micro-batch per step (`microbatches` is unused). An
+        adopted plan (`adopt`) is returned as it is, with `precision`."""
+        try:
+            if self._source is not None:
+                plan = self._source.replace(precision=precision)
+            else:
+                plan = Plan(
+                    dp=self.dp,
+                    tp=self.tp,
+                    pp=self.pp,
+                    ep=self.ep,
+                    schedule=self.schedule,
+                    virtual_stages=SCHEDULE_VIRTUAL[self.schedule][0],
+                    micro_batches=self.microbatches if self.pp > 1 else 1,
+                    sequence_parallel=self.sequence_parallel,
+                    cp=self.cp,
+                    attention=self.attention,
+                    optimizer_level=self.optimizer_level,
+                    recompute=self.recompute,
+                    precision=precision,
+                    stages=list(self.stages) if self.stages is not None else None,
+                )
             return plan if world_size is None else plan.resolve(world_size)
         except FieldError as error:
             section, key = _CONFIG_KEYS.get(error.key, f"parallel.{error.key}").split(".")
-            raise error.renamed(section, key) from None
+            raise self.from_origin(error.renamed(section, key)) from None
+
+    def from_origin(self, error: ValueError) -> ValueError:
+        """`error` (about a [parallel] key) saying where the key's value came from, when a plan filled it."""
+        note = f" (the [parallel] values come from {self._origin})"
+        if self._source is None or note in str(error):
+            return error
+        if isinstance(error, FieldError):
+            return FieldError(error.owner, error.key, error.value, error.fix + note)
+        return ValueError(f"{error}{note}")
 
     def dp_size(self, world_size: int) -> int:
         """The data-parallel size on `world_size` devices (`dp = -1` filled in), checked against tp * pp."""
-        return self.plan(world_size).dp
+        return self.to_plan(world_size).dp
 
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
         """Axis sizes for `loom.init`, outermost first: pp, dp, tp (tp innermost, on the fastest links).
         Axes of size 1 other than dp are left out."""
-        return self.plan(world_size).mesh_sizes()
+        return self.to_plan(world_size).mesh_sizes()
 
 
 # the config key of each Plan field that `[parallel]` does not spell alike
@@ -380,6 +571,34 @@ _CONFIG_KEYS = {
     "precision": "train.precision",
     "world_size": "train.workers",
 }
+
+# the [parallel] key of each Plan field it has (precision is train.precision; virtual stages follow the
+# schedule, or an adopted plan)
+_PLAN_KEYS = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp", "attention": "attention",
+    "schedule": "schedule", "micro_batches": "microbatches", "sequence_parallel": "sequence_parallel",
+    "optimizer_level": "optimizer_level", "recompute": "recompute", "stages": "stages",
+}  # fmt: skip
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size_in_bytes(text: str) -> int | None:
+    """'2GiB', '512 MiB', '8GB', '2e9' or '1073741824' in bytes; None when it is not a size."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _given(section: _Section, key: str) -> bool:
+    """True when `key` holds another value than its default (a key left at its default is not given)."""
+    return getattr(section, key) != type(section).__dataclass_fields__[key].default
+
+
+def _shown(value: Any) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
 
 
 @dataclass(kw_only=True)
@@ -530,6 +749,9 @@ class TrainConfig:
                     f"TrainConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}; "
                     "use TrainConfig.from_dict for plain data"
                 )
+        self._planned: dict[int, Any] = {}  # mode = "auto": the planner's choice per world size
+        if self.parallel.source is not None:
+            self._take_plan_precision()
         self.validate()
 
     @classmethod
@@ -557,12 +779,51 @@ class TrainConfig:
             lines.append(textwrap.fill(body, 108, initial_indent=f"{name:<11}", subsequent_indent=" " * 11))
         return "\n".join(lines)
 
+    def _take_plan_precision(self) -> None:
+        """A plan file's precision is the run's: `train.precision` left at its default takes it, another
+        value is an error (the simulator's fp8 is not one loom train computes in)."""
+        par, train = self.parallel, self.train
+        precision = par.source.precision
+        if precision not in TRAIN_PRECISIONS:
+            raise ValueError(
+                f"{par.origin} has precision = {precision!r}, which the simulator prices but loom train does not "
+                f"compute in; set its precision to one of {TRAIN_PRECISIONS}"
+            )
+        if _given(train, "precision") and train.precision != precision:
+            raise ValueError(
+                f"{par.origin} and train.precision = {train.precision!r} (the plan: {precision!r}) disagree: "
+                "the plan file decides the precision; remove train.precision, or parallel.plan"
+            )
+        train.precision = precision
+
+    def auto_plan(self, world_size: int) -> Any:
+        """With `parallel.mode = "auto"`: the planner's choice on `world_size` devices
+        (`loom.train.autoplan.AutoPlan`, made once per world size), adopted into `[parallel]`."""
+        if self.parallel.mode != "auto":
+            raise ValueError("TrainConfig.auto_plan: parallel.mode is not 'auto'")
+        if world_size not in self._planned:
+            from loom.train.autoplan import choose  # the planner: only for mode = "auto"
+
+            self._planned[world_size] = choose(self, world_size)
+        chosen = self._planned[world_size]
+        self.parallel.adopt(
+            chosen.plan, f"the planner (parallel.mode = 'auto', {world_size} devices)", replace=True
+        )
+        return chosen
+
     def validate(self, world_size: int | None = None) -> TrainConfig:
-        """Check the rules that span sections; with `world_size`, also the mesh and the batch split.
+        """Check the rules that span sections; with `world_size`, also the mesh and the batch split (with
+        `parallel.mode = "auto"`, on the plan the planner chooses for `world_size`: `auto_plan`).
 
         Returns self, so that `cfg = load_config(...).validate(world_size)` reads naturally.
         """
-        model, data, par = self.model, self.data, self.parallel
+        if self.parallel.mode == "auto" and world_size is not None:
+            self.auto_plan(world_size)
+        return self.check_rules(world_size)
+
+    def check_rules(self, world_size: int | None = None) -> TrainConfig:
+        """`validate` on the [parallel] values as they stand (the planner's candidates are checked so)."""
+        model, data = self.model, self.data
         if data.seq_len > model.max_seq_len:
             raise ValueError(
                 f"data.seq_len = {data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}; "
@@ -577,6 +838,15 @@ class TrainConfig:
                 f"{error}; with a Hugging Face model, model.vocab_size is the vocab_size of its config.json "
                 f"({model.hf_config or model.hf_pretrained}): change it there"
             ) from None
+        try:
+            self._check_parallel(world_size)
+        except ValueError as error:  # one a plan file's values broke: say so
+            raise self.parallel.from_origin(error) from None
+        return self
+
+    def _check_parallel(self, world_size: int | None) -> None:
+        """The rules of `[parallel]` against the model, the data and the batch (`validate`)."""
+        model, data, par = self.model, self.data, self.parallel
         if model.is_hf:
             self._check_hf_parallel(world_size)
         cut_over_tp = (
@@ -603,12 +873,12 @@ class TrainConfig:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
         self._check_context()
         self.check_pipeline()
+        self.check_replicas()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
         if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
             model.gpt_config().check_expert_parallel(par.ep, dp)
         if dp is not None:
             self._check_batch_split(dp)
-        return self
 
     def _check_context(self) -> None:
         """With `parallel.cp > 1`: the sequence must cut evenly and, for Ulysses, the heads too."""
@@ -709,6 +979,31 @@ class TrainConfig:
                 "parallel.pp = 1"
             )
 
+    def check_replicas(self) -> None:
+        """With `parallel.sync` other than "every_step": a ValueError for each setting that replicas stepping
+        alone refuse, saying how to fix it (each replica may be tensor-parallel inside; nothing else cuts it)."""
+        par, model = self.parallel, self.model
+        if not par.replicas_step_alone:
+            return
+        refused = (
+            ("parallel.pp", par.pp, 1, "pipelines do not step alone yet"),
+            ("parallel.cp", par.cp, 1, "context-parallel ranks do not step alone yet"),
+            ("parallel.ep", par.ep, 1, "experts cut over dp ranks need every replica at each step"),
+            ("parallel.optimizer_level", par.optimizer_level, 0, "ZeRO shards states over the dp replicas"),
+            ("model.experts", model.experts, 1, "the experts' balancing is not kept per replica yet"),
+        )
+        for key, value, allowed, why in refused:
+            if value != allowed:
+                raise ValueError(
+                    f"{key} = {value} with parallel.sync = {par.sync!r}: {why}; set {key} = {allowed} or "
+                    "parallel.sync = 'every_step'"
+                )
+        if model.is_hf:
+            raise ValueError(
+                f"parallel.sync = {par.sync!r} trains loom's GPT; a Hugging Face model (model.hf_config / "
+                "hf_pretrained) syncs every step yet: set parallel.sync = 'every_step'"
+            )
+
     def check_pipeline(self) -> None:
         """With `parallel.pp > 1`: a ValueError for each setting that pipelines refuse, saying how to fix it.
         The one place these rules live: `validate` calls it, so `loom train` reports them before it starts
@@ -716,7 +1011,7 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.pp == 1:
             return
-        virtual = par.plan().virtual_stages  # micro-batches against pp: a rule of the Plan
+        virtual = par.to_plan().virtual_stages  # micro-batches against pp: a rule of the Plan
         if par.stages is not None and sum(par.stages) != model.n_layers:
             raise ValueError(
                 f"parallel.stages = {list(par.stages)} holds {sum(par.stages)} blocks but the model has "
@@ -729,9 +1024,19 @@ class TrainConfig:
             )
 
     def plan(self, world_size: int) -> Plan:
-        """The Plan `loom train` runs on `world_size` devices: `[parallel]` with `train.precision`, the
-        data-parallel size filled in."""
-        return self.parallel.plan(world_size, precision=self.train.precision)
+        """The Plan `loom train` runs on `world_size` devices: `[parallel]` (or its plan file, or the
+        planner's choice with `mode = "auto"`) with `train.precision`, the data-parallel size filled in."""
+        if self.parallel.mode == "auto":
+            self.auto_plan(world_size)
+        return self.parallel.to_plan(world_size, precision=self.train.precision)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches the Trainer runs per optimizer step: `train.grad_accum`, times the plan's
+        micro-batches without a pipeline (a plan from `loom plan` or the planner may accumulate; a pipeline
+        runs its micro-batches inside each of the `grad_accum` schedule runs)."""
+        par = self.parallel
+        return self.train.grad_accum * (par.to_plan().micro_batches if par.pp == 1 else 1)
 
     def cost_model(self, world_size: int) -> tuple[TransformerConfig, ParallelPlan]:
         """The model and plan as the simulator prices this run on `world_size` devices: one optimizer step
@@ -770,13 +1075,18 @@ class TrainConfig:
         return self.validate(world_size).check_files()
 
     def _check_batch_split(self, dp: int) -> None:
-        train, par = self.train, self.parallel
-        if train.global_batch % (dp * train.grad_accum):
-            raise ValueError(
-                f"train.global_batch = {train.global_batch} is not divisible by dp * grad_accum = "
-                f"{dp} * {train.grad_accum}; use a multiple of {dp * train.grad_accum}"
+        train, par, steps = self.train, self.parallel, self.accumulation
+        if train.global_batch % (dp * steps):
+            shown = (
+                "grad_accum"
+                if steps == train.grad_accum
+                else "micro-steps (grad_accum x the plan's micro_batches)"
             )
-        rows = train.global_batch // (dp * train.grad_accum)
+            raise ValueError(
+                f"train.global_batch = {train.global_batch} is not divisible by dp * {shown} = "
+                f"{dp} * {steps}; use a multiple of {dp * steps}"
+            )
+        rows = train.global_batch // (dp * steps)
         if par.pp > 1 and rows % par.microbatches:
             raise ValueError(
                 f"a micro-batch step of {rows} rows per data-parallel rank is not divisible by "

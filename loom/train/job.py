@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import loom
 from loom.dist import env
-from loom.dist.context import unsharded
+from loom.dist.context import unsharded, use_mesh
 from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
 from loom.layout.parameters import materialize
@@ -40,7 +40,6 @@ from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.recipes import find_blocks, tensor_plan
 from loom.parallel import make_optimizer
 from loom.parallel.pipeline import (
-    SCHEDULES,
     BlockStage,
     Pipeline,
     gpt_pipeline,
@@ -66,6 +65,13 @@ from loom.train.data import (
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.precision import DTYPES, DynamicLossScaler
+from loom.train.replicas import (
+    replica_group,
+    replica_mesh,
+    replica_optimizer,
+    replica_plan_text,
+    whole_replica_model,
+)
 from loom.train.report import ReportedCheckpointer, group_layouts, main_rank_warnings
 from loom.train.schedules import lr_multiplier
 from loom.train.trainer import Trainer
@@ -76,16 +82,19 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
     return config.model.gpt_config()
 
 
-def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
+def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple, batch_axes: tuple | None = None) -> GPT:
     """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised (its experts cut
-    over `parallel.ep` data-parallel ranks)."""
+    over `parallel.ep` data-parallel ranks). `batch_axes` as `loom.parallelize` takes them (`()` on a
+    replica's own mesh, whose ranks all bring the replica's batch)."""
     par = config.parallel
     strategies = Strategies(
         mesh.dp_size, par.tp, par.sequence_parallel, par.ep, cp=par.cp, attention=par.attention
     )
     with torch.device("meta"):
         model = GPT(gpt_config(config), strategies, mesh=mesh)
-    loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(*example))
+    loom.parallelize(
+        model, mode="semi_auto", example_inputs=model.shard_inputs(*example), batch_axes=batch_axes
+    )
     model.loom.materialize(model, "cpu")
     model.init_weights(config.train.seed)
     for block in model.blocks:
@@ -159,7 +168,7 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
     `parallel.tp > 1` each stage is laid out tensor-parallel on its own dp x tp ranks (the GPT by its
     strategies, a Hugging Face model by its recipe's Megatron module plan)."""
     par = config.parallel
-    virtual = SCHEDULES[par.schedule].min_virtual
+    virtual = par.virtual_stages
     if config.model.is_hf:
         model = whole_hf_model(config)
         pipeline = model_pipeline(
@@ -185,7 +194,7 @@ def all_stages(config: TrainConfig, model: nn.Module) -> list[BlockStage]:
     lists them by pipeline rank): the blocks cut into `pp x virtual` stages as `parallel.stages` says, or
     evenly."""
     par = config.parallel
-    count = par.pp * SCHEDULES[par.schedule].min_virtual
+    count = par.pp * par.virtual_stages
     if isinstance(model, GPT):
         return gpt_stages(model, count, _split(par))
     return split_model(model, count, split=_split(par))
@@ -235,11 +244,17 @@ class Heartbeat:
 
 
 def build_trainer(
-    config: TrainConfig, model: nn.Module, callbacks: list, pipeline: Pipeline | None = None
+    config: TrainConfig,
+    model: nn.Module,
+    callbacks: list,
+    pipeline: Pipeline | None = None,
+    mesh: loom.Mesh | None = None,
 ) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
     throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), the
-    optimizer holds the stages' parameters and the Trainer runs the schedule."""
+    optimizer holds the stages' parameters and the Trainer runs the schedule. `mesh`: the run's whole mesh
+    (default: the current one); with `parallel.sync` other than every step, the optimizer becomes the inner
+    one of the replicas' `LocalSGD` or `DiLoCo` over it (`loom.train.replicas`), the schedule still on it."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = (
@@ -255,18 +270,24 @@ def build_trainer(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
+    mesh = mesh or loom.current_mesh()
+    group = None  # the step's loss and norm over every rank
+    if config.parallel.replicas_step_alone:
+        optimizer = replica_optimizer(config, model, optimizer, mesh)
+        group = replica_group(mesh)
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
     flops_per_token = model_flops_per_token(
         _active_parameters(model), config.model.n_layers, config.model.d_model,
         config.data.seq_len,
     )  # fmt: skip
     options = dict(
-        lr_scheduler=schedule, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm,
+        lr_scheduler=schedule, grad_accum=config.accumulation, clip_grad_norm=t.clip_grad_norm,
         precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
         peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
         skip_nonfinite=config.fault.skip_nonfinite,
-        seed=t.seed, mesh=loom.current_mesh(),  # generators per step and rank on the whole mesh (pp included)
+        seed=t.seed, mesh=mesh,  # generators per step and rank on the whole mesh (pp included)
+        group=group,
     )  # fmt: skip
     if pipeline is not None:  # checkpoints see the stages' parameters under the whole model's names
         named = stage_parameters(model, pipeline.modules, pipeline.full_parameters)
@@ -338,10 +359,22 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
 def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
-    mesh = loom.init(config.parallel.mesh_sizes(loom.world_size()))
+    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started)
+    mesh = loom.init(config.plan(loom.world_size()).mesh_sizes())
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
+    if not config.parallel.replicas_step_alone:
+        return _train(config, faults, verbose, mesh, disarm)
+    with use_mesh(replica_mesh(mesh)):  # each replica computes on its own ranks alone
+        return _train(config, faults, verbose, mesh, disarm)
+
+
+def _train(
+    config: TrainConfig, faults: Sequence[Fault], verbose: bool, mesh: loom.Mesh, disarm: list
+) -> dict:
+    """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report."""
     t, is_main = config.train, loom.rank() == 0
+    replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
     _phase("loading the data")
     dataset = build_dataset(config.data)
@@ -352,10 +385,14 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         model, pipeline = build_pipeline(config, mesh)
     elif config.model.is_hf:
         model = build_hf_model(config, mesh)
+    elif replicas and loom.current_mesh() is None:  # a replica of one process: the whole GPT on it
+        model = whole_replica_model(config)
     else:
         # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
         example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
-        model = build_model(config, mesh, tuple(next(iter(example))))
+        # a replica of tp ranks is laid out on its own mesh (the current one), where every rank brings its batch
+        axes = () if replicas and "dp" not in loom.current_mesh().shape.names else None
+        model = build_model(config, loom.current_mesh(), tuple(next(iter(example))), axes)
     logger = MetricsLogger(
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,
@@ -367,25 +404,29 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
             callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
         callbacks.append(checkpointer)
     _phase("building the trainer")
-    trainer = build_trainer(config, model, callbacks, pipeline)
+    trainer = build_trainer(config, model, callbacks, pipeline, mesh=mesh)
     if checkpointer is not None:
         _phase("loading the checkpoint")
         resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
         if apply_rollback(config.checkpoint.dir, resumed, batches) and is_main:
             print("rolled back: skipping the data of the steps that were not finite", flush=True)
+    if replicas and trainer.optimizer.inner_steps == 0:  # weights loaded without the replicas' own state
+        trainer.optimizer.adopt_params()
     for undo in disarm:
         undo()
     for fault in faults:
         if fault.during != "startup":
             fault.install(trainer)
     if is_main:
-        print(
-            plan_text(config, model, verbose)
-            if pipeline is None
-            else pipeline_plan_text(config, model, mesh),
-            flush=True,
-        )
-    steps = (micro_batches(_sequence_shards(model, next(batches)), t.grad_accum) for _ in iter(int, 1))
+        if replicas:
+            text = replica_plan_text(config, model, mesh)
+        elif pipeline is None:
+            text = plan_text(config, model, verbose)
+        else:
+            text = pipeline_plan_text(config, model, mesh)
+        print(text, flush=True)
+    accumulation = config.accumulation
+    steps = (micro_batches(_sequence_shards(model, next(batches)), accumulation) for _ in iter(int, 1))
     start, first_step = time.perf_counter(), trainer.step + 1
     results = trainer.fit(
         steps,
@@ -393,6 +434,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         t.eval_every,
         lambda: [_sequence_shards(model, batch) for batch in _eval_batches(config, mesh)],
     )  # a resumed run does the steps left
+    if replicas:
+        trainer.optimizer.finish()  # the averages still in flight land
     if checkpointer is not None and checkpointer.last_saved_step != trainer.step:
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
@@ -504,7 +547,7 @@ def _model_name(config: TrainConfig, model: nn.Module) -> str:
 
 def pipeline_plan_text(config: TrainConfig, model: nn.Module, mesh: loom.Mesh) -> str:
     """The plan of a pipeline run: mesh, schedule, each pipeline rank's stages (blocks, parameters)."""
-    par, virtual = config.parallel, SCHEDULES[config.parallel.schedule].min_virtual
+    par, virtual = config.parallel, config.parallel.virtual_stages
     m = config.model
     lines = [
         f"plan: {mesh}, pipeline schedule {par.schedule} with {par.microbatches} micro-batches, "

@@ -65,7 +65,7 @@ class ModuleSteps:
                 aux = aux_losses(self.module)
                 ((loss if aux is None else loss + aux) * (scale / count)).backward()
             losses.append(loss.detach())
-        return global_mean(losses)
+        return global_mean(losses, trainer.group)
 
     def eval_loss(self, trainer: Trainer, batches: Iterable[tuple]) -> float:
         """The mean loss over `batches`, global."""
@@ -73,12 +73,12 @@ class ModuleSteps:
         for batch in batches:
             with autocast(trainer.precision, env.device_type()):
                 losses.append(self.module(*batch))
-        return global_mean(losses)
+        return global_mean(losses, trainer.group)
 
     def grad_views(self, trainer: Trainer) -> list[GradView]:
         """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""
         own = getattr(trainer.optimizer, "grad_views", None)
-        return own() if own is not None else grad_views(trainer.params)
+        return own() if own is not None else grad_views(trainer.params, trainer.group)
 
     def balance_group(self) -> dist.ProcessGroup | None:
         """The ranks whose tokens the experts' balancing biases are moved by: every rank (None alone)."""
@@ -91,17 +91,17 @@ class ModuleSteps:
         return state.no_sync()
 
 
-def global_mean(losses: Sequence) -> float:
+def global_mean(losses: Sequence, group: dist.ProcessGroup | None = None) -> float:
     """The mean of per-micro-batch losses as one global number: DTensor losses are global already; plain
-    (data-parallel) losses are local and averaged over the ranks."""
+    (data-parallel) losses are local and averaged over the ranks of `group` (default: the world)."""
     if not losses:
         return float("nan")
     if isinstance(losses[0], DTensor):
         return torch.stack([loss.full_tensor() for loss in losses]).float().mean().item()
     mean = torch.stack(losses).float().mean()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(mean)
-        mean /= dist.get_world_size()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(mean, group=group)
+        mean /= dist.get_world_size(group)
     return mean.item()
 
 

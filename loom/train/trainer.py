@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from loom.dist import env
@@ -25,6 +26,7 @@ from loom.dist.mesh import Mesh
 from loom.dist.rng import StepSeeds
 from loom.models.moe import update_biases
 from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, scale_grads_
+from loom.parallel.local_sgd import Replicated
 from loom.parallel.pipeline import Pipeline
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
@@ -50,6 +52,10 @@ class Trainer:
     overflow check does the same). With `seed`, each step starts by seeding every random generator from the
     seed, the step and this rank's position on `mesh` (default: the model's mesh, else the current one; see
     `loom.dist.rng`), so that a resumed run, on any mesh, draws what a fresh run on that mesh would.
+    `group` is the ranks that train one model together (default: every rank): the step's loss, gradient
+    norm and finiteness are taken over them. Replicas that step alone and meet every few steps (an
+    optimizer of `loom.parallel.local_sgd`) name their own ranks, so that a step between two syncs never
+    talks to another replica; a step they skip (not finite) still counts towards their meetings.
     Callbacks (see `loom.train.metrics.Callback`) get `on_train_begin(trainer)`, `on_step_end(trainer,
     metrics)`, `on_eval_end(trainer, {"loss": ...})` and `on_train_end(trainer)`: the hook points for logging
     and checkpoints.
@@ -73,6 +79,7 @@ class Trainer:
         skip_nonfinite: bool = True,
         seed: int | None = None,
         mesh: Mesh | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
@@ -91,6 +98,7 @@ class Trainer:
             peak_flops,
         )
         self.skip_nonfinite = skip_nonfinite
+        self.group = group
         self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(self.model))
         self.step = 0
         self.is_main = env.rank() == 0
@@ -112,10 +120,10 @@ class Trainer:
         """The rest of a step, on the accumulated gradients: unscale, check, clip, update (or skip), adjust
         the loss scale and the learning rate, report to the callbacks."""
         views = self._grad_views()
-        finite = all_finite(views) if self.scaler else True
+        finite = all_finite(views, self.group) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
-        norm = global_grad_norm(views) if finite else torch.tensor(float("nan"))
+        norm = global_grad_norm(views, self.group) if finite else torch.tensor(float("nan"))
         norm_value = norm.item()  # one device sync, read by the check and the metrics
         if self.skip_nonfinite:  # the loss and the norm are global: every rank decides alike
             finite = finite and math.isfinite(loss) and math.isfinite(norm_value)
@@ -125,6 +133,8 @@ class Trainer:
             self.optimizer.step()
             # the experts' balancing biases, from the loads of every rank's tokens
             update_biases(self.steps.module, self.steps.balance_group())
+        elif isinstance(self.optimizer, Replicated):
+            self.optimizer.skip()  # the replicas still meet at the steps they all count
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler:
             self.scaler.update(finite)

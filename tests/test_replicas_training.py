@@ -1,0 +1,197 @@
+"""`loom train` with `[parallel] sync = "local_sgd" | "diloco"` (loom.train.replicas) on 2 gloo ranks, one
+replica each (tier 3: the main job).
+
+- DiLoCo's (and local SGD's) losses fall, and the only all-reduces of its steps are the syncs, every `sync_every` steps, of
+  the parameters' bytes (counted as tests/test_local_sgd.py counts them, per step by the heartbeats);
+- exactness (fp32, inner SGD without momentum, decay or clipping): `sync_every = 1` with outer SGD(lr 1,
+  momentum 0) is synchronous data parallelism, losses and parameters within 1e-6;
+- a replica killed mid-step (SIGKILL through LOOM_FAULTS' `Fault`) restarts the job from the last
+  checkpoint, taken between two syncs with a fragment's average in flight, and the run ends bitwise as the
+  uninterrupted one: every rank's parameters, inner and outer states, and losses;
+- each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
+- bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
+  rank's replica entry (one of synchronous training).
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from job_cases import job_config
+from torch.distributed.checkpoint.metadata import Metadata
+
+from loom.checkpoint import read_model_tensors
+from loom.checkpoint.manifest import CheckpointError
+from loom.checkpoint.safe import SafeLoadPlanner, SafeReader
+from loom.checkpoint.state import replica_load_template
+from loom.cli.train import restart_policy
+from loom.dist import launch
+from loom.fault import Fault, supervise
+from loom.models.gpt import GPT
+from loom.train.config import TrainConfig
+from loom.train.job import run
+
+TOL = 1e-6
+
+
+def _config(tmp_path, name: str, parallel: dict, train: dict | None = None, **sections) -> TrainConfig:
+    return job_config(
+        tmp_path, parallel={"dp": 2, **parallel}, train={"eval_every": 0, **(train or {})},
+        checkpoint={"dir": str(tmp_path / name), "every_steps": 2, "keep_last": 10}, **sections,
+    )  # fmt: skip
+
+
+def _counted_run(config: TrainConfig) -> tuple[dict, dict[int, list[int]]]:
+    """`run(config)` on this rank, with the bytes of each `dist.all_reduce` by the training step issuing it
+    (0: before the first step; the heartbeat after step s is the end of step s)."""
+    calls: dict[int, list[int]] = {}
+    last = [0]
+    original = dist.all_reduce
+
+    def beat(step, phase) -> None:
+        if step is not None:
+            last[0] = step
+
+    def record(tensor, *args, **kwargs):
+        calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    launch.BEAT_HOOKS.append(beat)
+    dist.all_reduce = record
+    try:
+        return run(config), calls
+    finally:
+        dist.all_reduce = original
+        launch.BEAT_HOOKS.remove(beat)
+
+
+@pytest.mark.parametrize("sync", ["diloco", pytest.param("local_sgd", marks=pytest.mark.slow)])
+def test_replicas_learn_and_all_reduce_only_at_syncs(dist_run, tmp_path, sync):
+    steps, every = 9, 3
+    config = _config(tmp_path, "count", {"sync": sync, "sync_every": every}, {"steps": steps})
+    done = dist_run(2, _counted_run, config)
+    param_bytes = 4 * sum(p.numel() for p in GPT(config.model.gpt_config()).parameters())  # fp32, tied once
+    for summary, calls in done:
+        losses = summary["losses"]
+        assert len(losses) == steps and losses[-1] < losses[0] - 1.0, losses
+        during = {step: sizes for step, sizes in calls.items() if 1 <= step <= steps}
+        assert during == {s: [param_bytes] for s in range(every, steps + 1, every)}, during
+
+
+def _sgd(sync: dict) -> dict:
+    """Inner SGD without momentum, decay or clipping: steps linear in the gradient, so averaging the
+    replicas' steps is stepping on their averaged gradient."""
+    train = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "clip_grad_norm": None, "lr": 0.05}
+    return {"parallel": sync, "train": {**train, "steps": 6}}
+
+
+@pytest.mark.slow  # two runs; tests/test_local_sgd.py checks the same identity on the optimizer alone
+def test_diloco_every_step_with_identity_outer_step_is_data_parallelism(dist_run, tmp_path):
+    identity = {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
+    runs = {}
+    for name, sync in (("dp", {}), ("diloco", identity)):
+        case = _sgd(sync)
+        done = dist_run(2, run, _config(tmp_path, name, case["parallel"], case["train"]))
+        final = read_model_tensors(tmp_path / name / "step_000006")
+        runs[name] = ([r["losses"] for r in done], final)
+    (dp_losses, dp_params), (replica_losses, replica_params) = runs["dp"], runs["diloco"]
+    # the data-parallel loss is the mean over the ranks; each replica reports its own
+    means = [sum(pair) / 2 for pair in zip(*replica_losses, strict=True)]
+    assert means == pytest.approx(dp_losses[0], rel=TOL, abs=TOL)
+    assert replica_params.keys() == dp_params.keys()
+    for name, value in dp_params.items():
+        torch.testing.assert_close(replica_params[name], value, rtol=TOL, atol=TOL, msg=name)
+
+
+def _replica_entries(checkpoint) -> dict[str, dict]:
+    """Every rank's local SGD / DiLoCo entry of a checkpoint (`loom.checkpoint.state.replica_state`)."""
+    reader = SafeReader(checkpoint / "dcp")
+    keys = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("optim.replicas.")]
+    state = {"optim": {"replicas": {key.removeprefix("optim.replicas."): None for key in keys}}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return {rank: entry for rank, (entry,) in state["optim"]["replicas"].items()}
+
+
+def _assert_equal(a, b, where: str = "") -> None:
+    """Nested states equal bitwise."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_a_killed_replica_resumes_bitwise(tmp_path):
+    # syncs every 4 steps in 2 fragments (steps 2 and 4 mod 4), each landing a step later: the checkpoints
+    # of steps 2 and 4 hold an average in flight, and step 4's replicas differ from each other
+    sync = {"sync": "diloco", "sync_every": 4, "fragments": 2, "fragment_delay": 1}
+    fault = {"heartbeat_timeout_s": 30}
+    results = {}
+    for name, faults in (("clean", []), ("killed", [Fault(kind="sigkill", rank=1, step=5)])):
+        config = _config(tmp_path, name, sync, {"steps": 7}, fault=fault)
+        done = supervise(run, 2, config, faults, policy=restart_policy(config), log=print)
+        assert len(done.events) == len(faults)
+        results[name] = (done, _replica_entries(tmp_path / name / "step_000007"))
+    (clean, clean_state), (killed, killed_state) = results["clean"], results["killed"]
+    assert killed.events[0].kind == "died" and killed.events[0].step == 4
+    for rank in range(2):  # the restart resumed from step 4 and ran steps 5-7 as the clean run did
+        assert killed.results[rank]["losses"] == clean.results[rank]["losses"][4:]
+    assert clean_state.keys() == {"rank_00000", "rank_00001"}
+    _assert_equal(killed_state, clean_state)
+    one, other = (clean_state[f"rank_0000{r}"]["params"] for r in range(2))
+    assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))  # the replicas do differ
+
+
+@pytest.mark.slow  # 4 ranks: replicas of tp = 2
+def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_path):
+    sync = {"sync": "diloco", "sync_every": 2}
+    whole = dist_run(2, run, _config(tmp_path, "whole", sync, {"steps": 4}))
+    cut = dist_run(4, run, _config(tmp_path, "cut", {**sync, "tp": 2}, {"steps": 4, "workers": 4}))
+    for rank in range(4):  # ranks 0, 1 are replica 0; ranks 2, 3 replica 1
+        assert cut[rank]["losses"] == pytest.approx(whole[rank // 2]["losses"], rel=1e-5)
+    expected = read_model_tensors(tmp_path / "whole" / "step_000004")
+    got = read_model_tensors(tmp_path / "cut" / "step_000004")
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "match"),
+    [
+        ({"sync_every": 4}, r"parallel.sync_every = 4 is read only with parallel.sync = 'local_sgd' or 'diloco'"),
+        ({"sync": "local_sgd", "outer_lr": 1.0}, r"parallel.outer_lr = 1.0 is read only with parallel.sync = 'diloco'"),
+        ({"sync": "diloco", "sync_every": 2, "fragments": 3}, r"parallel.fragments = 3 .* at most"),
+        ({"sync": "diloco", "sync_every": 2, "fragment_delay": 2}, r"parallel.fragment_delay = 2 .* less than"),
+        ({"sync": "diloco", "outer_momentum": 1.0}, r"parallel.outer_momentum = 1.0 .* \[0, 1\)"),
+        ({"sync": "diloco", "optimizer_level": 1}, r"parallel.optimizer_level = 1 with parallel.sync = 'diloco'"),
+        ({"sync": "local_sgd", "pp": 2, "microbatches": 2}, r"parallel.pp = 2 with parallel.sync = 'local_sgd'"),
+        ({"sync": "diloco", "cp": 2}, r"parallel.cp = 2 with parallel.sync"),
+    ],
+)  # fmt: skip
+def test_bad_sync_settings_name_the_key_and_the_fix(parallel, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}})
+
+
+def _metadata(*paths: tuple) -> Metadata:
+    return Metadata(state_dict_metadata={}, planner_data={".".join(path): path for path in paths})
+
+
+def test_a_checkpoint_without_this_ranks_replica_entry_is_refused():
+    mine = ("optim", "replicas", "rank_00000")
+    assert replica_load_template(_metadata(("model", "w"), mine)) == {"optim": {"replicas": {mine[2]: None}}}
+    assert replica_load_template(_metadata(("model", "w"))) == {}  # weights only: start from them
+    synchronous = _metadata(("model", "w"), ("optim", "state", "w", "exp_avg"))
+    with pytest.raises(CheckpointError, match="saved by synchronous training .* resume with the sync"):
+        replica_load_template(synchronous)
