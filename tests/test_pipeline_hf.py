@@ -71,15 +71,16 @@ def reference(family: str) -> dict:
 
 
 def pipeline_case(
-    family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1, tp: int = 1
-) -> dict:
+    family: str, dp: int, level: int, schedule: str, split: list[int] | None, virtual: int = 1, tp: int = 1,
+    ep: int = 1,
+) -> dict:  # fmt: skip
     """A worker's run through the `Trainer`: losses, gradient norms, the gradients by the model's names
     (level 0; above, they are sharded), this rank's parameters, the evaluation loss of the first batch, and
-    whether the parameters rest sharded."""
+    whether the parameters rest sharded. `ep`: each stage's experts cut over ep of its dp ranks."""
     mesh = loom.init({"pp": 2, "dp": dp, "tp": tp})
     with unsharded():
         model = build(family)
-    pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split, virtual=virtual)
+    pipe = model_pipeline(model, mesh, schedule=schedule, microbatches=2, split=split, virtual=virtual, ep=ep)
     optimizer = make_optimizer(pipe, torch.optim.AdamW, level, **ADAMW)
     names = {
         id(p): n
@@ -106,13 +107,16 @@ def pipeline_case(
     )
     with pipe.full_parameters():
         params = {names[id(p)]: loom.full(p.detach()).clone() for p in pipe.parameters()}
+    experts = [  # with ep: this rank's experts of each layer (their local shards' sizes)
+        stage.blocks[0].mlp.experts.down_proj.to_local().shape[0] for stage in pipe.modules if ep > 1
+    ]
     mine = {id(p) for p in pipe.parameters()}
     others_on_meta = all(p.is_meta for p in model.parameters() if id(p) not in mine)
     whole = dict(whole_model(model, pipe, mesh, split=split).named_parameters())
     return {
         "losses": [m.loss for m in metrics], "norms": [m.grad_norm for m in metrics], "grads": grads,
         "params": params, "evaluation": evaluation, "sharded": sharded, "whole": whole,
-        "others_on_meta": others_on_meta,
+        "others_on_meta": others_on_meta, "local_experts": experts,
     }  # fmt: skip
 
 

@@ -100,6 +100,11 @@ class ExpertExchange:
         self.ep = dist.get_world_size(group)
         self.sent_rows = self.received_rows = 0
 
+    def __deepcopy__(self, memo: dict) -> ExpertExchange:
+        # a handle on the ranks' process group, which cannot be copied: a copy of the model (one gathered
+        # whole, `whole_model`) shares it
+        return self
+
     def __call__(
         self, rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], config: MoEConfig
     ) -> torch.Tensor:
@@ -260,15 +265,16 @@ def _experts_modules(model: nn.Module, experts: ExpertsRecipe | None) -> list[tu
 
 
 def expert_module_plan(
-    model: nn.Module, module_plan: Mapping[str, Any], mesh: Mesh, ep: int
+    model: nn.Module, module_plan: Mapping[str, Any], mesh: Mesh, ep: int, root: nn.Module | None = None
 ) -> tuple[dict[str, Any], ExpertsRecipe | None]:
     """`module_plan` with the experts of `model` cut over `ep` ranks, and the recipe that says how (None
     for a model without one). With `ep > 1` the family's `ExpertsRecipe.module_plan` comes last, so that it
     takes the experts modules from any earlier entry (a tensor plan's local region). loom's GPT, whose
     experts its own `Strategies(ep=...)` lays out, passes through. A ValueError, naming the fix, for
     experts that `ep` does not divide, an `ep` that is not made of the innermost factors of the mesh's dp,
-    and a model with no experts loom recognises."""
-    recipe = known_recipe(model)
+    and a model with no experts loom recognises. `model` may be a part of `root` (a pipeline stage): the
+    recipe is `root`'s."""
+    recipe = known_recipe(root if root is not None else model)
     experts = recipe.experts if recipe is not None else None
     plan = dict(module_plan)
     if ep == 1 or any(True for _ in moe_layers(model)):

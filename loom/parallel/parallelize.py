@@ -203,6 +203,7 @@ def parallelize_part(
     bucket_mb: float = 25.0,
     batch_axes: str | Sequence[str] | None = None,
     check_once_per_shape: bool = False,
+    ep: int = 1,
 ) -> nn.Module:
     """Lay out `part`, a piece of `root` (a pipeline stage, or a whole replica; default: `part` itself), on
     `mesh` in semi_auto mode: by `module_plan`, whose patterns are matched against `root`'s module paths
@@ -213,10 +214,12 @@ def parallelize_part(
     the even-batch check of the inputs' sizes runs once per distinct shape of the inputs, not every forward
     (for parts whose input shapes are fixed by other means, as a pipeline schedule fixes its stages'). A rank
     whose shape was checked before takes no part, so it must not change on some ranks only: a rank that
-    brings a new shape while the others bring a checked one waits for them instead of failing."""
+    brings a new shape while the others bring a checked one waits for them instead of failing. `ep`: the
+    experts of a family with an `ExpertsRecipe` cut over the innermost `ep` ranks of "dp", as a
+    `Plan(ep=...)` cuts them (`loom.parallel.experts.expert_module_plan`)."""
     return _parallelize(
         part, mesh, "semi_auto", example_inputs, False, None, bucket_mb, None, batch_axes, module_plan,
-        plan_root=root, check_once_per_shape=check_once_per_shape,
+        plan_root=root, check_once_per_shape=check_once_per_shape, ep=ep,
     )  # fmt: skip
 
 
@@ -271,7 +274,7 @@ def _parallelize(
     if example_inputs is not None:
         recording, meta_names = _dry_run(model, example_inputs, example_kwargs or {}, batch_factor)
     layouts, consumers = _parameter_layouts(recording, meta_names)
-    module_plan, experts = expert_module_plan(model, module_plan or {}, mesh, ep)
+    module_plan, experts = expert_module_plan(model, module_plan or {}, mesh, ep, root=plan_root)
     resolved = resolve_module_plan(model, module_plan, root=plan_root)
     planned, patterns = module_parameter_layouts(model, resolved, mesh, ep)
     layouts.update(planned)

@@ -933,7 +933,7 @@ class TrainConfig:
 
     def _check_hf_experts(self, world_size: int | None) -> None:
         """`parallel.ep > 1` on a Hugging Face model: its family's recipe names its experts (Mixtral), `ep`
-        divides their number and is made of the innermost factors of dp, and there is no pipeline."""
+        divides their number and is made of the innermost factors of dp (with a pipeline: each stage's)."""
         from loom.models.hf import causal_lm_class
         from loom.models.moe import check_expert_split
         from loom.models.recipes import RECIPES
@@ -953,11 +953,6 @@ class TrainConfig:
             par.ep, hf_config.num_local_experts, dp, ep_name="parallel.ep",
             experts_name=f"num_local_experts in {model.hf_config or model.hf_pretrained}",
         )  # fmt: skip
-        if par.pp > 1:
-            raise ValueError(
-                f"parallel.ep = {par.ep} with parallel.pp = {par.pp}: pipeline stages do not cut experts yet; "
-                "set parallel.pp = 1 (data, tensor and expert parallel) or parallel.ep = 1"
-            )
 
     def _check_hf_pipeline(self) -> None:
         """A Hugging Face model cut into pipeline stages needs its family's recipe (where its embeddings,
@@ -1016,11 +1011,6 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.pp == 1:
             return
-        if model.experts > 1:
-            raise ValueError(
-                f"parallel.pp = {par.pp} with model.experts = {model.experts}: pipeline stages do not carry "
-                "the experts' balancing losses yet; set parallel.pp = 1 (data, tensor and expert parallel)"
-            )
         virtual = par.to_plan().virtual_stages  # micro-batches against pp: a rule of the Plan
         if par.stages is not None and sum(par.stages) != model.n_layers:
             raise ValueError(

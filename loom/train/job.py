@@ -173,11 +173,12 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
         model = whole_hf_model(config)
         pipeline = model_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
-            loss_fn=hf.shifted_causal_lm_loss, split=_split(par),
+            loss_fn=hf.shifted_causal_lm_loss, split=_split(par), ep=par.ep,
         )  # fmt: skip
     else:
         with torch.device("meta"):
-            model = GPT(gpt_config(config), Strategies(mesh.dp_size, par.tp, par.sequence_parallel))
+            strategies = Strategies(mesh.dp_size, par.tp, par.sequence_parallel, par.ep)
+            model = GPT(gpt_config(config), strategies)
         pipeline = gpt_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
             seed=config.train.seed, split=_split(par),

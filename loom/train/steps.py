@@ -80,6 +80,10 @@ class ModuleSteps:
         own = getattr(trainer.optimizer, "grad_views", None)
         return own() if own is not None else grad_views(trainer.params, trainer.group)
 
+    def balance_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose tokens the experts' balancing biases are moved by: every rank (None alone)."""
+        return dist.group.WORLD if dist.is_initialized() else None
+
     def _sync_gradients(self, last: bool):
         state = getattr(self.module, "loom", None)
         if last or state is None:
@@ -151,6 +155,11 @@ class PipelineSteps:
             ]
             return chunks + self._param_views(optimizer.whole_params())
         return self._param_views(trainer.params)
+
+    def balance_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose tokens this rank's experts' balancing biases are moved by: those that run its
+        stages (other pipeline ranks hold other layers)."""
+        return self.pipeline.stage_group
 
     def _param_views(self, params: Iterable[nn.Parameter]) -> list[GradView]:
         """The views of whole parameters' gradients (see `_grad_views`)."""

@@ -132,7 +132,7 @@ class Trainer:
         if finite:
             self.optimizer.step()
             # the experts' balancing biases, from the loads of every rank's tokens
-            update_biases(self.steps.module, dist.group.WORLD if dist.is_initialized() else None)
+            update_biases(self.steps.module, self.steps.balance_group())
         elif isinstance(self.optimizer, Replicated):
             self.optimizer.skip()  # the replicas still meet at the steps they all count
         self.optimizer.zero_grad(set_to_none=True)

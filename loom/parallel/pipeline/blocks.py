@@ -210,6 +210,7 @@ def model_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     bucket_mb: float = 25.0,
     module_plan: Mapping[str, Any] | None = None,
+    ep: int = 1,
 ) -> Pipeline:
     """This rank's part of `model` as a pipeline over `mesh`'s "pp" axis: `pp x virtual` stages of its
     `recipe` (or the one `recipe_for(model, blocks)` gives) cut by `split` (see `split_model`), this rank's
@@ -222,7 +223,10 @@ def model_pipeline(
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as the `Trainer` does for a pipeline). With one, each stage is laid out on its
     stage mesh (the dp x tp ranks of its pipeline index) by `module_plan` (default: the recipe's
-    `tensor_plan`; patterns over the whole model's paths): see `loom.parallel.pipeline.tensor_stages`."""
+    `tensor_plan`; patterns over the whole model's paths): see `loom.parallel.pipeline.tensor_stages`.
+    With `ep > 1` each stage is laid out on its stage mesh too, its experts (the family's `ExpertsRecipe`,
+    Mixtral's) cut over the innermost `ep` ranks of the stage's dp, as `Plan(ep=...)` cuts them without
+    pipelines (`loom.parallel.experts.expert_module_plan`)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
@@ -230,10 +234,12 @@ def model_pipeline(
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
     loss_fn = loss_fn or recipe.loss
-    stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
+    tp = mesh.axis_size("tp")
+    stage_mesh = mesh.without("pp") if tp > 1 or ep > 1 else None
     if stage_mesh is not None:
         _refuse_tied_copies(model, every)
-        lay_out_stages(model, stages, stage_mesh, _tensor_plan(model, recipe, module_plan))
+        plan = _tensor_plan(model, recipe, module_plan) if tp > 1 else dict(module_plan or {})
+        lay_out_stages(model, stages, stage_mesh, plan, ep=ep)
         loss_fn = sharded_loss(loss_fn, stage_mesh)
     pipeline = rank_pipeline(
         stages, every, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,

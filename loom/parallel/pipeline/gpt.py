@@ -187,17 +187,20 @@ def gpt_pipeline(
 
     Without a "tp" axis the stages compute on this process alone: run them with no current mesh
     (`loom.dist.context.unsharded`, as the `Trainer` does for a pipeline), so that their operators' strategies are
-    ignored. With one, `model` must be on the meta device, built with `Strategies` for the mesh's dp and
-    tp; its stages are laid out on the stage mesh (`shard_stages`), on which their primitives then compute
-    (`parallelize_part` binds them to it)."""
+    ignored. With one, or with experts (`GPTConfig.experts`) on several data-parallel replicas, `model` must
+    be on the meta device, built with `Strategies` for the mesh's dp and tp (and `ep`: the experts cut over
+    ep ranks of each stage's dp); its stages are laid out on the stage mesh (`shard_stages`), on which their
+    primitives then compute (`parallelize_part` binds them to it and connects each stage's experts to their
+    exchange over the stage's ep ranks)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
     stages = rank_stages(model, schedule, pp, mesh.axis_rank("pp"), virtual, split)
-    stage_mesh = mesh.without("pp") if mesh.axis_size("tp") > 1 else None
+    stage_mesh = mesh.without("pp") if _on_stage_mesh(model, mesh) else None
     if stage_mesh is not None:
         if not all(p.is_meta for p in model.parameters()):
-            raise ValueError("tensor-parallel pipeline stages are laid out from a GPT on the meta device")
+            what = "tensor-parallel" if mesh.axis_size("tp") > 1 else "mixture-of-experts"
+            raise ValueError(f"{what} pipeline stages are laid out from a GPT on the meta device")
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
         stages = materialize_stages(model, stages, seed=seed)
@@ -206,6 +209,14 @@ def gpt_pipeline(
         stages, split_gpt(model), mesh, schedule=schedule, microbatches=microbatches, virtual=virtual,
         loss_fn=loss_fn, stage_mesh=stage_mesh, bucket_mb=bucket_mb,
     )  # fmt: skip
+
+
+def _on_stage_mesh(model: GPT, mesh: Mesh) -> bool:
+    """Whether the stages are laid out on their stage mesh: with tensor parallelism, and with experts
+    whenever several ranks run a stage (their experts cut over ep there, and the balancing losses summed
+    over the ranks that hold the micro-batch's other rows, as `MoEMLP` does on DTensors)."""
+    ranks = mesh.world_size // mesh.axis_size("pp")
+    return mesh.axis_size("tp") > 1 or (model.config.is_moe and ranks > 1)
 
 
 def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:

@@ -45,8 +45,7 @@ class SavedActivations:
         self.peak = self.live
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        # a DTensor (tensor-parallel stages) has no storage of its own: count its local piece's
-        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        storage = _storage(tensor)
         key = storage.data_ptr()
         if key == 0 or key in self._excluded:
             return tensor
@@ -67,3 +66,16 @@ class SavedActivations:
         if entry[1] == 0:
             self.live -= entry[0]
             del self._storages[key]
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding `tensor`'s data. A wrapper tensor has none of its own: a DTensor (tensor-parallel
+    stages) holds its local piece, an exchange's result still waiting on its collective (experts' rows, an
+    `AsyncCollectiveTensor`) the tensor it will be; their first inner tensor (`__tensor_flatten__`) is
+    counted."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _ = flatten()
+        return _storage(getattr(local, names[0]))
+    return local.untyped_storage()

@@ -40,6 +40,7 @@ from torch.distributed.pipelining import (
 
 from loom.dist.mesh import Mesh
 from loom.parallel.grad_sync import GradSync
+from loom.parallel.pipeline.balance import carry_balancing_losses
 from loom.parallel.pipeline.reduction import stage_grad_sync
 from loom.parallel.pipeline.stage import TimedStage
 from loom.parallel.pipeline.tied import Tied
@@ -157,11 +158,14 @@ class Pipeline:
         self.sharding: ParameterSharding | None = None  # optimizer level 3: `shard_parameters`
         self._pinned: list[int] = []  # level 3: units gathered through a whole run
         self._syncing = False  # this step's last backward passes reduce the gradients
+        self._working = False  # inside a stage's piece of work (not a schedule's shape inference)
         for position, stage in enumerate(self.stages):
             stage.work = functools.partial(self._work, position)
             if self.grad_sync is not None:
                 stage.weight_grads_ready = self._weight_grads_ready
         self._weight = 1.0
+        for module in self.modules:  # mixtures of experts: their balancing losses ride on the stage's output
+            carry_balancing_losses(module, lambda: self._weight, lambda: self._working)
         # scale_grads=False: the loss is weighted instead (`_weighted_loss`), because torch's scaling divides
         # whatever `.grad` holds, which would also shrink gradients accumulated by earlier `step` calls
         self.schedule = kind.cls(
@@ -194,7 +198,11 @@ class Pipeline:
                 stack.enter_context(
                     self.grad_sync.syncing(self._syncing and last_backward and kind != "forward")
                 )
-            yield
+            self._working = True
+            try:
+                yield
+            finally:
+                self._working = False
 
     def shard_parameters(self) -> ParameterSharding:
         """Optimizer level 3: this rank's stage parameters sharded at rest over the ranks that run them (the

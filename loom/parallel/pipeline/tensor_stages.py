@@ -46,16 +46,16 @@ def enter_stream(mesh: Mesh, placements: tuple[Placement, ...]):
 
 
 def lay_out_stages(
-    model: nn.Module, stages: Sequence[nn.Module], mesh: Mesh, module_plan: Mapping[str, Any]
+    model: nn.Module, stages: Sequence[nn.Module], mesh: Mesh, module_plan: Mapping[str, Any], ep: int = 1
 ) -> None:
     """Lay each of this rank's `stages` (parts of `model`) out on the stage mesh `mesh` by `module_plan`
-    (patterns over `model`'s paths). Gradients are left pending: the pipeline's one `GradSync` reduces
+    (patterns over `model`'s paths), their experts cut over `ep` ranks of its dp. Gradients are left pending: the pipeline's one `GradSync` reduces
     them (see `loom.parallel.pipeline.reduction`)."""
     boundary = stream_placements(mesh, False)
     for stage in stages:
         # a schedule keeps its stages' shapes from run to run (torch sizes the buffers between stages by its
         # first run), so the first stage checks each shape of its input once, not every micro-batch
-        parallelize_part(stage, mesh, module_plan=module_plan, root=model, check_once_per_shape=True)
+        parallelize_part(stage, mesh, module_plan=module_plan, root=model, check_once_per_shape=True, ep=ep)
         stage.loom.grad_sync.remove()  # one GradSync serves all of this rank's stages (Pipeline's)
         stage.boundary = boundary
         if not stage.first:  # before parallelize's hook, which would take the stream as plain rows
