@@ -59,6 +59,15 @@ def test_private_torch_apis_exist():
 
     assert callable(ProcessGroup.unbox) and callable(_resolve_process_group)
     assert hasattr(TorchDispatchMode, "__torch_dispatch__")
+    # loom.layout.redistribute: a vocabulary-cut embedding's masked pending sum
+    import dataclasses
+
+    from torch.distributed.tensor import Partial
+
+    from loom.dist._torch_private import is_masked_partial, mask_partial_type
+
+    assert "mask_buffer" in {f.name for f in dataclasses.fields(mask_partial_type())}
+    assert not is_masked_partial(Partial())
 
 
 def dtensor_like_case():

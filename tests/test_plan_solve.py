@@ -147,6 +147,31 @@ def test_memory_limit_forces_sharded_parameters():
         solve(problem, memory_limit=1.0)
 
 
+class SelfAttentionHead(nn.Module):
+    """A module that owns weights and is called with three positional tensors (q, k, v), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.attn(x, x, x)
+        return self.fc(y).square().mean()
+
+
+def test_an_in_strategy_only_for_modules_called_with_one_input():
+    """An in_strategy gives one entry per positional input: a plan must not give one to an attention
+    module called as attn(x, x, x), even when it cuts its weights and reads one tensor from outside."""
+    with torch.device("meta"):
+        model = SelfAttentionHead()
+    problem = build_problem(capture(model, (torch.empty(8, 16, 64, device="meta"),)), MESH)
+    states = sum(d.memory[0] for d in problem.decisions.values() if d.kind == "parameter")
+    plan = solve(problem, memory_limit=states / 2).plan()
+    assert any(name.startswith("attn.") for name in plan.parameter_layouts), plan.parameter_layouts
+    assert "in_strategy" not in plan.strategies.get("attn", {}), plan.strategies
+
+
 @pytest.fixture(scope="module")
 def loom_gpt():
     model = GPT(GPTConfig(n_layers=2))

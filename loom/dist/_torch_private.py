@@ -124,3 +124,19 @@ def grouped_mm(rows, weights, ends):  # noqa: ANN001, ANN201
     if not hasattr(torch, "_grouped_mm"):
         return None
     return torch._grouped_mm(rows, weights, ends)
+
+
+
+def mask_partial_type() -> type:
+    """DTensor's masked pending sum (`_MaskPartial`): a vocabulary-cut embedding's output, holding the ids'
+    mask in `mask_buffer`."""
+    try:
+        from torch.distributed.tensor.placement_types import _MaskPartial
+    except ImportError:  # where older torch kept it
+        from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
+    return _MaskPartial
+
+
+def is_masked_partial(placement) -> bool:  # noqa: ANN001
+    """True for a masked pending sum (`mask_partial_type`)."""
+    return isinstance(placement, mask_partial_type())

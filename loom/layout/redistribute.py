@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from loom.dist import _torch_private
 from loom.dist.mesh import Mesh
 from loom.layout.tensor_layout import TensorLayout
 
@@ -53,7 +54,7 @@ def to_layout(x: torch.Tensor, layout: TensorLayout, mesh: Mesh, what: str = "te
 
 def _masked(p: Placement) -> bool:
     """A masked pending sum: DTensor's vocabulary-cut embedding output (a `Partial` holding a mask)."""
-    return p.is_partial() and hasattr(p, "mask_buffer")
+    return _torch_private.is_masked_partial(p)
 
 
 class _GradInPlacements(torch.autograd.Function):

@@ -167,8 +167,13 @@ def parallelize(
         # the planner lays out everything: the model's loom.ops primitives (loom's GPT) set their own
         # strategies aside, in the trace and in training, and DTensor's rules carry the chosen layouts
         bind_primitives(model, mesh, follow_inputs=True)
-        plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
-                         memory_limit=memory_limit, cluster=cluster)  # fmt: skip
+        try:
+            plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
+                             memory_limit=memory_limit, cluster=cluster)  # fmt: skip
+        except Exception:
+            # the error suggests semi_auto on the same model: its primitives lay themselves out again
+            bind_primitives(model, mesh, follow_inputs=False)
+            raise
         # no dry run: the plan holds every layout (and a meta run of a Hugging Face model stops on `.item()`)
         mode, example_inputs, example_kwargs = "semi_auto", None, None
     ep = 1

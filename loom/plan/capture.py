@@ -31,6 +31,7 @@ A model that cannot be traced raises `CaptureError`, naming the module and the e
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import linecache
 import operator
 import os
@@ -315,8 +316,22 @@ def _with_params(graph: Graph, model: nn.Module) -> Graph:
             aliases=aliases.get(node.target, ()),
             users=graph.users(node.name),
             consumers=_consumers(graph, node.name),
+            one_input=_takes_one_input(model.get_submodule(owner)),
         )
     return dataclasses.replace(graph, params=params)
+
+
+def _takes_one_input(module: nn.Module) -> bool:
+    """True when `module.forward` takes exactly one positional argument and no more (no *args)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented forward: say nothing about it
+        return False
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(kind in positional for kind in kinds) == 1
 
 
 def _consumers(graph: Graph, name: str) -> tuple[str, ...]:

@@ -146,6 +146,8 @@ class Param:
     `aliases`: other paths of the same tensor (a tied embedding and head). `users`: the op nodes that read
     it directly; `consumers`: the first non-view op nodes reached through views and transposes (the
     operators whose strategies decide its layout: `mm` for a linear weight reached through `t`).
+    `one_input`: the owning module's `forward` takes exactly one positional argument (a layer or a norm),
+    so an `in_strategy` of one entry can address its call.
     """
 
     name: str
@@ -158,6 +160,7 @@ class Param:
     aliases: tuple[str, ...] = ()
     users: tuple[str, ...] = ()
     consumers: tuple[str, ...] = ()
+    one_input: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

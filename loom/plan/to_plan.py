@@ -158,7 +158,7 @@ def solution_plan(solution: Any) -> Plan:
         raise ValueError(
             f"a Plan names mesh axes from {MESH_AXES}; the mesh {mesh} has {unknown}: rename them"
         )
-    layouts, owners = {}, set()
+    layouts, owners = {}, {}
     for path, param in graph.params.items():
         decision = problem.decisions.get(param.node)
         if decision is None or decision.kind != "parameter" or graph[param.node].target != path:
@@ -166,11 +166,13 @@ def solution_plan(solution: Any) -> Plan:
         ps = solution.option(param.node)
         if any(isinstance(p, Shard) for p in ps):
             layouts[_pattern(graph, path)] = tensor_spec(ps, param.info.ndim, mesh)
-            owners.add(param.module)
+            owners[param.module] = param.one_input
     strategies = {}
-    for module in sorted(owners - {""}):  # the root's output is the model's: the caller reads it as it is
+    for module in sorted(set(owners) - {""}):  # the root's output is the model's: the caller reads it as is
         entry = {}
-        into = _module_input(solution, module)
+        # an in_strategy has one entry per positional input: only for a module called with one (q, k, v
+        # of an attention, a block's masks would not match it)
+        into = _module_input(solution, module) if owners[module] else None
         if into is not None:
             entry["in_strategy"] = [into]
         out = _module_output(solution, module)
