@@ -21,7 +21,7 @@ like its parameter, or a scalar such as `step`).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.chunks import Pieces, pieces_of
 from loom.checkpoint.manifest import CheckpointError
+from loom.checkpoint.memory import Arena
 from loom.parallel.zero import BucketShard, ZeroOptimizer
 
 # One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
@@ -174,11 +175,14 @@ def plain_load_template(
     params = _trainable(optimizer)
     if not all(_elementwise(param, saved.get(names[param], {})) for param in params):
         return get_optimizer_state_dict(model, optimizer)
+    placed = [param for param in params if names[param] in saved]
+    arena = _state_arena((param, meta) for param in placed for meta in saved[names[param]].values())
     template: dict[str, ParamState] = {}
-    for param in params:
+    for param in placed:
         name = names[param]
-        if name in saved:
-            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+        template[name] = {
+            key: _empty_state(name, key, param, meta, arena) for key, meta in saved[name].items()
+        }
     return {"state": template, "param_groups": _named_groups(optimizer, names)}
 
 
@@ -405,8 +409,9 @@ def _laid_out_like(flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     )
 
 
-def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
-    """Where DCP loads one saved state: laid out like `param` when shaped like it, whole when a scalar."""
+def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any, arena: Arena | None = None) -> Any:
+    """Where DCP loads one saved state: laid out like `param` when shaped like it (on the CPU: from `arena`,
+    sized by `_state_arena`, when given), whole when a scalar."""
     if isinstance(meta, BytesStorageMetadata):
         return None  # a Python value: DCP puts it in place
     assert isinstance(meta, TensorStorageMetadata)
@@ -414,8 +419,32 @@ def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
     if len(meta.size) == 0:
         return torch.empty((), dtype=dtype)
     _require_elementwise(name, key, param, meta)
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = _local(param)
+    if arena is not None and _in_arena(param, meta):
+        return _laid_out_like(arena.empty(local.numel(), dtype), param)
     return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
+
+
+def _state_arena(states: Iterable[tuple[nn.Parameter, Any]]) -> Arena:
+    """One arena for the states among `states` ((parameter, DCP's metadata of one of its saved states)) that
+    `_empty_state` lays out like their parameters on the CPU: their memory is written whole by the read, and
+    an arena takes a fault per huge page rather than per page (see memory.py)."""
+    return Arena(
+        sum(
+            Arena.size(_local(param).numel(), meta.properties.dtype)
+            for param, meta in states
+            if _in_arena(param, meta)
+        )
+    )
+
+
+def _in_arena(param: nn.Parameter, meta: Any) -> bool:
+    return (
+        isinstance(meta, TensorStorageMetadata)
+        and len(meta.size) > 0
+        and tuple(meta.size) == tuple(param.shape)
+        and _local(param).device.type == "cpu"
+    )
 
 
 def _require_elementwise(name: str, key: str, param: nn.Parameter, meta: TensorStorageMetadata) -> None:
