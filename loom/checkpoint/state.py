@@ -468,7 +468,7 @@ def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any, arena: Are
 def _state_arena_bytes(states: Iterable[tuple[nn.Parameter, Any]]) -> int:
     """The arena bytes of the states among `states` ((parameter, DCP's metadata of one of its saved states))
     that `_empty_state` lays out like their parameters on the CPU: their memory is written whole by the
-    read, and an arena takes a fault per huge page rather than per page (see memory.py)."""
+    read, and an arena's pages are made present at once rather than one fault each (see memory.py)."""
     return sum(
         Arena.size(_local(param).numel(), meta.properties.dtype)
         for param, meta in states
