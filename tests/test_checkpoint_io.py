@@ -195,6 +195,37 @@ def test_manifests_of_earlier_versions_verify(tmp_path):
     assert verify(tmp_path) == [f"{tmp_path / 'data.bin'}: checksum mismatch (corrupt)"]
 
 
+def test_checksums_of_mapped_and_empty_files_agree_with_the_bytes(tmp_path):
+    """`checksum_of` hashes a file where it lies (mapped); an empty file, which cannot be mapped, is read."""
+    import hashlib
+
+    import xxhash
+
+    for name, data in (("data.bin", bytes(range(256)) * 5000), ("empty.bin", b"")):
+        (tmp_path / name).write_bytes(data)
+        assert mf.checksum_of(tmp_path / name) == xxhash.xxh3_128(data).hexdigest()
+        assert mf.checksum_of(tmp_path / name, "sha256") == hashlib.sha256(data).hexdigest()
+
+
+def test_load_arena_tensors_have_storages_of_their_own():
+    """A load's optimizer states come from one mapping, each on a storage of its own size (DCP's writer would
+    copy a view of a larger one), 64-byte aligned, zero until written, alive after the arena object."""
+    import gc
+
+    from loom.checkpoint.memory import Arena
+
+    arena = Arena(Arena.size(10, torch.float32) + Arena.size(3, torch.int64))
+    floats, ints = arena.empty(10, torch.float32), arena.empty(3, torch.int64)
+    assert floats.untyped_storage().nbytes() == 40 and ints.untyped_storage().nbytes() == 24
+    assert floats.data_ptr() % 64 == 0 and ints.data_ptr() % 64 == 0 and not floats.any()
+    with pytest.raises(ValueError, match="no room"):
+        arena.empty(1, torch.float32)
+    floats.fill_(1.5)
+    del arena
+    gc.collect()
+    assert floats.sum().item() == 15.0 and ints.dtype == torch.int64
+
+
 def unsaved_chunk_states_case(root):
     """Level 0 saves without one parameter's states; level 1 loads: that parameter's states are zero (a fresh
     state's), every other one's the saved ones."""

@@ -24,7 +24,7 @@ like its parameter, or a scalar such as `step`).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.chunks import Pieces, pieces_of
 from loom.checkpoint.manifest import CheckpointError
+from loom.checkpoint.memory import Arena
 from loom.dist import env
 from loom.parallel.local_sgd import Replicated
 from loom.parallel.zero import BucketShard, ZeroOptimizer
@@ -185,11 +186,16 @@ def plain_load_template(
     params = _trainable(optimizer)
     if not all(_elementwise(param, saved.get(names[param], {})) for param in params):
         return get_optimizer_state_dict(model, optimizer)
+    placed = [param for param in params if names[param] in saved]
+    arena = Arena(
+        _state_arena_bytes((param, meta) for param in placed for meta in saved[names[param]].values())
+    )
     template: dict[str, ParamState] = {}
-    for param in params:
+    for param in placed:
         name = names[param]
-        if name in saved:
-            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+        template[name] = {
+            key: _empty_state(name, key, param, meta, arena) for key, meta in saved[name].items()
+        }
     return {"state": template, "param_groups": _named_groups(optimizer, names)}
 
 
@@ -340,12 +346,20 @@ def defer_zero_load(
 
     def load() -> None:
         chunks, whole = _inner_optimizers(optimizer)
-        template: dict[str, ParamState] = {}
-        chunk_states = [(shard, _chunk_template(shard, saved, names, template)) for shard in optimizer.shards]
         whole_params = [p for p in optimizer.whole if names[p] in saved]
+        arena = Arena(
+            sum(_chunk_bytes(shard, saved, names) for shard in optimizer.shards)
+            + _state_arena_bytes((p, meta) for p in whole_params for meta in saved[names[p]].values())
+        )
+        template: dict[str, ParamState] = {}
+        chunk_states = [
+            (shard, _chunk_template(shard, saved, names, template, arena)) for shard in optimizer.shards
+        ]
         for param in whole_params:
             name = names[param]
-            template[name] = {key: _empty_state(name, key, param, meta) for key, meta in saved[name].items()}
+            template[name] = {
+                key: _empty_state(name, key, param, meta, arena) for key, meta in saved[name].items()
+            }
         read({"optim": {"state": template}})
         for shard, (state, scalars_of) in chunk_states:
             if state:
@@ -409,21 +423,29 @@ def _chunk_pieces(
 
 
 def _chunk_template(
-    shard: BucketShard, saved: dict[str, dict[str, Any]], names: dict[nn.Parameter, str], template: dict
+    shard: BucketShard,
+    saved: dict[str, dict[str, Any]],
+    names: dict[nn.Parameter, str],
+    template: dict,
+    arena: Arena,
 ) -> tuple[ParamState, str | None]:
-    """One chunk's states to fill at load, whose pieces go into `template` under each parameter's name (the
-    padding, and the elements of parameters without saved states, are zero as in a fresh state); the keys
-    of scalars (`step`: every parameter of a chunk stepped alike) map to None, to be read from the bucket's
-    first parameter that has states, whose name is returned with the chunk's states."""
+    """One chunk's states to fill at load (on the CPU: from `arena`, sized by `_chunk_bytes`), whose pieces
+    go into `template` under each parameter's name (the padding, and the elements of parameters without
+    saved states, are zero as in a fresh state); the keys of scalars (`step`: every parameter of a chunk
+    stepped alike) map to None, to be read from the bucket's first parameter that has states, whose name is
+    returned with the chunk's states."""
     present = [p for p in shard.bucket.params if names[p] in saved]
     if not present:
         return {}, None
     first = names[present[0]]
     state: ParamState = {}
     for key, meta in saved[first].items():
-        if isinstance(meta, TensorStorageMetadata) and len(meta.size) > 0:
-            dtype = shard.master.dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
-            values = state[key] = torch.empty(shard.bucket.chunk, dtype=dtype, device=shard.master.device)
+        if _chunk_state(meta):
+            dtype = _chunk_dtype(shard, meta)
+            if shard.master.device.type == "cpu":
+                values = state[key] = arena.empty(shard.bucket.chunk, dtype)
+            else:
+                values = state[key] = torch.empty(shard.bucket.chunk, dtype=dtype, device=shard.master.device)
             end = 0  # the elements before it are either zeroed or read
             for param, lo, hi, at in shard.pieces:  # in the chunk's order
                 name = names[param]
@@ -441,6 +463,28 @@ def _chunk_template(
     return state, first
 
 
+def _chunk_bytes(shard: BucketShard, saved: dict[str, dict[str, Any]], names: dict[nn.Parameter, str]) -> int:
+    """The arena bytes `_chunk_template` takes for one chunk's states."""
+    present = [p for p in shard.bucket.params if names[p] in saved]
+    if not present or shard.master.device.type != "cpu":
+        return 0
+    return sum(
+        Arena.size(shard.bucket.chunk, _chunk_dtype(shard, meta))
+        for meta in saved[names[present[0]]].values()
+        if _chunk_state(meta)
+    )
+
+
+def _chunk_state(meta: Any) -> bool:
+    """Whether a saved state (DCP's metadata of it) is one a chunk holds elementwise (not a scalar)."""
+    return isinstance(meta, TensorStorageMetadata) and len(meta.size) > 0
+
+
+def _chunk_dtype(shard: BucketShard, meta: TensorStorageMetadata) -> torch.dtype:
+    """A chunk's state's dtype: floating-point states follow the chunk's fp32 parameters."""
+    return shard.master.dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
+
+
 def _scalar(value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
@@ -455,8 +499,9 @@ def _laid_out_like(flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     )
 
 
-def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
-    """Where DCP loads one saved state: laid out like `param` when shaped like it, whole when a scalar."""
+def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any, arena: Arena | None = None) -> Any:
+    """Where DCP loads one saved state: laid out like `param` when shaped like it (on the CPU: from `arena`,
+    sized by `_state_arena_bytes`, when given), whole when a scalar."""
     if isinstance(meta, BytesStorageMetadata):
         return None  # a Python value: DCP puts it in place
     assert isinstance(meta, TensorStorageMetadata)
@@ -464,8 +509,30 @@ def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any) -> Any:
     if len(meta.size) == 0:
         return torch.empty((), dtype=dtype)
     _require_elementwise(name, key, param, meta)
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = _local(param)
+    if arena is not None and _in_arena(param, meta):
+        return _laid_out_like(arena.empty(local.numel(), dtype), param)
     return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
+
+
+def _state_arena_bytes(states: Iterable[tuple[nn.Parameter, Any]]) -> int:
+    """The arena bytes of the states among `states` ((parameter, DCP's metadata of one of its saved states))
+    that `_empty_state` lays out like their parameters on the CPU: their memory is written whole by the
+    read, and an arena's pages are made present at once rather than one fault each (see memory.py)."""
+    return sum(
+        Arena.size(_local(param).numel(), meta.properties.dtype)
+        for param, meta in states
+        if _in_arena(param, meta)
+    )
+
+
+def _in_arena(param: nn.Parameter, meta: Any) -> bool:
+    return (
+        isinstance(meta, TensorStorageMetadata)
+        and len(meta.size) > 0
+        and tuple(meta.size) == tuple(param.shape)
+        and _local(param).device.type == "cpu"
+    )
 
 
 def _require_elementwise(name: str, key: str, param: nn.Parameter, meta: TensorStorageMetadata) -> None:

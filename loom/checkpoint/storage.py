@@ -259,8 +259,8 @@ def _record(file: Any, offset: int, length: int) -> _Record | None:
     """The tensor `torch.save` wrote at [offset, offset + length) of `file`, when it is a plain tensor whose
     storage holds exactly its elements in C order, little-endian as this machine; None otherwise (and for
     any archive this small reader of the zip format does not expect: DCP's own path reads those)."""
-    window = _Window(file, offset, length)
     try:
+        window = _Window(file, offset, length)
         entries = _archive_entries(window)
         if entries is None or sys.byteorder != "little":
             return None
@@ -294,10 +294,9 @@ _FULL = 0xFFFFFFFF  # a field moved to a zip64 record: not read here
 
 def _archive_entries(window: _Window) -> dict[str, tuple[int, int, int]] | None:
     """name -> (local header offset, compression method, size) of every member, from the central directory
-    at the end of the archive (one read); None for what is not plain (zip64 fields, a long directory)."""
-    tail_length = min(window.length, 4096)
-    window.seek(window.length - tail_length)
-    tail = window.read(tail_length)
+    at the end of the archive; None for what is not plain (zip64 fields, a long directory)."""
+    tail_length = min(window.length, _EDGE)
+    tail = window.read(window.length - tail_length, tail_length)
     end = tail.rfind(b"PK\x05\x06")
     if end < 0 or end + _END.size > len(tail):
         return None
@@ -319,8 +318,7 @@ def _archive_entries(window: _Window) -> dict[str, tuple[int, int, int]] | None:
 
 def _member_start(window: _Window, header: int) -> int:
     """Where a member's bytes start: after its local header, its name and its extra field."""
-    window.seek(header)
-    fields = _LOCAL.unpack(window.read(_LOCAL.size))
+    fields = _LOCAL.unpack(window.read(header, _LOCAL.size))
     if fields[0] != b"PK\x03\x04":
         raise ValueError("not a local file header")
     return header + _LOCAL.size + fields[9] + fields[10]
@@ -331,8 +329,7 @@ def _member(window: _Window, entry: tuple[int, int, int]) -> bytes:
     header, method, size = entry
     if method != zipfile.ZIP_STORED:
         raise ValueError("compressed member")
-    window.seek(_member_start(window, header))
-    return window.read(size)
+    return window.read(_member_start(window, header), size)
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -364,32 +361,41 @@ def _layout_of(storage: Any, storage_offset: int, size: Any, stride: Any, *rest:
     return int(storage_offset), tuple(size), tuple(stride)
 
 
-class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a seekable file, as a file of their own (for `zipfile`)."""
+# How much of each end of an item `_Window` reads at once: `torch.save` puts a plain tensor's small members
+# (its pickled layout, byte order) before its data and the archive's directory after it, each within a few
+# hundred bytes of its end, so two reads find them all.
+_EDGE = 4096
+
+
+class _Window:
+    """Bytes [offset, offset + length) of a file: its first and last `_EDGE` bytes read once (two `pread`s:
+    no seek, and not a read per zip record), anything else on demand."""
 
     def __init__(self, file: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self.file, self.offset, self.length, self.position = file, offset, length, 0
+        self.file, self.offset, self.length = file, offset, length
+        if length <= 2 * _EDGE:
+            self.head = self.tail = _pread(file, length, offset)
+            self.tail_start = 0
+        else:
+            self.head = _pread(file, _EDGE, offset)
+            self.tail_start = length - _EDGE
+            self.tail = _pread(file, _EDGE, offset + self.tail_start)
 
-    def seekable(self) -> bool:
-        return True
+    def read(self, position: int, count: int) -> bytes:
+        """Up to `count` bytes from `position` (relative to the window; fewer at its end)."""
+        position = max(0, min(self.length, position))
+        count = max(0, min(count, self.length - position))
+        if position + count <= len(self.head):
+            return self.head[position : position + count]
+        if position >= self.tail_start:
+            return self.tail[position - self.tail_start : position - self.tail_start + count]
+        return _pread(self.file, count, self.offset + position)
 
-    def readable(self) -> bool:
-        return True
 
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = max(0, min(self.length, base + position))
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        count = min(len(buffer), self.length - self.position)
-        if count <= 0:
-            return 0
-        self.file.seek(self.offset + self.position)
-        got = self.file.readinto(memoryview(buffer)[:count])
-        self.position += got
-        return got
+def _pread(file: Any, count: int, position: int) -> bytes:
+    """`count` bytes of `file` from `position` (fewer at its end), without moving its position where the
+    OS reads at an offset (`os.pread`), else by a seek and a read."""
+    if hasattr(os, "pread"):
+        return os.pread(file.fileno(), count, position)
+    file.seek(position)
+    return file.read(count)
