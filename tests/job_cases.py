@@ -20,6 +20,9 @@ def job_config(tmp_path, **sections) -> TrainConfig:
         "train": {"steps": 6, "global_batch": 4, "workers": 2, "eval_every": 0, "log_every": 100,
                   "warmup_steps": 2, "lr": 1e-2, "eps": 1e-3},
     }  # fmt: skip
+    parallel = sections.get("parallel", {})
+    if "plan" in parallel or parallel.get("mode") == "auto":  # the sizes are the plan's: no dp of our own
+        del config["parallel"]
     for section, values in sections.items():
         config[section] = {**config.get(section, {}), **values}
     return TrainConfig.from_dict(config)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from loom.plan import Plan
 from loom.train.config import (
     CheckpointConfig,
     DataConfig,
@@ -186,3 +187,49 @@ def test_parse_overrides_types():
 def test_sections_must_be_section_objects():
     with pytest.raises(ValueError, match="TrainConfig.train must be a TrainingConfig, got dict"):
         TrainConfig(train={"steps": 3})
+
+
+# ---- a key is given when the table holds it, even at its default's value ------------------------------------
+
+
+def test_a_plan_file_refuses_explicit_keys_at_their_default(tmp_path):
+    Plan(dp=1, tp=2, precision="bf16").save(tmp_path / "plan.json")
+    plan = f'[parallel]\nplan = "{tmp_path / "plan.json"}"\n'
+    (tmp_path / "tp.toml").write_text(plan + "tp = 1\n")
+    with pytest.raises(ValueError, match=r"parallel\.tp = 1 \(the plan: 2\) disagree"):
+        load_config(tmp_path / "tp.toml")
+    (tmp_path / "precision.toml").write_text(plan + '[train]\nprecision = "fp32"\n')
+    with pytest.raises(ValueError, match=r"train\.precision = 'fp32' \(the plan: 'bf16'\) disagree"):
+        load_config(tmp_path / "precision.toml")
+    with pytest.raises(ValueError, match=r"parallel\.tp = 1 \(the plan: 2\) disagree"):
+        load_config(None, [f"--parallel.plan={tmp_path / 'plan.json'}", "--parallel.tp=1"])
+    same = load_config(tmp_path / "tp.toml", ["--parallel.tp=2", "--train.precision=bf16"])  # agreeing
+    assert (same.parallel.tp, same.train.precision) == (2, "bf16")
+
+
+def test_auto_mode_refuses_an_explicit_key_at_its_default():
+    with pytest.raises(ValueError, match=r"chooses parallel\.optimizer_level itself; remove it"):
+        TrainConfig.from_dict({"parallel": {"mode": "auto", "optimizer_level": 0}})
+
+
+def test_a_sync_key_written_at_its_default_for_a_sync_that_does_not_read_it_is_an_error():
+    with pytest.raises(ValueError, match=r"parallel\.sync_every = 50 is read only with parallel\.sync = "):
+        TrainConfig.from_dict({"parallel": {"sync": "every_step", "sync_every": 50}})
+    with pytest.raises(ValueError, match=r"parallel\.mix = 0\.5 is read only with parallel\.sync = 'diloco'"):
+        load_config(None, ["--parallel.sync=local_sgd", "--parallel.mix=0.5"])
+    assert (
+        TrainConfig.from_dict({"parallel": {"sync": "local_sgd", "sync_every": 50}}).parallel.sync_every == 50
+    )
+
+
+def test_to_dict_reads_back_after_the_planner_or_a_plan_file_filled_the_sizes(tmp_path):
+    data = {"parallel": {"mode": "auto"}, "train": {"workers": 2}}
+    auto = TrainConfig.from_dict(data).validate(2)
+    again = TrainConfig.from_dict(json.loads(json.dumps(auto.to_dict())))  # as a checkpoint's plan.json
+    assert again == TrainConfig.from_dict(data) and again.validate(2).plan(2) == auto.plan(2)
+    Plan(dp=1, tp=2, precision="bf16").save(tmp_path / "plan.json")
+    planned = TrainConfig.from_dict({"parallel": {"plan": str(tmp_path / "plan.json")}})
+    again = TrainConfig.from_dict(json.loads(json.dumps(planned.to_dict())))
+    assert again == planned and again.plan(2) == planned.plan(2)
+    assert (again.parallel.tp, again.train.precision) == (2, "bf16")
+    assert "tp=2" in planned.describe()  # the summary shows the values the run uses

@@ -57,9 +57,7 @@ def test_a_plan_from_loom_plan_trains_like_its_parallel_config(dist_run, tmp_pat
     capsys.readouterr()
     plan = Plan.read(tmp_path / "plan.json")
     checkpoint = {"dir": str(tmp_path / "ckpt"), "every_steps": 6}
-    planned = job_config(
-        tmp_path, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")}, checkpoint=checkpoint
-    )
+    planned = job_config(tmp_path, parallel={"plan": str(tmp_path / "plan.json")}, checkpoint=checkpoint)
     assert planned.plan(2) == plan  # the file's Plan, predictions included, run as it is
     same = {
         "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "microbatches": plan.micro_batches if plan.pp > 1 else 1,
@@ -79,7 +77,7 @@ def test_three_virtual_stages_from_a_plan_file_train_like_one_device(dist_run, t
     """`[parallel]` runs each schedule's fewest virtual stages; a plan file gives any number."""
     Plan(pp=2, schedule="interleaved", virtual_stages=3, micro_batches=2).save(tmp_path / "plan.json")
     model = {"n_layers": 6}
-    config = job_config(tmp_path, model=model, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")})
+    config = job_config(tmp_path, model=model, parallel={"plan": str(tmp_path / "plan.json")})
     assert config.parallel.virtual_stages == 3
     expected = _losses(dist_run, _one_device(tmp_path, model))
     torch.testing.assert_close(_losses(dist_run, config), expected, rtol=RTOL, atol=0)
@@ -89,7 +87,7 @@ def test_accumulated_micro_batches_of_a_plan_file_train_like_one_device(dist_run
     """Without a pipeline a plan's micro-batches are accumulated (as `loom plan` prices them): 2 per step
     on each of 2 data-parallel ranks, at optimizer level 2."""
     Plan(dp=2, micro_batches=2, optimizer_level=2).save(tmp_path / "plan.json")
-    config = job_config(tmp_path, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")})
+    config = job_config(tmp_path, parallel={"plan": str(tmp_path / "plan.json")})
     assert config.accumulation == 2 and config.cost_model(2)[1].micro_batches == 2
     torch.testing.assert_close(_losses(dist_run, config), one_device, rtol=RTOL, atol=0)
 
@@ -97,7 +95,7 @@ def test_accumulated_micro_batches_of_a_plan_file_train_like_one_device(dist_run
 def test_auto_mode_prints_its_choice_and_trains_like_one_device(tmp_path, capfd, one_device):
     metrics = tmp_path / "metrics.jsonl"
     train = {"metrics_file": str(metrics), "log_every": 1}
-    auto = job_config(tmp_path, parallel={"dp": -1, "mode": "auto"}, train=train)
+    auto = job_config(tmp_path, parallel={"mode": "auto"}, train=train)
     toml = _write_toml(auto, tmp_path / "auto.toml")
     assert main(["train", str(toml)]) == 0
     out = capfd.readouterr().out
@@ -113,7 +111,7 @@ def test_auto_mode_prints_its_choice_and_trains_like_one_device(tmp_path, capfd,
 def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, capsys):
     plan = Plan(dp=1, pp=2, micro_batches=4, optimizer_level=1, recompute="full", precision="bf16")
     plan.save(tmp_path / "plan.json")
-    config = job_config(tmp_path, parallel={**TWO_WORKERS, "plan": str(tmp_path / "plan.json")})
+    config = job_config(tmp_path, parallel={"plan": str(tmp_path / "plan.json")})
     toml = _write_toml(config, tmp_path / "job.toml")
     model = tmp_path / "model.json"
     model.write_text(json.dumps(dataclasses.asdict(config.model.transformer_config())))
@@ -174,7 +172,7 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
 )
 def test_a_plan_that_does_not_fit_the_run_is_a_clear_error(tmp_path, plan, sections, message):
     plan.save(tmp_path / "plan.json")
-    parallel = {**TWO_WORKERS, "plan": str(tmp_path / "plan.json"), **sections.pop("parallel", {})}
+    parallel = {"plan": str(tmp_path / "plan.json"), **sections.pop("parallel", {})}
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         job_config(tmp_path, parallel=parallel, **sections).validate(2)
     assert "parallel.plan = " in str(error.value)
@@ -199,10 +197,10 @@ def test_a_plan_that_does_not_fit_the_run_is_a_clear_error(tmp_path, plan, secti
 )
 def test_auto_mode_mistakes_name_the_key(tmp_path, parallel, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        job_config(tmp_path, parallel={"dp": -1, "mode": "auto", **parallel}).validate(2)
+        job_config(tmp_path, parallel={"mode": "auto", **parallel}).validate(2)
 
 
 def test_a_memory_limit_reads_bytes_or_a_size(tmp_path):
     for given, limit in ((2**31, 2**31), ("2GiB", 2**31), ("1.5 GB", 1_500_000_000), ("512MiB", 2**29)):
-        config = job_config(tmp_path, parallel={"dp": -1, "mode": "auto", "memory_limit": given})
+        config = job_config(tmp_path, parallel={"mode": "auto", "memory_limit": given})
         assert config.parallel.memory_limit_bytes() == limit

@@ -137,11 +137,45 @@ class _Section:
     """Base of the sections: type checks from annotations, then the section's own range checks."""
 
     SECTION: ClassVar[str] = ""
+    # keys whose mere presence means something (a clash, a key the mode or sync does not read): `to_dict`
+    # writes them only when given, so that reading its output back counts as given what was
+    WRITTEN_WHEN_GIVEN: ClassVar[frozenset[str]] = frozenset()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Section:
+        # the keys the table, dict, override or caller held (`given`), whatever their values
+        section = super().__new__(cls)
+        object.__setattr__(section, "_keys_given", set(kwargs))
+        object.__setattr__(section, "_built", False)
+        return section
 
     def __post_init__(self) -> None:
         for name, hint in self.field_types().items():
             setattr(self, name, _coerce(f"{self.SECTION}.{name}", getattr(self, name), hint))
         self.check()
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if self._built and name in self.__dataclass_fields__:  # set by hand after construction: given
+            self._keys_given.add(name)
+
+    def given(self, key: str) -> bool:
+        """True when `key` was given (by the TOML table, the dict, an override, or set by hand), whatever
+        its value, even the default's; a key filled by a plan (`ParallelConfig.adopt`) is not given."""
+        return key in self._keys_given
+
+    def _fill(self, key: str, value: Any) -> None:
+        """Set `key` from another source than the user (a plan's value): it stays not given."""
+        object.__setattr__(self, key, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys as plain data: every key, except those of `WRITTEN_WHEN_GIVEN` that were not given."""
+        values = dataclasses.asdict(self)
+        return {
+            key: _jsonable(value)
+            for key, value in values.items()
+            if key not in self.WRITTEN_WHEN_GIVEN or self.given(key)
+        }
 
     @classmethod
     def field_types(cls) -> dict[str, Any]:
@@ -395,9 +429,8 @@ class ParallelConfig(_Section):
             self._fail("mix", "use a value in [0, 1]")
         readers = {"sync_every": ("local_sgd", "diloco")}
         readers.update((key, ("diloco",)) for key in _DILOCO_KEYS)
-        defaults = ParallelConfig.__dataclass_fields__
         for key, syncs in readers.items():
-            if self.sync not in syncs and getattr(self, key) != defaults[key].default:
+            if self.sync not in syncs and self.given(key):
                 use = " or ".join(repr(sync) for sync in syncs)
                 raise ValueError(
                     f"parallel.{key} = {getattr(self, key)!r} is read only with parallel.sync = {use}, not "
@@ -441,7 +474,7 @@ class ParallelConfig(_Section):
                 f"parallel.mode = 'auto' and parallel.plan = {self.plan!r}: the planner would choose the plan "
                 "the file gives; keep one (remove parallel.plan, or set parallel.mode = 'manual')"
             )
-        given = [f"parallel.{key}" for key in _PLAN_KEYS.values() if _given(self, key)]
+        given = [f"parallel.{key}" for key in _PLAN_KEYS.values() if self.given(key)]
         if given:
             raise ValueError(
                 f"parallel.mode = 'auto' chooses {', '.join(given)} itself; remove {'it' if len(given) == 1 else 'them'}"
@@ -483,7 +516,7 @@ class ParallelConfig(_Section):
             clashes = [
                 f"parallel.{key} = {_shown(getattr(self, key))} (the plan: {_shown(value)})"
                 for key, value in values.items()
-                if _given(self, key) and getattr(self, key) != value
+                if self.given(key) and getattr(self, key) != value
             ]
             if clashes:
                 raise ValueError(
@@ -496,7 +529,7 @@ class ParallelConfig(_Section):
                     f"{origin} runs schedule {value!r}, which loom train does not (use one of "
                     f"{CONFIG_SCHEDULES}; zbv is offered in Python only)"
                 )
-            setattr(self, key, value)
+            self._fill(key, value)
         self._source, self._origin = plan, origin
 
     @property
@@ -580,6 +613,10 @@ _PLAN_KEYS = {
     "optimizer_level": "optimizer_level", "recompute": "recompute", "stages": "stages",
 }  # fmt: skip
 
+# written by `to_dict` only when given: a plan file or the planner fills the sizes, and a sync refuses the keys
+# it does not read
+ParallelConfig.WRITTEN_WHEN_GIVEN = frozenset(_PLAN_KEYS.values()) | {"sync_every", *_DILOCO_KEYS}
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -590,11 +627,6 @@ def _size_in_bytes(text: str) -> int | None:
     if match is None or match.group(2).lower() not in _UNITS:
         return None
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def _given(section: _Section, key: str) -> bool:
-    """True when `key` holds another value than its default (a key left at its default is not given)."""
-    return getattr(section, key) != type(section).__dataclass_fields__[key].default
 
 
 def _shown(value: Any) -> str:
@@ -768,13 +800,16 @@ class TrainConfig:
         return cls(**sections)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested data (JSON-ready: tuples become lists), e.g. for the metrics log or a checkpoint."""
-        return {name: _jsonable(dataclasses.asdict(getattr(self, name))) for name in _SECTIONS}
+        """Plain nested data (JSON-ready: tuples become lists), e.g. for a checkpoint: `from_dict` reads it
+        back to this config. [parallel] keys a plan filled (`parallel.plan`, `mode = "auto"`) or a sync does
+        not read are written only when given (`_Section.to_dict`)."""
+        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
 
     def describe(self) -> str:
         """A compact, printable summary: one wrapped block of `key=value` per section."""
         lines = []
-        for name, values in self.to_dict().items():
+        for name in _SECTIONS:
+            values = _jsonable(dataclasses.asdict(getattr(self, name)))
             body = " ".join(f"{k}={v}" for k, v in values.items())
             lines.append(textwrap.fill(body, 108, initial_indent=f"{name:<11}", subsequent_indent=" " * 11))
         return "\n".join(lines)
@@ -789,12 +824,12 @@ class TrainConfig:
                 f"{par.origin} has precision = {precision!r}, which the simulator prices but loom train does not "
                 f"compute in; set its precision to one of {TRAIN_PRECISIONS}"
             )
-        if _given(train, "precision") and train.precision != precision:
+        if train.given("precision") and train.precision != precision:
             raise ValueError(
                 f"{par.origin} and train.precision = {train.precision!r} (the plan: {precision!r}) disagree: "
                 "the plan file decides the precision; remove train.precision, or parallel.plan"
             )
-        train.precision = precision
+        train._fill("precision", precision)
 
     def auto_plan(self, world_size: int) -> Any:
         """With `parallel.mode = "auto"`: the planner's choice on `world_size` devices

@@ -20,6 +20,7 @@ as later, is noticed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -479,7 +480,7 @@ def _context_parallel_report(config: TrainConfig, dataset: object, model: GPT) -
 
 def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
     """Held-out batches: the same kind of data drawn with another seed (the same on every run)."""
-    data = build_dataset(config.data.__class__(**{**vars(config.data), "seed": config.data.seed + 10_000}))
+    data = build_dataset(dataclasses.replace(config.data, seed=config.data.seed + 10_000))
     batches = DistributedBatches(data, config.train.global_batch, mesh.dp_rank(), mesh.dp_size, seed=1)
     return [tuple(next(batches)) for _ in range(config.train.eval_batches)]
 
