@@ -10,7 +10,8 @@ replica each (tier 3: the main job).
   uninterrupted one: every rank's parameters, inner and outer states, and losses;
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
 - bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
-  rank's replica entry (one of synchronous training).
+  rank's replica entry (one of synchronous training), one saved by another number of ranks, or one saved
+  under another sync or other sync settings.
 """
 
 import warnings
@@ -25,11 +26,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from loom.checkpoint import read_model_tensors
 from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.safe import SafeLoadPlanner, SafeReader
-from loom.checkpoint.state import replica_load_template
+from loom.checkpoint.state import load_replica_state, replica_load_template
 from loom.cli.train import restart_policy
 from loom.dist import launch
 from loom.fault import Fault, supervise
 from loom.models.gpt import GPT
+from loom.parallel.local_sgd import DiLoCo, LocalSGD
 from loom.train.config import TrainConfig
 from loom.train.job import run
 
@@ -136,7 +138,7 @@ def test_a_killed_replica_resumes_bitwise(tmp_path):
     # syncs every 4 steps in 2 fragments (steps 2 and 4 mod 4), each landing a step later: the checkpoints
     # of steps 2 and 4 hold an average in flight, and step 4's replicas differ from each other
     sync = {"sync": "diloco", "sync_every": 4, "fragments": 2, "fragment_delay": 1}
-    fault = {"heartbeat_timeout_s": 30}
+    fault = {"heartbeat_timeout_s": 120}  # a SIGKILL shows through the sentinels
     results = {}
     for name, faults in (("clean", []), ("killed", [Fault(kind="sigkill", rank=1, step=5)])):
         config = _config(tmp_path, name, sync, {"steps": 7}, fault=fault)
@@ -195,3 +197,52 @@ def test_a_checkpoint_without_this_ranks_replica_entry_is_refused():
     synchronous = _metadata(("model", "w"), ("optim", "state", "w", "exp_avg"))
     with pytest.raises(CheckpointError, match="saved by synchronous training .* resume with the sync"):
         replica_load_template(synchronous)
+
+
+def test_a_checkpoint_of_another_number_of_ranks_is_refused():
+    # 4 one-process replicas resumed on 1 rank here (on 2 ranks alike): replicas 1-3 would be dropped
+    entries = [("optim", "replicas", f"rank_{r:05d}") for r in range(4)]
+    with pytest.raises(CheckpointError, match=r"states of 4 ranks; this run has 1: .* resume on the mesh"):
+        replica_load_template(_metadata(("model", "w"), *entries))
+
+
+def _replica(sync: str, **options) -> LocalSGD | DiLoCo:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    kind = LocalSGD if sync == "local_sgd" else DiLoCo
+    return kind(net.parameters(), inner, **{"sync_every": 4, **options})
+
+
+def _saved(optimizer: LocalSGD | DiLoCo, **changes) -> dict:
+    return {"optim": {"replicas": {"rank_00000": ({**optimizer.rank_state(), **changes},)}}}
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "match"),
+    [
+        (("local_sgd", {}), ("diloco", {}), r"parallel.sync = 'local_sgd' saved, 'diloco' now"),
+        (("diloco", {}), ("local_sgd", {}), r"parallel.sync = 'diloco' saved, 'local_sgd' now"),
+        (("local_sgd", {}), ("local_sgd", {"sync_every": 2}), r"parallel.sync_every = 4 saved, 2 now"),
+        (("diloco", {}), ("diloco", {"outer_kwargs": {"lr": 1.0}}), r"parallel.outer_lr = 0.7 saved, 1.0 now"),
+        (("diloco", {}), ("diloco", {"fragments": 2}), r"parallel.fragments = 1 saved, 2 now"),
+        (("diloco", {}), ("diloco", {"outer_dtype": torch.bfloat16}), r"parallel.outer_dtype = 'fp32' saved, 'bf16'"),
+    ],
+)  # fmt: skip
+def test_a_replica_entry_of_other_sync_settings_is_refused(saved, now, match):
+    entry = _saved(_replica(saved[0], **saved[1]))
+    with pytest.raises(CheckpointError, match=match + ".*resume with the settings the checkpoint was saved"):
+        load_replica_state(_replica(now[0], **now[1]), entry)
+
+
+def test_a_replica_entry_of_another_world_size_is_refused_and_a_matching_one_loads():
+    saved = _replica("diloco", fragments=2, fragment_delay=1)
+    with torch.no_grad():
+        saved.params[0].add_(1.0)
+    with pytest.raises(CheckpointError, match=r"saved by 4 ranks in 4 replicas; this run has 1 ranks in 1"):
+        load_replica_state(
+            _replica("diloco", fragments=2, fragment_delay=1), _saved(saved, world_size=4, replicas=4)
+        )
+    resumed = _replica("diloco", fragments=2, fragment_delay=1)
+    load_replica_state(resumed, _saved(saved))
+    assert torch.equal(resumed.params[0], saved.params[0])

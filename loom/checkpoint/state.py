@@ -267,10 +267,19 @@ def replica_state(optimizer: Replicated) -> dict[str, Any]:
 
 def replica_load_template(metadata: Metadata) -> dict[str, Any]:
     """The place of this rank's entry (empty when the checkpoint holds no optimizer state: a fresh start
-    from its weights); a `CheckpointError` when the checkpoint has optimizer states but none for this rank."""
+    from its weights); a `CheckpointError` when the checkpoint has optimizer states but none for this rank,
+    or entries of another number of ranks (each rank resumes its own replica: none may be left out)."""
     key = _replica_key()
-    paths = _saved_paths(metadata).values()
-    if ("optim", "replicas", key) in {tuple(path) for path in paths}:
+    saved = {
+        path[2] for path in map(tuple, _saved_paths(metadata).values()) if path[:2] == ("optim", "replicas")
+    }
+    if saved and len(saved) != env.world_size():
+        raise CheckpointError(
+            f"the checkpoint holds the local SGD / DiLoCo states of {len(saved)} ranks; this run has "
+            f"{env.world_size()}: each rank resumes its own replica, so resume on the mesh (world size) the "
+            "checkpoint was saved with"
+        )
+    if key in saved:
         return {"optim": {"replicas": {key: None}}}
     if not _has_optimizer_state(metadata):
         return {}
@@ -283,9 +292,13 @@ def replica_load_template(metadata: Metadata) -> dict[str, Any]:
 
 def load_replica_state(optimizer: Replicated, state: dict[str, Any]) -> None:
     """Give this rank its entry back (read by DCP into `replica_load_template`'s place), parameters
-    included; nothing without one."""
+    included; nothing without one. A `CheckpointError` naming the `[parallel]` key when the entry was saved
+    under another sync or other sync settings, or by another number of ranks or replicas."""
     if "optim" in state:
         (entry,) = state["optim"]["replicas"][_replica_key()]
+        mismatch = optimizer.resume_mismatch(entry, prefix="parallel.")
+        if mismatch is not None:
+            raise CheckpointError(f"rank {env.rank()}'s local SGD / DiLoCo state: {mismatch}")
         optimizer.load_rank_state(entry)
 
 

@@ -103,9 +103,15 @@ def _replicas(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 class Replicated:
     """What LocalSGD and DiLoCo share: the inner optimizer, the step count, the parameter list, the
     checkpoint state of this rank (`rank_state`)."""
+
+    SYNC = ""  # the `[parallel] sync` this is: "local_sgd" or "diloco"
 
     def __init__(
         self,
@@ -168,14 +174,49 @@ class Replicated:
         """Start the meetings from the parameters as they are now (weights loaded after this was built,
         with no state of its own: the replicas' common starting point)."""
 
+    def settings(self) -> dict[str, Any]:
+        """What a resumed run must share with the saved one, by `[parallel]` key: the sync and its settings."""
+        return {"sync": self.SYNC, "sync_every": self.sync_every}
+
+    def resume_mismatch(self, state: dict[str, Any], prefix: str = "") -> str | None:
+        """Why `rank_state()`'s `state` cannot resume this rank (other settings, or another number of ranks
+        or replicas), each key named with `prefix`; None when it can."""
+        saved, now = state["settings"], self.settings()
+        if saved["sync"] != now["sync"]:
+            keys = ["sync"]  # the other settings differ in kind: name the sync alone
+        else:
+            keys = [k for k in {**saved, **now} if saved.get(k) != now.get(k)]
+        if keys:
+            described = ", ".join(f"{prefix}{k} = {saved.get(k)!r} saved, {now.get(k)!r} now" for k in keys)
+            return f"{described}: resume with the settings the checkpoint was saved with"
+        ranks, replicas = _world(), _replicas(self.group)
+        if (state["world_size"], state["replicas"]) != (ranks, replicas):
+            return (
+                f"the checkpoint was saved by {state['world_size']} ranks in {state['replicas']} replicas; this "
+                f"run has {ranks} ranks in {replicas}: each rank resumes its own replica, so resume on the mesh "
+                "the checkpoint was saved with"
+            )
+        return None
+
     def rank_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this rank: `state_dict()` and the parameters as this rank holds them
-        (its shards; between two syncs each replica's differ, so no rank can stand for another)."""
-        return {"optimizer": self.state_dict(), "params": [_local(p).detach().clone() for p in self.params]}
+        (its shards; between two syncs each replica's differ, so no rank can stand for another), with the
+        settings, world size and replica count that `resume_mismatch` compares on load."""
+        return {
+            "optimizer": self.state_dict(),
+            "params": [_local(p).detach().clone() for p in self.params],
+            "settings": self.settings(),
+            "world_size": _world(),
+            "replicas": _replicas(self.group),
+        }
 
     @torch.no_grad()
     def load_rank_state(self, state: dict[str, Any]) -> None:
-        """Resume this rank from `rank_state()`: the optimizer's state and the parameters."""
+        """Resume this rank from `rank_state()`: the optimizer's state and the parameters; a `ValueError`
+        when `resume_mismatch` finds one."""
+        mismatch = self.resume_mismatch(state)
+        if mismatch is not None:
+            raise ValueError(f"{type(self).__name__}.load_rank_state: {mismatch}")
         saved = state["params"]
         if len(saved) != len(self.params):
             raise ValueError(
@@ -196,6 +237,8 @@ class Replicated:
 class LocalSGD(Replicated):
     """Replicas step alone with `inner` and average their parameters every `sync_every` steps (see the
     module docstring)."""
+
+    SYNC = "local_sgd"
 
     def _sync_due(self) -> None:
         """Every `sync_every`-th inner step averages the parameters over the replicas."""
@@ -227,6 +270,8 @@ class DiLoCo(Replicated):
 
     `outer`: an optimizer class for the global weights (default `torch.optim.SGD`) built with
     `outer_kwargs` (default lr 0.7, momentum 0.9, Nesterov, as the DiLoCo paper trains)."""
+
+    SYNC = "diloco"
 
     def __init__(
         self,
@@ -336,10 +381,19 @@ class DiLoCo(Replicated):
         for fragment, (_, work, flat) in sorted(self._pending.items()):
             self._finish(fragment, work, flat)
 
-    def _settings(self) -> dict[str, Any]:
-        fragments = len(self.fragments)
-        return {"sync_every": self.sync_every, "fragments": fragments, "fragment_delay": self.fragment_delay,
-                "mix": self.mix, "outer_dtype": str(self.outer_dtype)}  # fmt: skip
+    def settings(self) -> dict[str, Any]:
+        """`Replicated.settings` and the outer step's: its learning rate and momentum, the fragments, their
+        delay and mix, the dtype the pseudo-gradients travel in."""
+        outer = self.outer.defaults
+        return {
+            **super().settings(),
+            "outer_lr": outer.get("lr"),
+            "outer_momentum": outer.get("momentum"),
+            "fragments": len(self.fragments),
+            "fragment_delay": self.fragment_delay,
+            "mix": self.mix,
+            "outer_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.outer_dtype],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Inner and outer optimizer states, the global weights, the step count, and the averages still in
@@ -357,13 +411,15 @@ class DiLoCo(Replicated):
             "global_weights": [w.clone() for w in self.global_weights],
             "inner_steps": self.inner_steps,
             "pending": pending,
-            "settings": self._settings(),
+            "settings": self.settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`, under the settings it was saved with."""
         changed = {
-            k: (v, state["settings"][k]) for k, v in self._settings().items() if state["settings"][k] != v
+            k: (v, state["settings"].get(k))
+            for k, v in self.settings().items()
+            if state["settings"].get(k) != v
         }
         if changed:
             described = ", ".join(
