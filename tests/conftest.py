@@ -82,21 +82,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), the tests that run on the pool are kept in
-# two xdist groups, each run whole by one pytest process on that process's own pool: most in one, the
-# checkpoint and training-equivalence files (about a quarter of the pool's time) in the other, which also
-# runs the rest beside it (one-process tests, and the launcher, fault and command-line tests, which start
-# their own workers and spend much of their time waiting on them: restarts, heartbeat timeouts). A group
-# never runs two of its tests at once, so a test's ranks compete for the cores with at most one other test.
-POOL_GROUP, SECOND_POOL_GROUP = "worker_pool", "worker_pool_2"
-SECOND_POOL_FILES = ("test_checkpoint", "test_train_equivalence")
+# With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test that runs on the pool goes to
+# one xdist worker, so the suite starts one pool and its groups never compete with each other for the cores.
+# The rest (one-process tests, and the launcher, fault and command-line tests, which start their own
+# workers and spend much of their time waiting on them: restarts, heartbeat timeouts) runs beside it.
+POOL_GROUP = "worker_pool"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if {"dist_run", "worker_pool"} & set(getattr(item, "fixturenames", ())):
-            second = item.path.name.startswith(SECOND_POOL_FILES)
-            item.add_marker(pytest.mark.xdist_group(SECOND_POOL_GROUP if second else POOL_GROUP))
+            item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
 
 
 @pytest.fixture(scope="session")
