@@ -79,3 +79,21 @@ def assert_adamw_params_close(
     )
     share = (errors <= tight).float().mean().item()
     assert share >= NEAR_ALL, f"only {share:.4f} of the entries agree within {tight:.3g} (need {NEAR_ALL})"
+
+
+def sgd_losses_and_first_grads(model: torch.nn.Module, batches: Iterable, loss_of, lr: float) -> tuple:
+    """Train `model` one SGD step per batch (`loss_of(batch)` gives the step's loss): the losses and the
+    first step's gradients, whole on every rank (`loom.full`), for comparing a parallel run with one device."""
+    import loom
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for step, batch in enumerate(batches):
+        loss = loss_of(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    return losses, grads

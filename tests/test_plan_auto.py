@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import GRAD_ATOL, RTOL
+from equivalence import GRAD_ATOL, RTOL, sgd_losses_and_first_grads
 from hf_models import batches, build
 from torch import nn
 
@@ -63,18 +63,7 @@ def _loss(model, args, kwargs):
 
 
 def _train(model, data, as_call, rows):
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for step, batch in enumerate(data):
-        args, kwargs = as_call(rows(batch))
-        loss = _loss(model, args, kwargs)
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0:
-            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loom.full(loss).item())
-    return losses, grads
+    return sgd_losses_and_first_grads(model, data, lambda batch: _loss(model, *as_call(rows(batch))), LR)
 
 
 def auto_case(family: str, memory_limit: float | None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import sgd_losses_and_first_grads
 from hf_models import build
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -231,19 +232,7 @@ def auto_plan_case(plan: Plan):
 
 
 def _sgd(model, data, rows):
-    import loom
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], None
-    for step, (x, y) in enumerate(data):
-        loss = model(rows(x), rows(y))
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0:
-            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loom.full(loss).item())
-    return losses, grads
+    return sgd_losses_and_first_grads(model, data, lambda batch: model(rows(batch[0]), rows(batch[1])), 0.1)
 
 
 @pytest.mark.slow  # 4 ranks
