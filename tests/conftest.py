@@ -89,10 +89,30 @@ def pytest_configure(config: pytest.Config) -> None:
 POOL_GROUP = "worker_pool"
 
 
+# tryfirst: xdist's own hook turns the marker into the test's group when it runs, so the marker must be
+# on the item before then.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if {"dist_run", "worker_pool"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup`, fail at once if the pool's tests did not become one group.
+
+    xdist marks a test's group by a suffix on its id; a pytest that drops the suffix would let both
+    processes start a pool and fight over the cores, silently, for a suite a minute slower.
+    """
+    if not session.config.getoption("loadgroup", default=False):
+        return
+    grouped = [item for item in session.items if item.get_closest_marker("xdist_group")]
+    if grouped and not all(item.nodeid.endswith("@" + POOL_GROUP) for item in grouped):
+        raise pytest.UsageError(
+            f"pytest-xdist did not group the worker pool's tests (pytest {pytest.__version__}); "
+            "install the versions the `test` extra of pyproject.toml pins: `make setup`"
+        )
 
 
 @pytest.fixture(scope="session")
