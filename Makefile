@@ -26,7 +26,7 @@ format: setup
 
 # `make test` samples the slow cases (tests marked `slow`: more combinations of the same features);
 # `make test-all` runs every case. Both print the 15 slowest tests. Two pytest processes: one runs every
-# test that uses the multi-rank worker pool, the other the rest beside it (see tests/conftest.py).
+# test that uses the multi-rank worker pool, in two groups each run by one process, the rest filling in (see tests/conftest.py).
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 test: setup lint
