@@ -109,7 +109,9 @@ def test_pipeline_trainer_matches_one_device(dist_run, schedule, dp, pp, virtual
 
 
 TP_CASES = [  # (schedule, dp, pp, virtual, micro-batches, Trainer micro-batches, tied, tp, sequence parallel)
-    ("1f1b", 1, 2, 1, 4, 1, False, 2, False),
+    # make test samples: 1f1b with tp x pp runs there as the 8-rank level-1 case of
+    # test_optimizer_levels_with_a_pipeline_match_one_device
+    pytest.param(("1f1b", 1, 2, 1, 4, 1, False, 2, False), marks=pytest.mark.slow),
     ("zbv", 1, 2, 2, 4, 1, True, 2, True),  # the tied table's two users share one tensor on rank 0
     # dp x tp x pp on 8 ranks (make test runs the 8-rank interleaved case of test_pipeline_rotary.py)
     pytest.param(("interleaved", 2, 2, 2, 2, 2, True, 2, True), marks=pytest.mark.slow),

@@ -119,9 +119,13 @@ if __name__ == "__main__":  # appended by tests/test_readme.py
 """
 
 
-def _run_script(path: Path, text: str) -> subprocess.CompletedProcess:
+def _run_script(path: Path, text: str, preload: str = "") -> subprocess.CompletedProcess:
+    """Run `text` as the script `path`; `preload`: modules its workers' forkserver imports once for all of
+    them (the suite starts workers from a forkserver, see tests/conftest.py), as a speed-up only."""
     path.write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if preload and env.get("LOOM_START_METHOD") == "forkserver":
+        env["LOOM_FORKSERVER_PRELOAD"] = ",".join(filter(None, [env.get("LOOM_FORKSERVER_PRELOAD"), preload]))
     return subprocess.run(
         [sys.executable, str(path)], capture_output=True, text=True, cwd=path.parent, env=env, timeout=300
     )
@@ -136,7 +140,10 @@ def test_readme_tour_runs_as_written_and_gives_the_one_process_answer(tmp_path):
 
 def test_readme_any_model_snippet_trains_like_one_device(tmp_path):
     """The Hugging Face snippet asserts itself that 4 ranks (dp=2 x tp=2) give one device's losses."""
-    done = _run_script(tmp_path / "any_model.py", python_blocks()[1])
+    # each worker imports the script, so transformers: about 3.5 s of CPU each, paid once by the server instead
+    done = _run_script(
+        tmp_path / "any_model.py", python_blocks()[1], "transformers.models.llama.modeling_llama"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "q_proj.weight: (2, 1) [tp, -]" in done.stdout, done.stdout
 
