@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from loom.cli.plan import describe, print_search
 from loom.dist.launch import LaunchError
-from loom.fault import Fault, RestartPolicy, supervise
+from loom.fault import Fault, RestartPolicy, supervise, supervise_replicas
 from loom.train.config import TrainConfig, config_help, load_config
 from loom.train.job import check_faults, run
 from loom.train.report import steps_summary
@@ -93,6 +93,13 @@ def execute(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
+    if under_torchrun() and config.fault.elastic_replicas:
+        print(
+            "loom train: fault.elastic_replicas = true needs loom's own launcher (its rendezvous store outlives "
+            "any worker); run without torchrun, or set fault.elastic_replicas = false",
+            file=sys.stderr,
+        )
+        return 2
     if under_torchrun():
         if os.environ.get("RANK", "0") == "0":
             print_plan_source(Console(), config, world_size)
@@ -104,7 +111,9 @@ def execute(args: argparse.Namespace) -> int:
         console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
         policy = restart_policy(config)
-        summary = supervise(
+        # replicas that come and go: a death drops the replica and a replacement joins, no restart
+        supervisor = supervise_replicas if config.fault.elastic_replicas else supervise
+        summary = supervisor(
             run, config.train.workers, config, faults, policy=policy, verbose=verbose
         ).results[0]
     except LaunchError as error:
