@@ -165,7 +165,12 @@ class Membership:
                 )
             previous, slots = resolved, [slot for slot, _ in resolved]
             if not self._arrive(f"replicas/{step}/{attempt}", resolved):
-                continue  # a member died before it arrived: the next generation goes on without it
+                print(
+                    f"loom: replica {self.rank}: a member of {slots} left before the sync at step {step}; "
+                    "meeting without it",
+                    flush=True,
+                )
+                continue  # the next generation goes on without it
             try:
                 return self._meet_once(step, attempt, slots, flat, trained, share)
             except RuntimeError as error:  # a member died inside the collective (gloo: connection closed)
@@ -227,13 +232,13 @@ class Membership:
     def _broadcast(group: dist.ProcessGroupGloo, root: int, payload: bytes | None) -> bytes:
         """`payload` of the member at index `root` to every member (its length first)."""
         length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        group.broadcast([length], root).wait()
+        group.broadcast(length, root).wait()
         data = (
             torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             if payload is not None
             else torch.empty(int(length), dtype=torch.uint8)
         )
-        group.broadcast([data], root).wait()
+        group.broadcast(data, root).wait()
         return data.numpy().tobytes()
 
     def _wait_for_change(self, members: list[int]) -> None:
