@@ -102,7 +102,9 @@ def test_a_killed_replica_is_replaced_without_a_restart(tmp_path, sync):
 
     # no restart: one event, the replica's leaving, logged and recorded; the survivor ran every step
     assert [(e.kind, e.ranks, e.step) for e in done.events] == [("replica_left", (1,), killed_at - 1)]
-    assert any("rank 1 replica_left after step 4" in line and "joins at the next sync" in line for line in lines)
+    assert any(
+        "rank 1 replica_left after step 4" in line and "joins at the next sync" in line for line in lines
+    )
     recorded = [json.loads(line) for line in events_file.read_text().splitlines()]
     assert [(e["kind"], e["ranks"], e["step"]) for e in recorded] == [("replica_left", [1], killed_at - 1)]
     survivor, joiner = done.results

@@ -176,7 +176,9 @@ def supervise_replicas(
         return left > 0
 
     workers = ReplicaWorkers(nprocs, env=_attempt_env(0, policy))
-    results = workers.run(fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, on_leave=on_leave, **kwargs)
+    results = workers.run(
+        fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, on_leave=on_leave, **kwargs
+    )
     return Supervised(results, events)
 
 

@@ -1059,7 +1059,7 @@ class TrainConfig:
         refused = (
             ("parallel.tp", par.tp, 1, "a replica of several processes does not leave whole yet"),
             ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
-            ("parallel.fragment_delay", par.fragment_delay, 0, "delayed averages do not meet elastically yet"),
+            ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),
         )
         for key, value, allowed, why in refused:
             if value != allowed:

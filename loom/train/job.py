@@ -393,7 +393,9 @@ def _train(
     """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report.
     `membership`: this replica's slot among replicas that come and go (its data rank), else None."""
     # the replica's data rank: its dp index, or its slot among replicas that come and go
-    dp_rank, dp_size = (mesh.dp_rank(), mesh.dp_size) if membership is None else (membership.rank, membership.size)
+    dp_rank, dp_size = (
+        (mesh.dp_rank(), mesh.dp_size) if membership is None else (membership.rank, membership.size)
+    )
     t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
