@@ -20,6 +20,7 @@ import pytest
 import torch
 from job_cases import job_config
 
+from loom.cli.main import main
 from loom.dist import elastic, launch
 from loom.fault import Fault, RestartPolicy, supervise_replicas
 from loom.parallel.local_sgd import DiLoCo, Replicated
@@ -159,3 +160,20 @@ def test_settings_elastic_replicas_refuse(tmp_path, sections, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         config = job_config(tmp_path, parallel=parallel, fault={"elastic_replicas": True}, **other)
         config.validate(2)
+
+
+@pytest.mark.slow  # a whole `loom train` with a replacement
+def test_loom_train_with_a_replica_killed_through_loom_faults(tmp_path, capfd, monkeypatch):
+    job_config(tmp_path)  # writes the token file
+    config = tmp_path / "elastic.toml"
+    config.write_text(
+        f'[model]\nd_model = 32\nn_layers = 2\nn_heads = 2\nmax_seq_len = 16\n[data]\nkind = "tokens"\n'
+        f'path = "{tmp_path / "tokens.bin"}"\nseq_len = 16\n[parallel]\ndp = 2\nsync = "diloco"\n'
+        "sync_every = 5\n[train]\nsteps = 20\nglobal_batch = 4\nworkers = 2\neval_every = 0\n[fault]\n"
+        "elastic_replicas = true\nheartbeat_timeout_s = 120\n"
+    )
+    monkeypatch.setenv("LOOM_FAULTS", '[{"kind": "sigkill", "rank": 1, "step": 7}]')
+    assert main(["train", str(config)]) == 0
+    out = capfd.readouterr().out
+    assert "rank 1 replica_left after step 6: was killed by signal SIGKILL" in out, out
+    assert "restarting" not in out and "20 steps: loss" in out

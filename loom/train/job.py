@@ -448,7 +448,7 @@ def _train(
             fault.install(trainer)
     if is_main:
         if replicas:
-            text = replica_plan_text(config, model, mesh)
+            text = replica_plan_text(config, model, mesh, membership)
         elif pipeline is None:
             text = plan_text(config, model, verbose)
         else:

@@ -93,8 +93,11 @@ def replica_optimizer(
     )  # fmt: skip
 
 
-def replica_plan_text(config: TrainConfig, model: nn.Module, mesh: loom.Mesh) -> str:
-    """The plan of a run whose replicas step alone: how many, of how many ranks, and how they meet."""
+def replica_plan_text(
+    config: TrainConfig, model: nn.Module, mesh: loom.Mesh, membership: Membership | None = None
+) -> str:
+    """The plan of a run whose replicas step alone: how many, of how many ranks, and how they meet (with
+    `membership`, replicas of one process that come and go, each on a mesh of its own)."""
     par, m = config.parallel, config.model
     meets = f"{par.sync} every {par.sync_every} steps"
     if par.sync == "diloco":
@@ -104,10 +107,14 @@ def replica_plan_text(config: TrainConfig, model: nn.Module, mesh: loom.Mesh) ->
         if par.outer_dtype != "fp32":
             meets += f", pseudo-gradients in {par.outer_dtype}"
     each = "one process" if mesh.axis_size("tp") == 1 else f"tp = {par.tp} ranks"
+    if membership is not None:
+        mesh_text, replicas = f"{membership.size} processes", f"{membership.size} replicas (coming and going)"
+    else:
+        mesh_text, replicas = str(mesh), f"{mesh.dp_size} replicas"
     count = sum(p.numel() for p in model.parameters())  # this rank's shards
     return "\n".join(
         [
-            f"plan: {mesh}, {mesh.dp_size} replicas of {each} stepping alone, meeting by {meets}; precision "
+            f"plan: {mesh_text}, {replicas} of {each} stepping alone, meeting by {meets}; precision "
             f"{config.train.precision}, recompute {par.recompute}",
             f"model: {count / 1e6:.2f}M parameters on this rank, {m.n_layers} layers, d_model {m.d_model}, "
             f"{m.n_heads} heads; the loss logged is replica 0's",
