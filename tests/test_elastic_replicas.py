@@ -177,3 +177,20 @@ def test_loom_train_with_a_replica_killed_through_loom_faults(tmp_path, capfd, m
     out = capfd.readouterr().out
     assert "rank 1 replica_left after step 6: was killed by signal SIGKILL" in out, out
     assert "restarting" not in out and "20 steps: loss" in out
+
+
+@pytest.mark.slow  # waits out a heartbeat timeout
+def test_a_hung_replica_is_killed_and_replaced_while_the_other_waits_at_the_sync(tmp_path):
+    steps = 4 * EVERY
+    config = _config(tmp_path, "diloco", steps)
+    faults = [Fault(kind="hang", rank=1, step=5, seconds=600)]  # silent from step 5 on
+    policy = RestartPolicy(max_restarts=1, heartbeat_timeout_s=15, collective_timeout_s=60)
+    done = supervise_replicas(_recorded_run, 2, config, faults, None, policy=policy, log=print)
+    # rank 0 waited at the sync of step 6 beating, so only rank 1 was taken for hung
+    assert [(e.kind, e.ranks, e.step) for e in done.events] == [("replica_left", (1,), 4)]
+    assert "no heartbeat" in done.events[0].cause
+    survivor, joiner = done.results
+    assert len(survivor["losses"]) == steps and all(math.isfinite(x) for x in survivor["losses"])
+    if joiner["joined_at"] is not None:  # ready for a later sync: it took the global weights there
+        step = joiner["joined_at"]
+        assert _equal(joiner["synced"][step]["params"], survivor["synced"][step]["global"])

@@ -51,8 +51,9 @@ RANK_VAR, SIZE_VAR, STORE_VAR, JOINS_VAR = (
     "LOOM_REPLICA_JOINS",
 )
 MEMBERS = "members"
-# How often a member waiting for the roster to change looks again.
+# How often a member waiting for the roster to change looks again, and beats while it waits.
 _POLL_S = 0.05
+_BEAT_EVERY_S = 1.0
 
 
 def membership() -> Membership | None:
@@ -164,7 +165,7 @@ class Membership:
                     "the launcher took it for dead"
                 )
             previous, slots = resolved, [slot for slot, _ in resolved]
-            if not self._arrive(f"replicas/{step}/{attempt}", resolved):
+            if not self._arrive(f"replicas/{step}/{attempt}", resolved, step):
                 print(
                     f"loom: replica {self.rank}: a member of {slots} left before the sync at step {step}; "
                     "meeting without it",
@@ -182,12 +183,17 @@ class Membership:
                 self._wait_for_change(slots)
         raise RuntimeError(f"replica {self.rank}: the sync at step {step} failed {self.size + 1} times")
 
-    def _arrive(self, prefix: str, members: list[list[int]]) -> bool:
+    def _arrive(self, prefix: str, members: list[list[int]], step: int) -> bool:
         """Wait until every member of a meeting arrived (True), or one of them left the roster before it
-        did (False): a dead member is noticed here at once, not after the collective timeout."""
+        did (False): a dead member is noticed here at once, not after the collective timeout. A member
+        waiting beats (as at the end of step `step - 1`): the one that does not come is the silent one."""
         arrived = self.store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + self.timeout.total_seconds()
+        beaten = time.monotonic()
         while arrived < len(members):
+            if time.monotonic() - beaten > _BEAT_EVERY_S:
+                launch.heartbeat(step - 1)
+                beaten = time.monotonic()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the members {members} did not all arrive at {prefix} in time")
             alive = self.members()
