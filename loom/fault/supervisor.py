@@ -9,6 +9,11 @@ of the attempt before its first. Each attempt sees its number in TORCHELASTIC_RE
 `torchrun --max-restarts`; the job itself resumes from its last committed checkpoint (see
 `loom/train/job.py`).
 
+`supervise_replicas(fn, nprocs, ...)` is the mode for replicas that come and go (`loom.dist.elastic`, `[fault]
+elastic_replicas` in `loom train`): a worker's death, or its silence past the heartbeat timeout, is an event
+(`kind = "replica_left"`) after which a replacement starts in its slot and the other workers go on; no
+attempt ends.
+
 An exception raised before a rank reported its first step (a bad config, a model that does not fit the mesh)
 is not retried: it would fail the same way again. Nor, at any step, is an error that a restart cannot fix
 (`PERMANENT_ERRORS`: a configuration error such as ValueError or TypeError, a filesystem layout error such
@@ -82,9 +87,9 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class FailureEvent:
-    """One failed attempt: what happened (`kind`: died, hung, raised, rollback), on which ranks, at which
-    step (the last one the rank reported; None before its first: while starting up), and the cause in a
-    line."""
+    """One failed attempt, or a replica that left (`kind`: died, hung, raised, rollback, replica_left), on
+    which ranks, at which step (the last one the rank reported; None before its first: while starting up),
+    and the cause in a line."""
 
     attempt: int
     kind: str
