@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from loom.cli.plan import describe, print_search
 from loom.dist.launch import LaunchError
-from loom.fault import Fault, RestartPolicy, supervise
+from loom.fault import Fault, RestartPolicy, supervise, supervise_replicas
 from loom.train.config import TrainConfig, config_help, load_config
 from loom.train.job import check_faults, run
 from loom.train.report import steps_summary
@@ -93,6 +93,13 @@ def execute(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
+    if under_torchrun() and config.fault.elastic_replicas:
+        print(
+            "loom train: fault.elastic_replicas = true needs loom's own launcher (its rendezvous store outlives "
+            "any worker); run without torchrun, or set fault.elastic_replicas = false",
+            file=sys.stderr,
+        )
+        return 2
     if under_torchrun():
         if os.environ.get("RANK", "0") == "0":
             print_plan_source(Console(), config, world_size)
@@ -100,18 +107,35 @@ def execute(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"[bold]loom train[/] {escape(args.config)} on {config.train.workers} local worker(s)")
     print_plan_source(console, config, world_size)
-    if config.fault.max_restarts and not config.checkpoint.dir:
+    if config.fault.max_restarts and not config.checkpoint.dir and not config.fault.elastic_replicas:
         console.print("[yellow]no checkpoint.dir: a restart after a failure starts again from step 0[/]")
     try:
         policy = restart_policy(config)
-        summary = supervise(
-            run, config.train.workers, config, faults, policy=policy, verbose=verbose
-        ).results[0]
+        if config.fault.elastic_replicas:  # a death drops the replica and a replacement joins, no restart
+            results = supervise_replicas(
+                run, config.train.workers, config, faults, policy=policy, verbose=verbose
+            ).results
+            summary = _elastic_summary(console, results)
+        else:
+            summary = supervise(
+                run, config.train.workers, config, faults, policy=policy, verbose=verbose
+            ).results[0]
     except LaunchError as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 1
     _report(console, summary)
     return 0
+
+
+def _elastic_summary(console: Console, results: list[dict]) -> dict:
+    """Say which slots a replacement took over, and where it joined; the summary to report: the lowest slot
+    that ran the most steps (a slot replaced ran only those after its replacement joined)."""
+    for rank, summary in enumerate(results):
+        if "joined_at" in summary and summary["joined_at"] is not None:
+            console.print(f"replica {rank}: replaced, joined at step {summary['joined_at']}")
+        elif summary.get("first_step", 1) > 1:
+            console.print(f"replica {rank}: replaced, but no sync was left to join")
+    return max(results, key=lambda summary: len(summary["losses"]))
 
 
 def print_plan_source(console: Console, config: TrainConfig, world_size: int) -> None:

@@ -3,7 +3,14 @@ injected on purpose to test them (see supervisor.py, guard.py, inject.py)."""
 
 from loom.fault.guard import NonFiniteGuard, NonFiniteRollback, apply_rollback
 from loom.fault.inject import Fault, InjectedFault
-from loom.fault.supervisor import FailureEvent, RestartBudgetExceeded, RestartPolicy, Supervised, supervise
+from loom.fault.supervisor import (
+    FailureEvent,
+    RestartBudgetExceeded,
+    RestartPolicy,
+    Supervised,
+    supervise,
+    supervise_replicas,
+)
 
 __all__ = [
     "FailureEvent",
@@ -16,4 +23,5 @@ __all__ = [
     "Supervised",
     "apply_rollback",
     "supervise",
+    "supervise_replicas",
 ]

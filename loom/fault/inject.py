@@ -6,7 +6,8 @@
     faults = [Fault(kind="hang", rank=1, during="startup", phase="loading the checkpoint")]  # before step 1
 
 A fault fires only in the attempt it names (`attempt`, default 0: the first run, not the restarts), so a
-restarted job runs clean. `loom.train.job.run(config, faults=...)` installs them in every worker: start-up
+restarted job runs clean; among replicas that come and go (`loom.dist.elastic`) `rank` is the replica's
+slot, and a replacement's attempt counts the workers its slot had before it (a replacement runs clean). `loom.train.job.run(config, faults=...)` installs them in every worker: start-up
 faults first (they strike when the job announces the phase they name with a heartbeat, see
 `loom.train.job.STARTUP_PHASES`), the others once its trainer exists.
 """
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from loom.checkpoint import checkpointer
-from loom.dist import env, launch
+from loom.dist import elastic, env, launch
 
 __all__ = ["Fault", "InjectedFault"]
 
@@ -73,7 +74,10 @@ class Fault:
     def install(self, trainer: object | None = None) -> Callable[[], None]:
         """Arm the fault on this rank for `trainer` (a `loom.Trainer`; none for a start-up fault, which is
         armed before the trainer exists); returns a function that disarms it."""
-        if env.rank() != self.rank or env.restart_count() != self.attempt:
+        rank, attempt = env.rank(), env.restart_count()
+        if (slot := elastic.membership_slot()) is not None:  # a replica's own process group is of one rank
+            rank, attempt = slot[0], attempt + slot[1]
+        if rank != self.rank or attempt != self.attempt:
             return lambda: None
         if self.during == "startup":
             launch.BEAT_HOOKS.append(self._on_beat)

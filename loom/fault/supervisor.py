@@ -9,6 +9,11 @@ of the attempt before its first. Each attempt sees its number in TORCHELASTIC_RE
 `torchrun --max-restarts`; the job itself resumes from its last committed checkpoint (see
 `loom/train/job.py`).
 
+`supervise_replicas(fn, nprocs, ...)` is the mode for replicas that come and go (`loom.dist.elastic`, `[fault]
+elastic_replicas` in `loom train`): a worker's death, or its silence past the heartbeat timeout, is an event
+(`kind = "replica_left"`) after which a replacement starts in its slot and the other workers go on; no
+attempt ends.
+
 An exception raised before a rank reported its first step (a bad config, a model that does not fit the mesh)
 is not retried: it would fail the same way again. Nor, at any step, is an error that a restart cannot fix
 (`PERMANENT_ERRORS`: a configuration error such as ValueError or TypeError, a filesystem layout error such
@@ -27,9 +32,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.dist.elastic import ReplicaWorkers
 from loom.dist.launch import LaunchError, WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError
 
-__all__ = ["PERMANENT_ERRORS", "FailureEvent", "RestartBudgetExceeded", "RestartPolicy", "supervise"]
+__all__ = [
+    "PERMANENT_ERRORS",
+    "FailureEvent",
+    "RestartBudgetExceeded",
+    "RestartPolicy",
+    "supervise",
+    "supervise_replicas",
+]
 
 # Exceptions that ask for a restart on purpose (the non-finite guard's rollback): retried at any time.
 _RESTART_REQUESTS = ("loom.fault.guard.NonFiniteRollback",)
@@ -74,9 +87,9 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class FailureEvent:
-    """One failed attempt: what happened (`kind`: died, hung, raised, rollback), on which ranks, at which
-    step (the last one the rank reported; None before its first: while starting up), and the cause in a
-    line."""
+    """One failed attempt, or a replica that left (`kind`: died, hung, raised, rollback, replica_left), on
+    which ranks, at which step (the last one the rank reported; None before its first: while starting up),
+    and the cause in a line."""
 
     attempt: int
     kind: str
@@ -141,6 +154,37 @@ def supervise(
         f"{events[-1].describe()}",
         events,
     )
+
+
+def supervise_replicas(
+    fn: Callable,
+    nprocs: int,
+    /,
+    *args: Any,
+    policy: RestartPolicy | None = None,
+    log: Callable[[str], None] = print,
+    **kwargs: Any,
+) -> Supervised:
+    """Run `fn` on `nprocs` replicas that come and go (`loom.dist.elastic`): a worker that dies, or stays
+    silent past the heartbeat timeout (and is killed), is an event (`kind = "replica_left"`, its rank and
+    last step), logged and recorded like a failure, and a replacement starts in its slot while the others go
+    on; `policy.max_restarts` bounds the replacements. A worker that raises ends the job (`WorkerError`)."""
+    policy = policy or RestartPolicy()
+    events: list[FailureEvent] = []
+
+    def on_leave(rank: int, step: int | None, cause: str) -> bool:
+        event = FailureEvent(0, "replica_left", (rank,), step, cause)
+        left = policy.max_restarts - len(events)
+        events.append(event)
+        then = "a replacement joins at the next sync" if left > 0 else "no replacements left"
+        _record(event, policy, log, then=then)
+        return left > 0
+
+    workers = ReplicaWorkers(nprocs, env=_attempt_env(0, policy))
+    results = workers.run(
+        fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, on_leave=on_leave, **kwargs
+    )
+    return Supervised(results, events)
 
 
 def _attempt_env(attempt: int, policy: RestartPolicy) -> dict[str, str]:

@@ -27,6 +27,13 @@ They are not `torch.optim.Optimizer`s: schedule the inner learning rate on `opti
 - `outer_dtype = torch.bfloat16` sends pseudo-gradients in bf16 (half the bytes); the outer step and the
   global weights stay fp32.
 
+Replicas that come and go (`group` a `loom.dist.elastic.Membership`, replicas of one process): each sync
+is a meeting of the replicas alive then, whose average divides by those that trained since the last sync;
+a replacement replica enters with `join`, contributes nothing to its first sync, and takes the global
+state of the lowest replica that trained (LocalSGD: the average; DiLoCo: the global weights and the outer
+optimizer's state before the outer step, which it then takes as every replica does), with its inner
+optimizer fresh. DiLoCo's fragments and delays are not elastic yet (one fragment, no delay).
+
 Parameters may be DTensors (a replica sharded by tp): every operation here works on each rank's local
 shard, so the sharding must be the same in every replica (rank r of each replica holds the same slice).
 `group` is the process group of the replicas this rank meets (e.g. a mesh's "dp" axis); None means all
@@ -36,12 +43,15 @@ optimizer, global weights, step count) is in `state_dict()` and resumes exactly.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from loom.dist.elastic import Membership
 
 __all__ = ["DiLoCo", "LocalSGD", "Replicated", "fragments_of"]
 
@@ -119,7 +129,7 @@ class Replicated:
         inner: torch.optim.Optimizer,
         *,
         sync_every: int,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Membership | None = None,
     ) -> None:
         self.params = [p for p in params]
         if not self.params:
@@ -132,7 +142,11 @@ class Replicated:
             )
         self.inner = inner
         self.sync_every = _check_every(sync_every)
-        self.group = group
+        # replicas that come and go meet through their membership, never over a process group
+        self.membership = group if isinstance(group, Membership) else None
+        self.group = None if self.membership is not None else group
+        # whether this replica holds the replicas' state (a replacement does not, until it joins)
+        self.holds_state = self.membership is None or not self.membership.joining
         self.inner_steps = 0
 
     @property
@@ -142,6 +156,19 @@ class Replicated:
 
     def finish(self) -> None:
         """Land what is still in flight at the end of training (nothing for LocalSGD)."""
+
+    @torch.no_grad()
+    def join(self, last_step: int) -> int | None:
+        """A replacement replica's entry into a running job (elastic membership only): wait for the first
+        sync (at most `last_step`) that counts it a member, meet there taking the global state, and return
+        that sync's inner step (the step training continues from); None when no sync is left to join."""
+        if self.membership is None or self.holds_state:
+            raise ValueError("join() is for a replacement replica of an elastic membership")
+        step = self.membership.join_at(self.sync_every, last_step)
+        if step is not None:
+            self.inner_steps = step
+            self._sync_due()
+        return step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the inner optimizer's)."""
@@ -250,8 +277,13 @@ class LocalSGD(Replicated):
         """Replace every parameter by its mean over the replicas (one all-reduce)."""
         locals_ = [_local(p) for p in self.params]
         flat = _flatten(locals_)
-        _all_reduce_sum(flat, self.group)
-        flat /= _replicas(self.group)
+        if self.membership is not None:  # the replicas alive; a replacement brings nothing
+            contribution = flat if self.holds_state else torch.zeros_like(flat)
+            meeting = self.membership.meet(self.inner_steps, contribution, self.holds_state, share=None)
+            flat, self.holds_state = meeting.summed / len(meeting.trained), True
+        else:
+            _all_reduce_sum(flat, self.group)
+            flat /= _replicas(self.group)
         for local, averaged in zip(locals_, _unflatten(flat, locals_), strict=True):
             local.copy_(averaged)
 
@@ -279,7 +311,7 @@ class DiLoCo(Replicated):
         inner: torch.optim.Optimizer,
         *,
         sync_every: int,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Membership | None = None,
         outer: type[torch.optim.Optimizer] = torch.optim.SGD,
         outer_kwargs: dict[str, Any] | None = None,
         fragments: int = 1,
@@ -304,6 +336,11 @@ class DiLoCo(Replicated):
             )
         if not 0.0 <= mix <= 1.0:
             raise ValueError(f"mix = {mix} must be in [0, 1] (the share of the local weights kept)")
+        if self.membership is not None and (fragments != 1 or fragment_delay != 0):
+            raise ValueError(
+                f"fragments = {fragments}, fragment_delay = {fragment_delay}: replicas that come and go meet "
+                "with one fragment and no delay yet; set fragments = 1 and fragment_delay = 0"
+            )
         if outer_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"outer_dtype = {outer_dtype} must be torch.float32 or torch.bfloat16")
         self.fragments = fragments_of(self.params, fragments)
@@ -340,6 +377,9 @@ class DiLoCo(Replicated):
         indices = self.fragments[fragment]
         pseudo = [self.global_weights[i] - _local(self.params[i]).float() for i in indices]
         flat = _flatten(pseudo).to(self.outer_dtype)
+        if self.membership is not None:
+            self._meet(flat)
+            return
         delayed = self.fragment_delay > 0
         work = _all_reduce_sum(flat, self.group, async_op=delayed)
         if delayed:
@@ -352,8 +392,33 @@ class DiLoCo(Replicated):
         self._pending.pop(fragment, None)
         if work is not None:
             work.wait()
+        self._apply(fragment, flat.float() / _replicas(self.group))
+
+    def _meet(self, flat: torch.Tensor) -> None:
+        """The sync of replicas that come and go (one fragment, no delay): the average of those that
+        trained; a replacement brings zeros and first takes the global state it is given."""
+        contribution = flat if self.holds_state else torch.zeros_like(flat)
+        meeting = self.membership.meet(self.inner_steps, contribution, self.holds_state, self._global_state)
+        if not self.holds_state:
+            self._take_global_state(meeting.shared)
+            self.holds_state = True
+        self._apply(0, meeting.summed.float() / len(meeting.trained))
+
+    def _global_state(self) -> bytes:
+        """The global weights and the outer optimizer's state, as a replacement takes them."""
+        buffer = io.BytesIO()
+        torch.save({"global_weights": self.global_weights, "outer": self.outer.state_dict()}, buffer)
+        return buffer.getvalue()
+
+    def _take_global_state(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        for weight, value in zip(self.global_weights, state["global_weights"], strict=True):
+            weight.copy_(value)
+        self.outer.load_state_dict(state["outer"])
+
+    def _apply(self, fragment: int, averaged: torch.Tensor) -> None:
+        """The outer step of one fragment on its averaged pseudo-gradient; the replica takes the result."""
         indices = self.fragments[fragment]
-        averaged = flat.float() / _replicas(self.group)
         weights = [self.global_weights[i] for i in indices]
         for weight, grad in zip(weights, _unflatten(averaged, weights), strict=True):
             weight.grad = grad

@@ -727,6 +727,11 @@ class FaultConfig(_Section):
     rollback_after: int = _key(
         3, "roll back to the last checkpoint after N skipped steps in a row (0: never)"
     )
+    elastic_replicas: bool = _key(
+        False,
+        "local_sgd, diloco with replicas of one process: a replica that dies or hangs is dropped from the "
+        "next sync and a replacement joins there (no restart; max_restarts bounds the replacements)",
+    )
 
     def check(self) -> None:
         self._at_least(0, "max_restarts", "heartbeat_timeout_s", "rollback_after")
@@ -909,6 +914,7 @@ class TrainConfig:
         self._check_context()
         self.check_pipeline()
         self.check_replicas()
+        self.check_elastic()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
         if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
             model.gpt_config().check_expert_parallel(par.ep, dp)
@@ -1037,6 +1043,35 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.sync = {par.sync!r} trains loom's GPT; a Hugging Face model (model.hf_config / "
                 "hf_pretrained) syncs every step yet: set parallel.sync = 'every_step'"
+            )
+
+    def check_elastic(self) -> None:
+        """With `fault.elastic_replicas`: a ValueError for each setting replicas that come and go refuse."""
+        par = self.parallel
+        if not self.fault.elastic_replicas:
+            return
+        if not par.replicas_step_alone:
+            raise ValueError(
+                "fault.elastic_replicas = true drops a dead replica from the next sync: it needs parallel.sync "
+                "= 'local_sgd' or 'diloco' (with every_step sync a death stays a restart); set one, or "
+                "fault.elastic_replicas = false"
+            )
+        refused = (
+            ("parallel.tp", par.tp, 1, "a replica of several processes does not leave whole yet"),
+            ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
+            ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),
+        )
+        for key, value, allowed, why in refused:
+            if value != allowed:
+                raise ValueError(
+                    f"{key} = {value} with fault.elastic_replicas = true: {why}; set {key} = {allowed} or "
+                    "fault.elastic_replicas = false"
+                )
+        if self.checkpoint.dir:
+            raise ValueError(
+                f"checkpoint.dir = {self.checkpoint.dir!r} with fault.elastic_replicas = true: checkpoints of "
+                "replicas that come and go are not written yet; leave checkpoint.dir empty or set "
+                "fault.elastic_replicas = false"
             )
 
     def check_pipeline(self) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import loom
-from loom.dist import env
+from loom.dist import elastic, env
 from loom.dist.context import unsharded, use_mesh
 from loom.dist.launch import heartbeat
 from loom.fault import Fault, NonFiniteGuard, apply_rollback
@@ -67,6 +67,7 @@ from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.precision import DTYPES, DynamicLossScaler
 from loom.train.replicas import (
+    join_replicas,
     replica_group,
     replica_mesh,
     replica_optimizer,
@@ -214,6 +215,7 @@ STARTUP_PHASES = (
     "building the model",
     "building the trainer",
     "loading the checkpoint",
+    "joining the replicas",  # a replacement among replicas that come and go (loom.dist.elastic)
 )
 
 
@@ -250,12 +252,14 @@ def build_trainer(
     callbacks: list,
     pipeline: Pipeline | None = None,
     mesh: loom.Mesh | None = None,
+    membership: elastic.Membership | None = None,
 ) -> Trainer:
     """Optimizer (at the configured optimizer level), schedule, loss scaling and the Trainer (reporting
     throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), the
     optimizer holds the stages' parameters and the Trainer runs the schedule. `mesh`: the run's whole mesh
     (default: the current one); with `parallel.sync` other than every step, the optimizer becomes the inner
-    one of the replicas' `LocalSGD` or `DiLoCo` over it (`loom.train.replicas`), the schedule still on it."""
+    one of the replicas' `LocalSGD` or `DiLoCo` over it (`loom.train.replicas`), the schedule still on it;
+    with `membership` (replicas that come and go), over that instead."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = (
@@ -274,7 +278,7 @@ def build_trainer(
     mesh = mesh or loom.current_mesh()
     group = None  # the step's loss and norm over every rank
     if config.parallel.replicas_step_alone:
-        optimizer = replica_optimizer(config, model, optimizer, mesh)
+        optimizer = replica_optimizer(config, model, optimizer, mesh, membership)
         group = replica_group(mesh)
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
     flops_per_token = model_flops_per_token(
@@ -353,13 +357,21 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
     (tests of recovery). Rank 0 prints the plan (every parameter with `verbose`, else one line per layout
     pattern) and each warning; the other ranks' warnings are silenced (`main_rank_warnings`)."""
     env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
-    with main_rank_warnings(loom.rank() == 0):
+    slot = elastic.membership_slot()  # a replica that may come and go: a process group of its own
+    with main_rank_warnings((loom.rank() if slot is None else slot[0]) == 0):
         return _run(config, faults, verbose)
 
 
 def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
+    membership = elastic.membership()
+    if membership is not None:  # each replica its own process group of one; they meet through the store
+        config.validate(membership.size)
+        check_faults(config, faults)
+        mesh = loom.init({"dp": 1})
+        with use_mesh(None):
+            return _train(config, faults, verbose, mesh, disarm, membership)
     # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started)
     mesh = loom.init(config.plan(loom.world_size()).mesh_sizes())
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
@@ -371,15 +383,25 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
 
 
 def _train(
-    config: TrainConfig, faults: Sequence[Fault], verbose: bool, mesh: loom.Mesh, disarm: list
+    config: TrainConfig,
+    faults: Sequence[Fault],
+    verbose: bool,
+    mesh: loom.Mesh,
+    disarm: list,
+    membership: elastic.Membership | None = None,
 ) -> dict:
-    """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report."""
-    t, is_main = config.train, loom.rank() == 0
+    """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report.
+    `membership`: this replica's slot among replicas that come and go (its data rank), else None."""
+    # the replica's data rank: its dp index, or its slot among replicas that come and go
+    dp_rank, dp_size = (
+        (mesh.dp_rank(), mesh.dp_size) if membership is None else (membership.rank, membership.size)
+    )
+    t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
     _phase("loading the data")
     dataset = build_dataset(config.data)
-    batches = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
+    batches = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)
     pipeline = None
     _phase("building the model")
     if config.parallel.pp > 1:
@@ -405,7 +427,7 @@ def _train(
             callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
         callbacks.append(checkpointer)
     _phase("building the trainer")
-    trainer = build_trainer(config, model, callbacks, pipeline, mesh=mesh)
+    trainer = build_trainer(config, model, callbacks, pipeline, mesh=mesh, membership=membership)
     if checkpointer is not None:
         _phase("loading the checkpoint")
         resumed = checkpointer.resume(trainer)  # from the newest intact checkpoint, data position included
@@ -413,6 +435,12 @@ def _train(
             print("rolled back: skipping the data of the steps that were not finite", flush=True)
     if replicas and trainer.optimizer.inner_steps == 0:  # weights loaded without the replicas' own state
         trainer.optimizer.adopt_params()
+    joined_at = None
+    if membership is not None and membership.joining:  # a replacement: it enters at the next sync
+        _phase("joining the replicas")
+        joined_at = join_replicas(trainer, batches, t.steps)
+        if joined_at is None:  # the others synced for the last time before it was ready
+            return {"losses": [], "first_step": t.steps + 1, "seconds": 0.0, "joined_at": None}
     for undo in disarm:
         undo()
     for fault in faults:
@@ -420,7 +448,7 @@ def _train(
             fault.install(trainer)
     if is_main:
         if replicas:
-            text = replica_plan_text(config, model, mesh)
+            text = replica_plan_text(config, model, mesh, membership)
         elif pipeline is None:
             text = plan_text(config, model, verbose)
         else:
@@ -441,6 +469,8 @@ def _train(
         checkpointer.tolerant(checkpointer.save, trainer)  # the final state, whatever the period
     losses = [r.loss for r in results]
     summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
+    if membership is not None:
+        summary["joined_at"] = joined_at
     if isinstance(model, GPT) and model.strategies.cp > 1:
         summary.update(_context_parallel_report(config, dataset, model))
     elif pipeline is None:

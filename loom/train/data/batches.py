@@ -87,6 +87,12 @@ class DistributedBatches:
         if self.index + (self.global_batch if self.drop_last else 1) > len(self.dataset):
             self.epoch, self.index, self._order = self.epoch + 1, 0, None
 
+    def skip(self, steps: int) -> None:
+        """Move past the next `steps` global batches without reading them (a replica joining a running
+        job at step `steps` continues where its slot's data is)."""
+        for _ in range(steps):
+            self._advance()
+
     def __iter__(self) -> Iterator[Batch]:
         return self
 
