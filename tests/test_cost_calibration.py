@@ -80,7 +80,11 @@ def test_kernel_overhead_is_charged_per_kernel_the_simulator_counts():
     (scale/mask/softmax); a backward counts twice its forward's."""
     overhead = 1e-3
     device = Device(
-        name="free", peak_flops={"fp32": 1e30}, memory_gib=80, memory_bandwidth=1e30, kernel_overhead_s=overhead
+        name="free",
+        peak_flops={"fp32": 1e30},
+        memory_gib=80,
+        memory_bandwidth=1e30,
+        kernel_overhead_s=overhead,
     )
     link = Link(name="l", bandwidth=1e9, latency_s=0.0)
     cluster = Cluster(device=device, intra=link, inter=link, gpus=2, gpus_per_node=2)
