@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from loom.cost.calibrate import build_profile, fit_matmul, measure_rank
+from loom.cost.calibrate import build_profile, fit_link, fit_matmul, measure_rank
 from loom.cost.hardware import Cluster, Device, Link
 from loom.cost.layer import gemm_shapes, piece_costs
 from loom.cost.plan import ParallelPlan
@@ -102,3 +102,14 @@ def test_a_single_rank_measures_every_term_at_the_shapes_given():
     assert all(row["flops_per_s"] > 0 and row["seconds"] > 0 for row in out["matmul"])
     assert out["elementwise_bandwidth"] > 0 and out["memory_bandwidth"] > 0 and out["kernel_overhead_s"] > 0
     assert out["collectives"] == []
+
+
+def test_a_noisy_large_all_reduce_does_not_hide_the_latency():
+    """The link is fitted on relative error: a 4 MiB buffer measured 10% slow moves the latency by about 1%
+    (a fit in plain seconds, dominated by that buffer, moves it by 17%)."""
+    latency, bandwidth = 100e-6, 1e9  # per step (2 on 2 ranks), bytes/s of bus
+    points = [(b, 2 * latency + b / bandwidth) for b in (4096, 65536, 1 << 20)]
+    points.append((1 << 22, 1.1 * (2 * latency + (1 << 22) / bandwidth)))
+    fitted_latency, fitted_bandwidth = fit_link(points, 2)
+    assert fitted_latency == pytest.approx(latency, rel=0.02)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=0.06)

@@ -222,16 +222,23 @@ def fit_matmul(points: Sequence[tuple[tuple[int, int, int], float]]) -> tuple[fl
 
 
 def fit_link(points: Sequence[tuple[float, float]], n: int) -> tuple[float, float]:
-    """(latency per step, bus bandwidth) from all-reduce (bytes, seconds) points by least squares; from one
-    point, its bus bandwidth with no latency (a line needs two sizes)."""
+    """(latency per step, bus bandwidth) from all-reduce (bytes, seconds) points by least squares on the
+    relative error (each point weighted by 1 / seconds^2: in plain seconds the largest buffer's noise would
+    swamp the small buffers that alone show the latency); from one point, its bus bandwidth with no latency
+    (a line needs two sizes)."""
     factor = bus_factor("all_reduce", n)
     if len(points) == 1:
         size, seconds = points[0]
         return 0.0, size * factor / seconds
     steps = 2 * (n - 1)
     xs, ys = [b * factor for b, _ in points], [s for _, s in points]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    ws = [1 / y**2 for y in ys]
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sum(
+        w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True)
+    )
     if slope <= 0:  # noise swamped the size dependence: take the best observed rate, no latency
         return 0.0, max(x / y for x, y in zip(xs, ys, strict=True))
     intercept = max(my - slope * mx, 0.0)
