@@ -97,9 +97,11 @@ def train_and_calibrate(steps: int, warmup: int) -> dict:
     # Calibrate between two halves of the measured steps, so both see the same load on the machine.
     times = train_steps(steps // 2)
     # matmul speed measured at the GEMM shapes the simulator prices for this model, elementwise kernels at
-    # the size of its largest activations (tokens x MLP width)
+    # the size of its largest activations (tokens x MLP width), all-reduces up to its whole gradient
+    # (gloo's bandwidth falls beyond the caches: a link fitted below that size prices it too fast)
+    collective_sizes = (2**12, 2**16, 2**20, 4 * MODEL.parameter_count())
     calibration = measure_rank(
-        gemm_shapes(MODEL, PLAN), (2**16, 2**20, 2**22), repeats=5,
+        gemm_shapes(MODEL, PLAN), collective_sizes, repeats=5,
         activation_elements=LOCAL_BATCH * SEQ * MODEL.ffn,
     )  # fmt: skip
     times += train_steps(steps - steps // 2)
