@@ -38,9 +38,10 @@ from torch.distributed.tensor import DTensor
 import loom
 from loom.cost.calibrate import build_profile, measure_rank
 from loom.cost.hardware import get_cluster
+from loom.cost.layer import gemm_shapes
 from loom.cost.moe import layer_moe_collectives, moe_collectives
 from loom.cost.plan import ParallelPlan
-from loom.cost.transformer import transformer_config
+from loom.cost.transformer import TransformerConfig, transformer_config
 from loom.dist.comm import CollectiveRecorder
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.models.moe import MoE, MoEConfig, moe_layers
@@ -121,6 +122,15 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
     )  # fmt: skip
 
 
+def cost_model(args: argparse.Namespace) -> tuple[TransformerConfig, ParallelPlan]:
+    """The trained MoE GPT and its plan as the simulator sees them."""
+    plan = ParallelPlan(
+        dp=args.ranks, ep=args.ep, micro_batch=args.batch, global_batch=args.ranks * args.batch,
+        seq=args.seq, dtype="fp32",
+    )  # fmt: skip
+    return transformer_config(gpt_config(args)), plan
+
+
 def train_worker(args: argparse.Namespace) -> dict:
     """On each rank: `args.warmup` untimed and `args.steps` measured Trainer steps of the MoE GPT at
     `Strategies(dp=ranks, ep=ep)`, each recorded and timed (see the module's docstring); with
@@ -159,7 +169,15 @@ def train_worker(args: argparse.Namespace) -> dict:
     half = args.warmup + args.steps // 2
     steps = [step(index) for index in range(args.warmup, half)]
     # calibrated between two halves of the measured steps, so both see the same load on the machine
-    calibration = measure_rank((128, 512), (2**16, 2**20, 2**22), repeats=5) if args.calibrate else None
+    # matmuls at the GEMM shapes the simulator prices for this model, elementwise kernels at the size of
+    # its largest activations (token-expert pairs x expert MLP width), collectives down to latency-bound sizes
+    calibration = None
+    if args.calibrate:
+        shape, plan = cost_model(args)
+        calibration = measure_rank(
+            gemm_shapes(shape, plan), (2**12, 2**16, 2**20, 2**22), repeats=5,
+            activation_elements=args.batch * args.seq * shape.top_k * shape.ffn,
+        )  # fmt: skip
     steps += [step(index) for index in range(half, total)]
     return {"steps": steps, "calibration": calibration}
 
@@ -241,12 +259,7 @@ def train(args: argparse.Namespace) -> None:
     )
     exact = all(row["exact"] for row in rows)
     print(f"all-to-all bytes: recorded == moe_collectives(rows moved) on every rank and step: {exact}")
-    config = gpt_config(args)
-    model = transformer_config(config)
-    plan = ParallelPlan(
-        dp=args.ranks, ep=args.ep, micro_batch=args.batch, global_batch=args.ranks * args.batch,
-        seq=args.seq, dtype="fp32",
-    )  # fmt: skip
+    model, plan = cost_model(args)
     balanced = args.layers * sum(c.nbytes * c.count for c in layer_moe_collectives(model, plan))
     print(
         f"all-to-all bytes per rank and step: measured {median['a2a_kib']:.1f} KiB, simulator (balanced, no "

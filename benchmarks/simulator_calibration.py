@@ -21,12 +21,16 @@ from torch import nn
 
 import loom
 from loom.cost.calibrate import build_profile, measure_rank
+from loom.cost.layer import gemm_shapes
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.sim.simulator import simulate
 
 SHAPE = {"layers": 2, "hidden": 256, "heads": 4, "vocab": 1024}
 SEQ, LOCAL_BATCH = 128, 8
+# TinyGPT as the cost model sees it, and its plan: 2 data-parallel ranks
+MODEL = TransformerConfig(**SHAPE, learned_positions=SEQ, dropout=False)
+PLAN = ParallelPlan(dp=2, micro_batch=LOCAL_BATCH, global_batch=2 * LOCAL_BATCH, seq=SEQ, dtype="fp32")
 
 
 class TinyGPT(nn.Module):
@@ -92,7 +96,14 @@ def train_and_calibrate(steps: int, warmup: int) -> dict:
     train_steps(warmup)
     # Calibrate between two halves of the measured steps, so both see the same load on the machine.
     times = train_steps(steps // 2)
-    calibration = measure_rank((128, 512), (2**16, 2**20, 2**22), repeats=5)
+    # matmul speed measured at the GEMM shapes the simulator prices for this model, elementwise kernels at
+    # the size of its largest activations (tokens x MLP width), all-reduces up to its whole gradient
+    # (gloo's bandwidth falls beyond the caches: a link fitted below that size prices it too fast)
+    collective_sizes = (2**12, 2**16, 2**20, 4 * MODEL.parameter_count())
+    calibration = measure_rank(
+        gemm_shapes(MODEL, PLAN), collective_sizes, repeats=5,
+        activation_elements=LOCAL_BATCH * SEQ * MODEL.ffn,
+    )  # fmt: skip
     times += train_steps(steps - steps // 2)
     return {"step_s": statistics.median(times), "calibration": calibration}
 
@@ -100,9 +111,7 @@ def train_and_calibrate(steps: int, warmup: int) -> dict:
 def predict(ranks: list[dict]) -> float:
     """The simulator's step time for TinyGPT's plan on the profile the ranks measured."""
     cluster = build_profile([r["calibration"] for r in ranks], nprocs=2).cluster
-    model = TransformerConfig(**SHAPE, learned_positions=SEQ, dropout=False)
-    plan = ParallelPlan(dp=2, micro_batch=LOCAL_BATCH, global_batch=2 * LOCAL_BATCH, seq=SEQ, dtype="fp32")
-    return simulate(model, plan, cluster).iteration_s
+    return simulate(MODEL, PLAN, cluster).iteration_s
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _print(console: Console, result: Calibration) -> None:
     device = result.cluster.device
-    matmul = Table(title="matmul (fp32, n x n @ n x n, slowest rank)")
+    matmul = Table(title="matmul (fp32, n x n @ n x n in a linear layer's 3 training layouts, slowest rank)")
     for column in ("n", "seconds", "GFLOP/s"):
         matmul.add_column(column, justify="right")
     for row in result.matmul:
@@ -61,7 +61,8 @@ def _print(console: Console, result: Calibration) -> None:
     console.print(matmul)
     console.print(
         f"fitted: peak {device.peak('fp32') / 1e9:.1f} GFLOP/s, shape knee {device.matmul_knee:.0f}; memory bandwidth "
-        f"{device.memory_bandwidth / 1e9:.1f} GB/s; kernel overhead {device.kernel_overhead_s * 1e6:.1f} us"
+        f"{device.memory_bandwidth / 1e9:.1f} GB/s, of which elementwise kernels reach "
+        f"{device.memory_efficiency:.0%}; kernel overhead (autograd's included) {device.kernel_overhead_s * 1e6:.1f} us"
     )
     if result.collectives:
         table = Table(title=f"collectives over {result.cluster.gpus} ranks (rank 0)")

@@ -36,7 +36,7 @@ from loom.cost.traffic import (
 )
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["Costs", "PieceCosts", "cp_span", "piece_costs"]
+__all__ = ["Costs", "PieceCosts", "cp_span", "gemm_shapes", "piece_costs"]
 
 Costs = dict[str, float]
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
@@ -123,6 +123,34 @@ def _ring_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     return {"matmul": matmul, "elementwise": memory_time(dev, 2 * e * scores, kernels=2 * cp)}
 
 
+def _layer_gemms(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[float, float, float, float]]:
+    """The linear layers' GEMMs of one layer's forward on one rank, as (m, k, n, batch): query/key/value and
+    output projections, the MLP's (each local expert's) two, and a mixture's router."""
+    h, t, tokens = model.hidden, plan.tp, plan.seq * plan.micro_batch
+    q, kv, f = model.heads * model.head_dim, model.kv * model.head_dim, model.ffn
+    mats = 2 if model.gated_mlp else 1
+    experts_here = model.experts / plan.ep if model.is_moe else 1
+    per_expert = tokens * model.top_k / experts_here if model.is_moe else tokens
+    gemms = [
+        (tokens, h, (q + 2 * kv) / t, 1),
+        (tokens, q / t, h, 1),
+        (per_expert, h, mats * f / t, experts_here),
+        (per_expert, f / t, h, experts_here),
+    ]
+    return gemms + ([(tokens, h, model.experts, 1)] if model.is_moe else [])
+
+
+def gemm_shapes(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[int, int, int]]:
+    """The distinct (m, k, n) of the GEMMs the cost model prices for one micro-batch on one rank (a layer's
+    linear layers, its attention scores, the output head): the sizes a calibration should measure matmul
+    speed at (`loom.cost.calibrate.measure_rank`), so that the fitted shape curve holds where it is used."""
+    rows = shards_as_rows(plan)
+    tokens, block = rows.seq * rows.micro_batch, plan.seq / plan.cp if plan.attention == "ring" else plan.seq
+    shapes = [(m, k, n) for m, k, n, _ in _layer_gemms(model, rows)]
+    shapes += [(block, model.head_dim, block), (tokens, model.hidden, model.vocab / plan.tp)]
+    return sorted({tuple(max(1, round(d)) for d in shape) for shape in shapes})
+
+
 def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[Costs, Costs]:
     """One layer's forward on one rank, and its attention core's share of it."""
     core = _attention_core(model, plan, cluster)
@@ -130,20 +158,12 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
     dt = "fp8" if plan.fp8_matmuls else plan.dtype
     dev, e, t = cluster.device, DTYPE_BYTES[plan.dtype], plan.tp
-    h, d, tokens = model.hidden, model.head_dim, plan.seq * plan.micro_batch
+    h, f, tokens = model.hidden, model.ffn, plan.seq * plan.micro_batch
     replicated = tokens / t if plan.sequence_parallel else tokens
-    q, kv, f = model.heads * d, model.kv * d, model.ffn
     routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
-    mats = 2 if model.gated_mlp else 1
-    experts_here = model.experts / plan.ep if model.is_moe else 1
-    per_expert = routed / experts_here if model.is_moe else tokens
-    matmul = matmul_time(dev, tokens, h, (q + 2 * kv) / t, dtype=dt) + matmul_time(
-        dev, tokens, q / t, h, dtype=dt
+    matmul = sum(
+        matmul_time(dev, m, k, n, dtype=dt, batch=batch) for m, k, n, batch in _layer_gemms(model, plan)
     )
-    matmul += matmul_time(dev, per_expert, h, mats * f / t, dtype=dt, batch=experts_here)
-    matmul += matmul_time(dev, per_expert, f / t, h, dtype=dt, batch=experts_here)
-    if model.is_moe:
-        matmul += matmul_time(dev, tokens, h, model.experts, dtype=dt)
     residual = (3 * e + (1 if model.dropout else 0)) * replicated * h * 2  # (dropout +) residual add, twice
     norms = 2 * e * replicated * h * 2
     activation = (3 if model.gated_mlp else 2) * e * routed * f / t
