@@ -10,14 +10,17 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from equivalence import GRAD_ATOL, RTOL, sgd_losses_and_first_grads
 from hf_models import batches, build
 from torch import nn
 
 import loom
+from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
+from loom.ops.primitive import Primitive
 from loom.plan import Plan
 from loom.plan.problem import OPTIMIZER_COPIES
 
@@ -139,6 +142,57 @@ def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, fa
     for *_, sizes in results:
         whole = [name for name, (local, total) in sizes.items() if total >= LARGE and local >= total]
         assert not whole, f"held whole on a rank under a memory limit: {whole}"
+
+
+def reapply_case(family: str, memory_limit: float | None):
+    """An automatic plan applied again, as is and read back from its JSON, to fresh copies of the model:
+    per model, the parameters' placements, the losses and first-step gradients of 3 SGD steps, and the
+    collectives those steps issue; and whether every loom.ops primitive follows its inputs."""
+    reference, data, as_call = _case(family)
+    mesh = loom.init(MESH)
+    rows = lambda batch: torch.utils._pytree.tree_map(lambda t: t.chunk(2)[mesh.dp_rank()], batch)  # noqa: E731
+    args, kwargs = as_call(rows(data[0]))
+    auto = copy.deepcopy(reference)
+    loom.parallelize(auto, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit)
+    again, from_json = copy.deepcopy(reference), copy.deepcopy(reference)
+    loom.parallelize(again, plan=auto.loom.plan)
+    loom.parallelize(from_json, plan=Plan.from_json(auto.loom.plan.to_json()))
+    results = []
+    for model in (auto, again, from_json):
+        placements = {name: str(getattr(p, "placements", "plain")) for name, p in model.named_parameters()}
+        with CollectiveRecorder() as recorder:
+            trained = _train(model, data, as_call, rows)
+        collectives = recorder.summary(mesh_axes(tuple(MESH), tuple(MESH.values()), dist.get_rank()))
+        following = [
+            p.follow_inputs for m in model.modules() for p in vars(m).values() if isinstance(p, Primitive)
+        ]
+        results.append((placements, trained, collectives, following))
+    return results
+
+
+@pytest.mark.slow  # 4 ranks, an integer program under a memory limit, three models trained
+def test_an_automatic_plan_applied_again_runs_as_priced(dist_run):
+    """loom's GPT (whose loom.ops primitives have strategies of their own) under a memory limit that cuts
+    its weights: the plan, applied to a fresh model as is or through its JSON, lays out every parameter
+    alike, makes the primitives follow their inputs as the planner priced them, and trains with the same
+    losses, gradients and collectives as the automatic model."""
+    for (placements, trained, collectives, following), *others in dist_run(
+        4, reapply_case, "gpt", _states("gpt") / 2
+    ):
+        assert following and all(following)
+        assert any("Shard" in text for text in placements.values()), placements
+        for other_placements, other_trained, other_collectives, other_following in others:
+            assert other_placements == placements and other_following == following
+            assert other_collectives == collectives, (
+                other_collectives - collectives,
+                collectives - other_collectives,
+            )
+            losses, grads = trained
+            torch.testing.assert_close(
+                torch.tensor(other_trained[0]), torch.tensor(losses), rtol=RTOL, atol=0
+            )
+            for name, grad in grads.items():
+                torch.testing.assert_close(other_trained[1][name], grad, rtol=RTOL, atol=GRAD_ATOL)
 
 
 class _Branchy(nn.Module):
