@@ -6,13 +6,14 @@ plan's predicted memory is under the limit."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from equivalence import GRAD_ATOL, RTOL, sgd_losses_and_first_grads
+from equivalence import GRAD_ATOL, RTOL, assert_params_close, sgd_losses_and_first_grads
 from hf_models import batches, build
 from torch import nn
 
@@ -21,6 +22,7 @@ from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
 from loom.ops.primitive import Primitive
+from loom.parallel import make_optimizer
 from loom.plan import Plan
 from loom.plan.problem import OPTIMIZER_COPIES
 
@@ -142,6 +144,79 @@ def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, fa
     for *_, sizes in results:
         whole = [name for name, (local, total) in sizes.items() if total >= LARGE and local >= total]
         assert not whole, f"held whole on a rank under a memory limit: {whole}"
+
+
+def _sgd_run(model, data, loss_of, level: int) -> tuple:
+    """`STEPS` SGD steps at optimizer `level` (`make_optimizer`): the losses, the first step's gradients
+    (None above level 1, where each rank keeps only its chunk of them) and the parameters after the last,
+    whole on every rank."""
+    optimizer = make_optimizer(model, torch.optim.SGD, level, lr=LR)
+    losses, grads = [], None
+    for step, batch in enumerate(data):
+        loss = loss_of(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0 and level <= 1:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    state = getattr(model, "loom", None)
+    with (
+        state.full_parameters() if state is not None else contextlib.nullcontext()
+    ):  # level 3: sharded at rest
+        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def level_case(family: str, mesh_sizes: dict[str, int], level: int, memory_limit: float | None):
+    """One device's and mode="auto"'s run (`_sgd_run`) on `mesh_sizes` at optimizer `level`, and the plan."""
+    reference, data, as_call = _case(family)
+    model = copy.deepcopy(reference)
+    with unsharded():
+        expected = _sgd_run(reference, data, lambda batch: _loss(reference, *as_call(batch)), 0)
+    mesh = loom.init(mesh_sizes)
+    rows = lambda batch: torch.utils._pytree.tree_map(  # noqa: E731
+        lambda t: t.chunk(mesh.dp_size)[mesh.dp_rank()], batch
+    )
+    args, kwargs = as_call(rows(data[0]))
+    loom.parallelize(
+        model, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit
+    )
+    actual = _sgd_run(model, data, lambda batch: _loss(model, *as_call(rows(batch))), level)
+    return expected, actual, model.loom.plan.to_json()
+
+
+def _check_run(results) -> Plan:
+    """Every rank applied the same plan and trained as one device: losses and gradients at RTOL, parameters
+    after the SGD steps at `param_atol`; returns the plan."""
+    assert len({plan for *_, plan in results}) == 1, "every rank applies the same plan"
+    for (ref_losses, ref_grads, ref_params), (losses, grads, params), _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+        for name, grad in ref_grads.items() if grads is not None else ():
+            torch.testing.assert_close(
+                grads[name], grad, rtol=RTOL, atol=GRAD_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
+        assert_params_close(params, ref_params, lr=LR, steps=STEPS, eps=1.0)
+    return Plan.from_json(results[0][2])
+
+
+@pytest.mark.parametrize(
+    ("family", "level"),
+    [("llama", 1), ("gpt", 3), pytest.param("llama", 3, marks=SLOW), pytest.param("gpt", 1, marks=SLOW)],
+)
+def test_auto_plans_at_optimizer_levels_above_0_train_as_one_device(dist_run, family, level):
+    """Optimizer states (1) and parameters (3) sharded over the data-parallel replicas of the planner's
+    layouts, whose weights a memory limit cuts over dp and tp."""
+    plan = _check_run(dist_run(4, level_case, family, MESH, level, _states(family) / 2))
+    assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
+
+
+@pytest.mark.slow  # 8 ranks on this machine's cores, capture and search on rank 0
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("mesh_sizes", [{"dp": 2, "tp": 4}, {"dp": 4, "tp": 2}], ids=["dp2xtp4", "dp4xtp2"])
+def test_auto_plans_on_8_ranks_train_as_one_device(dist_run, family, mesh_sizes):
+    plan = _check_run(dist_run(8, level_case, family, mesh_sizes, 0, _states(family) / 4))
+    assert _cut_over(plan, "tp"), plan.parameter_layouts
 
 
 def reapply_case(family: str, memory_limit: float | None):
