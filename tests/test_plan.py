@@ -34,7 +34,7 @@ FULL = Plan(
         "model.layers.*.mlp.down_proj": {"in_strategy": [["dp", "None", "tp"]], "out_strategy": [[2, 1, 1]]},
     },
     parameter_layouts={"model.embed_tokens.weight": ["tp", "None"], "lm_head.weight": [["dp", "tp"], "None"]},
-    predicted_step_s=1.25, predicted_memory_bytes=3 << 30,
+    primitives_follow_inputs=True, predicted_step_s=1.25, predicted_memory_bytes=3 << 30,
 )  # fmt: skip
 
 
@@ -64,6 +64,7 @@ FULL = Plan(
         ({"strategies": {"*.q": {"in_strategy": [[2, 0]]}}}, ["in_strategy[0] = [2, 0]", "1 or more parts"]),
         ({"parameter_layouts": {"w": ["dp", "dp"]}}, ["axis 'dp' cuts the tensor twice"]),
         ({"parameter_layouts": {"w": ["mp", "None"]}}, ["parameter_layouts['w']", "an axis of"]),
+        ({"primitives_follow_inputs": "yes"}, ["plan.primitives_follow_inputs = 'yes'", "true or false"]),
         ({"predicted_step_s": -1.0}, ["plan.predicted_step_s = -1.0", "positive number"]),
         ({"predicted_memory_bytes": float("nan")}, ["plan.predicted_memory_bytes = nan"]),
     ],

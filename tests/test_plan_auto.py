@@ -2,22 +2,29 @@
 GPT-2, Llama and Mixtral, applied on 4 ranks (dp 2 x tp 2), train 3 SGD steps as one device does (losses and
 first-step gradients at tests/equivalence.py's tolerances). Under a memory limit below the replicated
 parameter states, the plan cuts the weights: every rank holds a strict part of each large parameter and the
-plan's predicted memory is under the limit."""
+plan's predicted memory is under the limit; such plans also train as one device at optimizer levels 1 and 3
+(losses, gradients at level 1, parameters after the SGD steps), and applied again to a fresh model (as is or
+read back from JSON) they lay it out and train it alike."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from equivalence import GRAD_ATOL, RTOL, sgd_losses_and_first_grads
+from equivalence import GRAD_ATOL, RTOL, assert_params_close, sgd_losses_and_first_grads
 from hf_models import batches, build
 from torch import nn
 
 import loom
+from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.dist.context import unsharded
 from loom.models.gpt import GPT, GPTConfig
+from loom.ops.primitive import Primitive
+from loom.parallel import make_optimizer
 from loom.plan import Plan
 from loom.plan.problem import OPTIMIZER_COPIES
 
@@ -139,6 +146,124 @@ def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, fa
     for *_, sizes in results:
         whole = [name for name, (local, total) in sizes.items() if total >= LARGE and local >= total]
         assert not whole, f"held whole on a rank under a memory limit: {whole}"
+
+
+def _sgd_run(model, data, loss_of, level: int) -> tuple:
+    """`STEPS` SGD steps at optimizer `level` (`make_optimizer`): the losses, the first step's gradients
+    (None above level 1, where each rank keeps only its chunk of them) and the parameters after the last,
+    whole on every rank."""
+    optimizer = make_optimizer(model, torch.optim.SGD, level, lr=LR)
+    losses, grads = [], None
+    for step, batch in enumerate(data):
+        loss = loss_of(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0 and level <= 1:
+            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loom.full(loss).item())
+    state = getattr(model, "loom", None)
+    with (
+        state.full_parameters() if state is not None else contextlib.nullcontext()
+    ):  # level 3: sharded at rest
+        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def level_case(family: str, mesh_sizes: dict[str, int], level: int, memory_limit: float | None):
+    """One device's and mode="auto"'s run (`_sgd_run`) on `mesh_sizes` at optimizer `level`, and the plan."""
+    reference, data, as_call = _case(family)
+    model = copy.deepcopy(reference)
+    with unsharded():
+        expected = _sgd_run(reference, data, lambda batch: _loss(reference, *as_call(batch)), 0)
+    mesh = loom.init(mesh_sizes)
+    rows = lambda batch: torch.utils._pytree.tree_map(  # noqa: E731
+        lambda t: t.chunk(mesh.dp_size)[mesh.dp_rank()], batch
+    )
+    args, kwargs = as_call(rows(data[0]))
+    loom.parallelize(
+        model, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit
+    )
+    actual = _sgd_run(model, data, lambda batch: _loss(model, *as_call(rows(batch))), level)
+    return expected, actual, model.loom.plan.to_json()
+
+
+def _check_run(results) -> Plan:
+    """Every rank applied the same plan and trained as one device: losses and gradients at RTOL, parameters
+    after the SGD steps at `param_atol`; returns the plan."""
+    assert len({plan for *_, plan in results}) == 1, "every rank applies the same plan"
+    for (ref_losses, ref_grads, ref_params), (losses, grads, params), _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+        for name, grad in ref_grads.items() if grads is not None else ():
+            torch.testing.assert_close(
+                grads[name], grad, rtol=RTOL, atol=GRAD_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
+        assert_params_close(params, ref_params, lr=LR, steps=STEPS, eps=1.0)
+    return Plan.from_json(results[0][2])
+
+
+# 4 ranks, an integer program under a memory limit: loom's GPT at level 3 in `make test` (about 25 s here)
+@pytest.mark.parametrize(
+    ("family", "level"),
+    [("gpt", 3), pytest.param("llama", 1, marks=SLOW), pytest.param("llama", 3, marks=SLOW),
+     pytest.param("gpt", 1, marks=SLOW)],
+)  # fmt: skip
+def test_auto_plans_at_optimizer_levels_above_0_train_as_one_device(dist_run, family, level):
+    """Optimizer states (1) and parameters (3) sharded over the data-parallel replicas of the planner's
+    layouts, whose weights a memory limit cuts over dp and tp."""
+    plan = _check_run(dist_run(4, level_case, family, MESH, level, _states(family) / 2))
+    assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
+
+
+def reapply_case(family: str, memory_limit: float | None):
+    """An automatic plan applied again, as is and read back from its JSON, to fresh copies of the model:
+    per model, the parameters' placements, the losses and first-step gradients of 3 SGD steps, and the
+    collectives those steps issue; and whether every loom.ops primitive follows its inputs."""
+    reference, data, as_call = _case(family)
+    mesh = loom.init(MESH)
+    rows = lambda batch: torch.utils._pytree.tree_map(lambda t: t.chunk(2)[mesh.dp_rank()], batch)  # noqa: E731
+    args, kwargs = as_call(rows(data[0]))
+    auto = copy.deepcopy(reference)
+    loom.parallelize(auto, mode="auto", example_inputs=args, example_kwargs=kwargs, memory_limit=memory_limit)
+    again, from_json = copy.deepcopy(reference), copy.deepcopy(reference)
+    loom.parallelize(again, plan=auto.loom.plan)
+    loom.parallelize(from_json, plan=Plan.from_json(auto.loom.plan.to_json()))
+    results = []
+    for model in (auto, again, from_json):
+        placements = {name: str(getattr(p, "placements", "plain")) for name, p in model.named_parameters()}
+        with CollectiveRecorder() as recorder:
+            trained = _train(model, data, as_call, rows)
+        collectives = recorder.summary(mesh_axes(tuple(MESH), tuple(MESH.values()), dist.get_rank()))
+        following = [
+            p.follow_inputs for m in model.modules() for p in vars(m).values() if isinstance(p, Primitive)
+        ]
+        results.append((placements, trained, collectives, following))
+    return results
+
+
+@pytest.mark.slow  # 4 ranks, an integer program under a memory limit, three models trained
+def test_an_automatic_plan_applied_again_runs_as_priced(dist_run):
+    """loom's GPT (whose loom.ops primitives have strategies of their own) under a memory limit that cuts
+    its weights: the plan, applied to a fresh model as is or through its JSON, lays out every parameter
+    alike, makes the primitives follow their inputs as the planner priced them, and trains with the same
+    losses, gradients and collectives as the automatic model."""
+    for (placements, trained, collectives, following), *others in dist_run(
+        4, reapply_case, "gpt", _states("gpt") / 2
+    ):
+        assert following and all(following)
+        assert any("Shard" in text for text in placements.values()), placements
+        for other_placements, other_trained, other_collectives, other_following in others:
+            assert other_placements == placements and other_following == following
+            assert other_collectives == collectives, (
+                other_collectives - collectives,
+                collectives - other_collectives,
+            )
+            losses, grads = trained
+            torch.testing.assert_close(
+                torch.tensor(other_trained[0]), torch.tensor(losses), rtol=RTOL, atol=0
+            )
+            for name, grad in grads.items():
+                torch.testing.assert_close(other_trained[1][name], grad, rtol=RTOL, atol=GRAD_ATOL)
 
 
 class _Branchy(nn.Module):

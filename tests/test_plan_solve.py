@@ -100,6 +100,7 @@ def test_propagation_picks_the_row_parallel_second_matmul(regression):
     assert integer_program.cost_s == pytest.approx(solution.cost_s, rel=1e-6)
     plan = solution.plan()
     assert plan.parameter_layouts["mlp.2.weight"] == ["None", "tp"] and plan.tp == 2
+    assert plan.primitives_follow_inputs  # priced by DTensor's rules: loom.ops primitives follow their inputs
 
 
 def test_mindspore_matmul_chain_from_its_first_strategy():

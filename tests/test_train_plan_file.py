@@ -167,8 +167,9 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
             {},
             "has strategies: loom train lays out",
         ),
+        (Plan(dp=2, primitives_follow_inputs=True), {}, "has primitives_follow_inputs: loom train lays out"),
     ],
-    ids=["world-size", "layers", "heads", "explicit-key", "precision", "fp8", "strategies"],
+    ids=["world-size", "layers", "heads", "explicit-key", "precision", "fp8", "strategies", "follow-inputs"],
 )
 def test_a_plan_that_does_not_fit_the_run_is_a_clear_error(tmp_path, plan, sections, message):
     plan.save(tmp_path / "plan.json")

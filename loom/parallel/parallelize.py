@@ -146,7 +146,8 @@ def parallelize(
 
     `plan` (a `loom.plan.Plan`, or the path of its JSON) is applied as is, in a fixed order: its mesh must
     be the current one; its `strategies` are the module plan and its `parameter_layouts` the parameter plan
-    (by pattern); then its `recompute_modules`; its optimizer level is read by `make_optimizer`. The mode
+    (by pattern), its `primitives_follow_inputs` whether the model's `loom.ops` primitives apply their own
+    strategies; then its `recompute_modules`; its optimizer level is read by `make_optimizer`. The mode
     defaults to `semi_auto` when a plan or a module plan is given, `data_parallel` otherwise. The plan's
     `ep` names the innermost `ep` ranks of "dp" in its strategies ("ep" in a tensor spec), and cuts a
     Hugging Face model's experts over them as its family's recipe says (Mixtral: `loom.models.recipes.
@@ -186,6 +187,9 @@ def parallelize(
             )
         module_plan, ep = plan.strategies, plan.ep
         parameter_plan = pattern_layouts(model, plan.parameter_layouts, mesh) or None
+        # the plan says whether the model's loom.ops primitives apply their own strategies (an automatic
+        # plan's were priced following their inputs), so that it runs as priced on any fresh model
+        bind_primitives(model, mesh, follow_inputs=plan.primitives_follow_inputs)
     if mode is None:
         mode = "semi_auto" if plan is not None or module_plan is not None else "data_parallel"
     model = _parallelize(

@@ -77,6 +77,9 @@ class Plan:
     `pp * virtual_stages` stages as blocks per stage or module paths per stage (uneven allowed).
     `strategies`: module pattern -> {"in_strategy", "out_strategy", "parameter_plan"} (MindSpore's `shard`
     arguments as JSON lists); `parameter_layouts`: parameter pattern -> tensor spec (see `loom.plan.specs`).
+    `primitives_follow_inputs`: the model's `loom.ops` primitives set their own strategies aside and compute
+    on their inputs as those arrive, by DTensor's rules (an automatic plan's layouts are priced so: its
+    parameter layouts and module strategies are the only ones); false, each primitive applies its strategy.
     `recompute` applies to every block unless `recompute_modules` names a policy for a module pattern.
     """
 
@@ -97,6 +100,7 @@ class Plan:
     precision: str = "fp32"
     strategies: dict[str, dict] = field(default_factory=dict)
     parameter_layouts: dict[str, list] = field(default_factory=dict)
+    primitives_follow_inputs: bool = False
     predicted_step_s: float | None = None
     predicted_memory_bytes: int | None = None
 
@@ -109,8 +113,9 @@ class Plan:
         check_choice(OWNER, "recompute", self.recompute, RECOMPUTE)
         check_recompute_modules(self.recompute_modules)
         check_choice(OWNER, "precision", self.precision, PRECISIONS)
-        if not isinstance(self.sequence_parallel, bool):
-            raise FieldError(OWNER, "sequence_parallel", self.sequence_parallel, "use true or false")
+        for key in ("sequence_parallel", "primitives_follow_inputs"):
+            if not isinstance(getattr(self, key), bool):
+                raise FieldError(OWNER, key, getattr(self, key), "use true or false")
         check_strategies(self.strategies)
         check_layouts(self.parameter_layouts)
         self._check_predictions()

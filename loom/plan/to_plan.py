@@ -150,7 +150,9 @@ def _external_inputs(problem: Any, ops: list[str]) -> list[tuple[str, int]]:
 
 def solution_plan(solution: Any) -> Plan:
     """A `Plan` laying out every sharded parameter as chosen (`parameter_layouts`, block index as `*`),
-    with `out_strategy` for each module that owns one, so its output leaves it as its consumer needs."""
+    with `out_strategy` for each module that owns one, so its output leaves it as its consumer needs. The
+    solver priced every operator by DTensor's rules, `loom.ops` primitives included: they follow their
+    inputs' layouts (`primitives_follow_inputs`) rather than their own strategies."""
     problem = solution.problem
     graph, mesh = problem.graph, problem.mesh
     unknown = [axis for axis in mesh if axis not in MESH_AXES]
@@ -185,6 +187,7 @@ def solution_plan(solution: Any) -> Plan:
         **sizes,
         strategies=strategies,
         parameter_layouts=layouts,
+        primitives_follow_inputs=True,
         predicted_step_s=solution.cost_s if solution.cost_s > 0 else None,
         predicted_memory_bytes=int(solution.memory_bytes) if solution.memory_bytes >= 1 else None,
     )

@@ -498,8 +498,9 @@ class ParallelConfig(_Section):
         """Fill the keys from `plan`, which the run then uses as it is (`to_plan` returns it). `origin` names
         where it came from in errors. A key already given another value than the plan's is an error naming
         both, unless `replace` (the planner's choice replaces its previous one)."""
-        if plan.strategies or plan.parameter_layouts or plan.recompute_modules:
-            given = [k for k in ("strategies", "parameter_layouts", "recompute_modules") if getattr(plan, k)]
+        operator_keys = ("strategies", "parameter_layouts", "recompute_modules", "primitives_follow_inputs")
+        if any(getattr(plan, k) for k in operator_keys):
+            given = [k for k in operator_keys if getattr(plan, k)]
             raise ValueError(
                 f"{origin} has {', '.join(given)}: loom train lays out its models with their own tensor-parallel "
                 "plans and one recompute policy; apply such a plan in Python with loom.parallelize(model, "
