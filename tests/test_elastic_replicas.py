@@ -162,6 +162,16 @@ def test_settings_elastic_replicas_refuse(tmp_path, sections, key):
         config.validate(2)
 
 
+def test_elastic_replicas_need_a_second_replica_to_take_the_weights_from(tmp_path):
+    with pytest.raises(ValueError, match=r"fault\.elastic_replicas = true with 1 replica \(parallel\.dp\)"):
+        job_config(
+            tmp_path,
+            parallel={"dp": 1, "sync": "diloco", "sync_every": EVERY},
+            train={"workers": 1, "global_batch": 2},
+            fault={"elastic_replicas": True},
+        ).validate(1)
+
+
 @pytest.mark.slow  # a whole `loom train` with a replacement
 def test_loom_train_with_a_replica_killed_through_loom_faults(tmp_path, capfd, monkeypatch):
     job_config(tmp_path)  # writes the token file

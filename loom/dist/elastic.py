@@ -23,13 +23,15 @@ starts from the same contributions. `loom.parallel.local_sgd` holds what the rep
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -54,6 +56,26 @@ MEMBERS = "members"
 # How often a member waiting for the roster to change looks again, and beats while it waits.
 _POLL_S = 0.05
 _BEAT_EVERY_S = 1.0
+
+
+@contextlib.contextmanager
+def _beating(step: int) -> Iterator[None]:
+    """Beat (as at the end of step `step`) every `_BEAT_EVERY_S` from a thread while the block runs: a
+    member blocked in a meeting's gloo calls (building the group, the all-reduce) is waiting for the others,
+    not hung, and must not be the one the launcher kills."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(_BEAT_EVERY_S):
+            launch.heartbeat(step)
+
+    thread = threading.Thread(target=beat, name="loom-replica-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def membership() -> Membership | None:
@@ -173,35 +195,42 @@ class Membership:
                 )
                 continue  # the next generation goes on without it
             try:
-                return self._meet_once(step, attempt, slots, flat, trained, share)
+                with _beating(step - 1):
+                    return self._meet_once(step, attempt, slots, flat, trained, share)
             except RuntimeError as error:  # a member died inside the collective (gloo: connection closed)
                 print(
                     f"loom: replica {self.rank}: the sync at step {step} among {slots} broke "
                     f"({str(error).splitlines()[0][:120]}); retrying without the dead",
                     flush=True,
                 )
-                self._wait_for_change(slots)
+                self._wait_for_change(resolved, step)
         raise RuntimeError(f"replica {self.rank}: the sync at step {step} failed {self.size + 1} times")
 
     def _arrive(self, prefix: str, members: list[list[int]], step: int) -> bool:
         """Wait until every member of a meeting arrived (True), or one of them left the roster before it
-        did (False): a dead member is noticed here at once, not after the collective timeout. A member
-        waiting beats (as at the end of step `step - 1`): the one that does not come is the silent one."""
+        did (False): a dead member is noticed here at once, not after the collective timeout. Every member
+        acts on one verdict, the first one stored (a member that completes the count and one that sees a
+        member gone meanwhile must not part ways: one would build the group and wait for the dead). A
+        member waiting beats (as at the end of step `step - 1`): the one that does not come is the silent one."""
+        verdict = f"{prefix}/verdict"
         arrived = self.store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + self.timeout.total_seconds()
         beaten = time.monotonic()
-        while arrived < len(members):
+        while True:
+            if arrived >= len(members):
+                return self.store.compare_set(verdict, "", b"go") == b"go"
+            alive = self.members()
+            if any(m not in alive for m in members):
+                return self.store.compare_set(verdict, "", b"retry") == b"go"
+            if self.store.check([verdict]):  # another member decided
+                return self.store.get(verdict) == b"go"
             if time.monotonic() - beaten > _BEAT_EVERY_S:
                 launch.heartbeat(step - 1)
                 beaten = time.monotonic()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the members {members} did not all arrive at {prefix} in time")
-            alive = self.members()
-            if any(m not in alive for m in members):
-                return False
             time.sleep(_POLL_S)
             arrived = self.store.add(f"{prefix}/arrived", 0)
-        return True
 
     def _meet_once(
         self,
@@ -247,11 +276,13 @@ class Membership:
         group.broadcast(data, root).wait()
         return data.numpy().tobytes()
 
-    def _wait_for_change(self, members: list[int]) -> None:
-        """Wait until the launcher removed a member of a broken meeting (the one that died)."""
+    def _wait_for_change(self, members: list[list[int]], step: int) -> None:
+        """Wait, beating, until the launcher took a member of a broken meeting off the roster (the one that
+        died). Identities, not slots: a replacement may already hold the dead member's slot."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while set(members) <= {slot for slot, _ in self.members()} and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        with _beating(step - 1):
+            while all(m in self.members() for m in members) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -276,7 +307,7 @@ class ReplicaWorkers:
         self._started: dict[int, bool] = {}
 
     def _spawn(self, rank: int) -> None:
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // self.nprocs))
+        threads = str(launch._thread_count(self.nprocs))
         extra = {
             **self.extra_env,
             RANK_VAR: str(rank),
@@ -375,7 +406,7 @@ class ReplicaWorkers:
 
     def close(self) -> None:
         """Stop every worker (those that returned leave their process group and exit)."""
-        for rank, conn in self._conns.items():
+        for conn in self._conns.values():
             try:
                 conn.send_bytes(launch._STOP)
             except OSError:

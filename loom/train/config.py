@@ -915,8 +915,8 @@ class TrainConfig:
         self._check_context()
         self.check_pipeline()
         self.check_replicas()
-        self.check_elastic()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
+        self.check_elastic(dp)
         if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
             model.gpt_config().check_expert_parallel(par.ep, dp)
         if dp is not None:
@@ -1046,8 +1046,9 @@ class TrainConfig:
                 "hf_pretrained) syncs every step yet: set parallel.sync = 'every_step'"
             )
 
-    def check_elastic(self) -> None:
-        """With `fault.elastic_replicas`: a ValueError for each setting replicas that come and go refuse."""
+    def check_elastic(self, replicas: int | None = None) -> None:
+        """With `fault.elastic_replicas`: a ValueError for each setting replicas that come and go refuse
+        (`replicas`: the data-parallel size, when known)."""
         par = self.parallel
         if not self.fault.elastic_replicas:
             return
@@ -1068,6 +1069,12 @@ class TrainConfig:
                     f"{key} = {value} with fault.elastic_replicas = true: {why}; set {key} = {allowed} or "
                     "fault.elastic_replicas = false"
                 )
+        if replicas is not None and replicas < 2:
+            raise ValueError(
+                f"fault.elastic_replicas = true with {replicas} replica (parallel.dp): a replacement takes the "
+                "global weights from a replica that lived through the death, so it needs at least two; run "
+                "on more workers, or set fault.elastic_replicas = false"
+            )
         if self.checkpoint.dir:
             raise ValueError(
                 f"checkpoint.dir = {self.checkpoint.dir!r} with fault.elastic_replicas = true: checkpoints of "
