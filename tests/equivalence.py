@@ -81,19 +81,33 @@ def assert_adamw_params_close(
     assert share >= NEAR_ALL, f"only {share:.4f} of the entries agree within {tight:.3g} (need {NEAR_ALL})"
 
 
-def sgd_losses_and_first_grads(model: torch.nn.Module, batches: Iterable, loss_of, lr: float) -> tuple:
-    """Train `model` one SGD step per batch (`loss_of(batch)` gives the step's loss): the losses and the
-    first step's gradients, whole on every rank (`loom.full`), for comparing a parallel run with one device."""
+def train_steps(
+    model: torch.nn.Module, optimizer, batches: Iterable, loss_of, keep_grads: bool = True
+) -> tuple:
+    """Train `model` one `optimizer` step per batch (`loss_of(batch)` gives the step's loss): the losses, the
+    first step's gradients (None when not `keep_grads`: above optimizer level 1 each rank keeps only its chunk
+    of them) and the parameters after the last step, all whole on every rank (`loom.full`; a model sharded
+    at rest, optimizer level 3, gathered for it), for comparing a parallel run with one device."""
+    import contextlib
+
     import loom
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], None
     for step, batch in enumerate(batches):
         loss = loss_of(batch)
         optimizer.zero_grad()
         loss.backward()
-        if step == 0:
+        if step == 0 and keep_grads:
             grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loom.full(loss).item())
+    state = getattr(model, "loom", None)
+    with state.full_parameters() if state is not None else contextlib.nullcontext():
+        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def sgd_losses_and_first_grads(model: torch.nn.Module, batches: Iterable, loss_of, lr: float) -> tuple:
+    """`train_steps` with plain SGD at `lr`: the losses and the first step's gradients."""
+    losses, grads, _ = train_steps(model, torch.optim.SGD(model.parameters(), lr=lr), batches, loss_of)
     return losses, grads

@@ -3,14 +3,13 @@ losses, gradients and parameters as one device (tolerances: tests/equivalence.py
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from equivalence import ADAMW, RTOL, adamw, assert_params_close
+from equivalence import ADAMW, RTOL, adamw, assert_params_close, train_steps
 from hf_models import batches, build
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -29,22 +28,13 @@ def _train(model, data, local=lambda t: t, level=0):
         if level
         else adamw(model.parameters(), lr=LR)
     )
-    losses, grads = [], None
-    for step, ids in enumerate(data):
+
+    def loss_of(ids):
         ids = local(ids)
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0 and not level:  # above level 1 the gradients are sharded (ZeRO)
-            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loom.full(loss).item())
-    state = getattr(model, "loom", None)
-    with (
-        state.full_parameters() if state is not None else contextlib.nullcontext()
-    ):  # level 3: sharded at rest
-        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
-    return losses, grads, params
+        return model(input_ids=ids, labels=ids).loss
+
+    # above level 1 the gradients are sharded (ZeRO): compared at level 0 only
+    return train_steps(model, optimizer, data, loss_of, keep_grads=not level)
 
 
 def tensor_parallel_case(family, dp, tp, plan_dir=None, level=0):

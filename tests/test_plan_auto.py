@@ -8,14 +8,13 @@ read back from JSON) they lay it out and train it alike."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from equivalence import GRAD_ATOL, RTOL, assert_params_close, sgd_losses_and_first_grads
+from equivalence import GRAD_ATOL, RTOL, assert_params_close, sgd_losses_and_first_grads, train_steps
 from hf_models import batches, build
 from torch import nn
 
@@ -150,24 +149,9 @@ def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, fa
 
 def _sgd_run(model, data, loss_of, level: int) -> tuple:
     """`STEPS` SGD steps at optimizer `level` (`make_optimizer`): the losses, the first step's gradients
-    (None above level 1, where each rank keeps only its chunk of them) and the parameters after the last,
-    whole on every rank."""
+    (None above level 1) and the parameters after the last, whole on every rank."""
     optimizer = make_optimizer(model, torch.optim.SGD, level, lr=LR)
-    losses, grads = [], None
-    for step, batch in enumerate(data):
-        loss = loss_of(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0 and level <= 1:
-            grads = {name: loom.full(p.grad).clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loom.full(loss).item())
-    state = getattr(model, "loom", None)
-    with (
-        state.full_parameters() if state is not None else contextlib.nullcontext()
-    ):  # level 3: sharded at rest
-        params = {name: loom.full(p).detach().clone() for name, p in model.named_parameters()}
-    return losses, grads, params
+    return train_steps(model, optimizer, data, loss_of, keep_grads=level <= 1)
 
 
 def level_case(family: str, mesh_sizes: dict[str, int], level: int, memory_limit: float | None):

@@ -21,7 +21,7 @@ import re
 import textwrap
 import tomllib
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
@@ -769,6 +769,14 @@ def _field_type(section: str, key: str, where: str) -> Any:
     return types_[key]
 
 
+def _refuse(refused: Iterable[tuple[str, Any, Any, str]], setting: str, otherwise: str) -> None:
+    """A ValueError for the first `(key, value, allowed, why)` whose value is not the one `setting` allows,
+    naming both and the two fixes: the allowed value, or `otherwise`."""
+    for key, value, allowed, why in refused:
+        if value != allowed:
+            raise ValueError(f"{key} = {value} with {setting}: {why}; set {key} = {allowed} or {otherwise}")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """A whole training run: the six sections. Build one with `load_config` or `TrainConfig.from_dict`."""
@@ -1034,12 +1042,7 @@ class TrainConfig:
             ("parallel.optimizer_level", par.optimizer_level, 0, "ZeRO shards states over the dp replicas"),
             ("model.experts", model.experts, 1, "the experts' balancing is not kept per replica yet"),
         )
-        for key, value, allowed, why in refused:
-            if value != allowed:
-                raise ValueError(
-                    f"{key} = {value} with parallel.sync = {par.sync!r}: {why}; set {key} = {allowed} or "
-                    "parallel.sync = 'every_step'"
-                )
+        _refuse(refused, f"parallel.sync = {par.sync!r}", "parallel.sync = 'every_step'")
         if model.is_hf:
             raise ValueError(
                 f"parallel.sync = {par.sync!r} trains loom's GPT; a Hugging Face model (model.hf_config / "
@@ -1063,12 +1066,7 @@ class TrainConfig:
             ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
             ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),
         )
-        for key, value, allowed, why in refused:
-            if value != allowed:
-                raise ValueError(
-                    f"{key} = {value} with fault.elastic_replicas = true: {why}; set {key} = {allowed} or "
-                    "fault.elastic_replicas = false"
-                )
+        _refuse(refused, "fault.elastic_replicas = true", "fault.elastic_replicas = false")
         if replicas is not None and replicas < 2:
             raise ValueError(
                 f"fault.elastic_replicas = true with {replicas} replica (parallel.dp): a replacement takes the "
