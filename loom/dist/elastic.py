@@ -28,7 +28,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -251,7 +250,9 @@ class Membership:
         if not did:
             raise RuntimeError(f"no member of the sync at step {step} ({members}) holds the replicas' state")
         shared = None
-        if share is not None and len(did) < len(members):  # a joiner is here: the lowest member that trained shares its state
+        if share is not None and len(did) < len(
+            members
+        ):  # a joiner is here: the lowest member that trained shares its state
             shared = self._broadcast(group, members.index(did[0]), share() if self.rank == did[0] else None)
         return Meeting(summed, did, members, shared)
 
@@ -316,15 +317,10 @@ class ReplicaWorkers:
             JOINS_VAR: str(self.joins[rank]),
             "OMP_NUM_THREADS": threads,
         }
-        ctx = launch._context()
         with launch._spawnable_main():
-            ours, theirs = ctx.Pipe()
             # a process group of one (rank 0 of 1, its own store on a port the OS picks)
-            args = (0, 1, 0, self.backend, extra, dict(os.environ), launch._caller_streams(), theirs)
-            proc = ctx.Process(target=launch._worker_main, args=args, name=f"{launch._WORKER_NAME}{rank}")
-            proc.start()
-            theirs.close()
-        self._procs[rank], self._conns[rank], self._started[rank] = proc, ours, False
+            proc, conn = launch.start_worker(launch._context(), 0, 1, 0, self.backend, extra, rank)
+        self._procs[rank], self._conns[rank], self._started[rank] = proc, conn, False
         self.heartbeats.pop(rank, None)
 
     def run(
@@ -379,7 +375,7 @@ class ReplicaWorkers:
         conn, proc = self._conns[rank], self._procs[rank]
         try:
             while rank not in results and conn.poll():
-                kind, value = pickle.loads(conn.recv_bytes())
+                kind, value = launch.WorkerGroup._decode(rank, conn.recv_bytes())
                 since[rank] = time.monotonic()
                 if kind == "error":
                     raise launch.WorkerError(

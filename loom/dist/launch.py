@@ -730,6 +730,19 @@ def _refuse_while_bootstrapping() -> None:
     raise _unguarded_main_error()
 
 
+def start_worker(
+    ctx: Any, rank: int, nprocs: int, port: int, backend: str | None, extra_env: dict[str, str], name: int
+) -> tuple[mp.process.BaseProcess, Connection]:
+    """Start one worker, rank `rank` of `nprocs` meeting on `port` (called under `_spawnable_main`), named
+    after worker `name`: its process and the caller's end of its pipe."""
+    ours, theirs = ctx.Pipe()
+    args = (rank, nprocs, port, backend, extra_env, dict(os.environ), _caller_streams(), theirs)
+    proc = ctx.Process(target=_worker_main, args=args, name=f"{_WORKER_NAME}{name}")
+    proc.start()
+    theirs.close()  # only the worker holds its end, so its death reads as EOF here
+    return proc, ours
+
+
 @contextmanager
 def _spawnable_main() -> Iterator[None]:
     """While workers are spawned, hide a `__main__.__file__` that names no file (`python - < script`
@@ -855,16 +868,9 @@ class WorkerGroup:
         ctx = _context()
         with _spawnable_main():
             for rank in range(self.nprocs):
-                ours, theirs = ctx.Pipe()
-                args = (
-                    *(rank, self.nprocs, port, self.backend, self.extra_env),
-                    *(dict(os.environ), _caller_streams(), theirs),
-                )
-                proc = ctx.Process(target=_worker_main, args=args, name=f"{_WORKER_NAME}{rank}")
-                proc.start()
-                theirs.close()  # only the worker holds its end, so its death reads as EOF here
+                proc, conn = start_worker(ctx, rank, self.nprocs, port, self.backend, self.extra_env, rank)
                 self._procs.append(proc)
-                self._conns.append(ours)
+                self._conns.append(conn)
 
     @property
     def broken(self) -> bool:
