@@ -39,7 +39,7 @@ from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
 from loom.models.moe import MoE, MoEConfig, local_parameter, moe_layers
-from loom.parallel.context import chunk_count, shard_sequence, ulysses_attention
+from loom.parallel.context import chunk_count, sequence_layout, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.local_region import contiguous_strides
 from loom.parallel.ring import ring_attention
@@ -73,9 +73,8 @@ class Strategies:
 
     @property
     def sequence_layout(self) -> str:
-        """How the sequence is cut over cp: head-tail balances ring attention's causal work; Ulysses gathers
-        the whole sequence per head, so a plain contiguous cut serves it."""
-        return "head_tail" if self.attention == "ring" else "contiguous"
+        """How the sequence is cut over cp (`loom.parallel.context.sequence_layout`)."""
+        return sequence_layout(self.attention)
 
     def map(self, *dims: str) -> object:
         return self.layout(*dims)
