@@ -63,7 +63,9 @@ def train_case(family, dp, tp, attention):
     recorder = CollectiveRecorder()
     actual = _train(model, data, lambda t: t.chunk(dp)[mesh.dp_rank()], recorder)
     recorded = recorder.summary(mesh_axes(("dp", "cp", "tp"), (dp, 2, tp), dist.get_rank()))
-    exchanges = {key: n for key, n in recorded.items() if key[1] == "cp" and key[0] in ATTENTION_KINDS[attention]}
+    exchanges = {
+        key: n for key, n in recorded.items() if key[1] == "cp" and key[0] in ATTENTION_KINDS[attention]
+    }
     return expected, actual, exchanges
 
 

@@ -73,7 +73,11 @@ class ContextAttention:
         """Causal attention of this rank's shards [batch, heads, seq / cp, head_dim] over the whole sequence;
         DTensors (a semi_auto model) run on their local shards (rows cut over dp x cp, heads over tp)."""
         attend = functools.partial(
-            ATTENTION_FUNCTIONS[self.attention], group=self.group, causal=True, scale=scale, layout=self.layout
+            ATTENTION_FUNCTIONS[self.attention],
+            group=self.group,
+            causal=True,
+            scale=scale,
+            layout=self.layout,
         )
         if isinstance(q, DTensor):
             return attention_on_local_shards(attend, q, k, v)
@@ -194,7 +198,9 @@ def shard_causal_lm_inputs(
     kwargs.pop("attention_mask", None)
     kwargs["use_cache"] = False
     others = [
-        key for key, x in kwargs.items() if isinstance(x, torch.Tensor) and x.ndim > 1 and key not in _PER_TOKEN
+        key
+        for key, x in kwargs.items()
+        if isinstance(x, torch.Tensor) and x.ndim > 1 and key not in _PER_TOKEN
     ]
     if others:
         raise ValueError(

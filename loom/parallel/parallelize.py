@@ -36,6 +36,7 @@ from loom.layout.named import on_mesh_axes
 from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
+from loom.models.recipes import known_recipe
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
 from loom.parallel.auto import auto_plan, global_meta
@@ -53,7 +54,6 @@ from loom.parallel.module_plan import (
     resolve_module_plan,
 )
 from loom.parallel.routes import data_parallel_route, dtensor_route, fix_placements
-from loom.models.recipes import known_recipe
 from loom.plan import Plan
 
 MODES = ("data_parallel", "semi_auto", "auto")
