@@ -97,8 +97,8 @@ class Strategies:
     @property
     def experts(self):
         """Stacked expert weights [experts, in, out]: the experts cut over the `ep` innermost data-parallel
-        ranks (blocks of consecutive ones), replicated over the others and over tp."""
-        layout = Layout((self.dp // self.ep, self.ep, self.tp), ("edp", "ep", "tp"))
+        ranks (blocks of consecutive ones), replicated over the others, over cp and over tp."""
+        layout = Layout((self.dp // self.ep, self.ep, self.cp, self.tp), ("edp", "ep", "cp", "tp"))
         return layout("ep", "None", "None")
 
     @property
@@ -459,11 +459,6 @@ def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:
     """What context parallelism needs of the model and the mesh, refused at construction."""
     if s.cp == 1:
         return
-    if config.is_moe:
-        raise ValueError(
-            f"cp {s.cp}: a mixture of experts does not run with context parallelism yet; use cp = 1 "
-            f"or no experts"
-        )
     if s.attention == "ulysses" and config.n_heads % (s.tp * s.cp):
         raise ValueError(
             f"Ulysses attention cuts each tp rank's heads over cp: tp x cp = {s.tp * s.cp} must divide n_heads "
