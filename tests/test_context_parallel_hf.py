@@ -2,7 +2,7 @@
 
 3 SGD steps of a tiny Llama (grouped-query attention: 4 heads, 2 key/value heads; sequence 16) on 4 ranks
 under `loom.parallelize(model, plan=Plan(cp=2, ...))`, cp = 2 x dp = 2 with ring and with Ulysses attention,
-cp = 2 x tp = 2 (Megatron layouts) with Ulysses; GPT-2 (learned positions) once. Each rank brings its
+cp = 2 x tp = 2 (Megatron layouts) with Ulysses; GPT-2 (learned positions) and Mixtral (experts over ep = 2) once. Each rank brings its
 replica's whole sequences, as one device does; the model cuts them. The same losses and first gradients
 (rtol `RTOL`, atol `GRAD_ATOL`) and parameters after SGD (`assert_params_close`, tests/equivalence.py); the
 second step's exchanges over the cp group are those `loom.cost.context` prices, layer by layer. Then the
@@ -49,7 +49,7 @@ def _train(model, data, local=lambda t: t, watch=None):
     return losses, grads, params
 
 
-def train_case(family, dp, tp, attention):
+def train_case(family, dp, tp, attention, ep=1):
     """One device's run and this rank's run on a dp x cp x tp mesh (cp = 2), and the second step's
     attention exchanges over cp (kind, axis, bytes)."""
     reference = build(family)
@@ -58,7 +58,8 @@ def train_case(family, dp, tp, attention):
     expected = _train(reference, data)
     sizes = {"dp": dp, "cp": 2} | ({"tp": tp} if tp > 1 else {})
     mesh = loom.init(sizes)
-    plan = Plan(dp=dp, cp=2, tp=tp, attention=attention, strategies=tensor_plan(model) if tp > 1 else {})
+    strategies = tensor_plan(model) if tp > 1 or ep > 1 else {}
+    plan = Plan(dp=dp, cp=2, tp=tp, ep=ep, attention=attention, strategies=strategies)
     loom.parallelize(model, plan=plan)
     recorder = CollectiveRecorder()
     actual = _train(model, data, lambda t: t.chunk(dp)[mesh.dp_rank()], recorder)
@@ -125,7 +126,7 @@ def cases_body(cases):
 
 
 def _check(per_rank, cases):
-    for (family, dp, tp, attention), (expected, actual, exchanges) in zip(cases, per_rank, strict=True):
+    for (family, dp, tp, attention, *_), (expected, actual, exchanges) in zip(cases, per_rank, strict=True):
         _assert_equivalent(expected, actual)
         predicted = _predicted(build(family), dp, tp, attention)
         assert exchanges == predicted, (family, dp, tp, attention, exchanges, predicted)
@@ -143,7 +144,12 @@ def test_llama_with_its_sequences_cut_over_cp_by_ring_attention_matches_one_devi
         assert "drop attention_mask" in refusals[2], refusals[2]
 
 
-SLOW_CASES = [("llama", 2, 1, "ulysses"), ("llama", 1, 2, "ulysses"), ("gpt2", 2, 1, "ring")]
+SLOW_CASES = [
+    ("llama", 2, 1, "ulysses"),
+    ("llama", 1, 2, "ulysses"),
+    ("gpt2", 2, 1, "ring"),
+    ("mixtral", 2, 1, "ring", 2),
+]
 
 
 def slow_body(cases):
@@ -153,6 +159,7 @@ def slow_body(cases):
 @pytest.mark.slow
 def test_hugging_face_models_under_cp_with_ulysses_tensor_parallelism_and_learned_positions(dist_run):
     """Llama cp = 2 x dp = 2 and cp = 2 x tp = 2 with Ulysses (the key/value heads repeated to cp), GPT-2 (learned
-    positions looked up by global position) with ring attention."""
+    positions looked up by global position) and Mixtral (its experts cut over ep = 2 of the dp ranks) with ring
+    attention."""
     for per_rank in dist_run(4, slow_body, SLOW_CASES):
         _check(per_rank, SLOW_CASES)
