@@ -6,7 +6,8 @@ cp = 2 x tp = 2 (Megatron layouts) with Ulysses; GPT-2 (learned positions) and M
 replica's whole sequences, as one device does; the model cuts them. The same losses and first gradients
 (rtol `RTOL`, atol `GRAD_ATOL`) and parameters after SGD (`assert_params_close`, tests/equivalence.py); the
 second step's exchanges over the cp group are those `loom.cost.context` prices, layer by layer. Then the
-refusals: heads Ulysses cannot cut, a sequence that does not cut, a padding mask.
+refusals: heads Ulysses cannot cut, a sequence that does not cut, a padding mask, a model loom cannot cut, a
+GPT built without the plan's cp.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 from equivalence import GRAD_ATOL, RTOL, assert_params_close
 from hf_models import batches, build
+from torch import nn
 
 import loom
 from loom.cost.context import ring_collectives, ulysses_collectives
 from loom.cost.traffic import summary
 from loom.dist.comm import CollectiveRecorder, mesh_axes
+from loom.models.gpt import GPT, GPTConfig
 from loom.models.recipes import tensor_plan
 from loom.plan import Plan
 
@@ -118,6 +121,10 @@ def refusal_case():
     refusals.append(_refusal(lambda: model(input_ids=ids, labels=ids)))  # 14 tokens: not 4 head-tail chunks
     ids = ids[:, :12]
     refusals.append(_refusal(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids))))
+    plan = Plan(dp=2, cp=2)
+    refusals.append(_refusal(lambda: loom.parallelize(nn.Sequential(nn.Linear(4, 4)), plan=plan)))
+    gpt = GPT(GPTConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
+    refusals.append(_refusal(lambda: loom.parallelize(gpt, plan=plan)))
     return refusals
 
 
@@ -139,9 +146,12 @@ def test_llama_with_its_sequences_cut_over_cp_by_ring_attention_matches_one_devi
         _check(per_rank, cases)
         assert "tp x cp = 4 must divide num_attention_heads = 2" in refusals[0], refusals[0]
         assert "use attention = 'ring'" in refusals[0]
-        assert "does not cut into 4 equal chunks" in refusals[1], refusals[1]
-        assert "pad the sequence to a multiple of 4" in refusals[1]
+        assert "input_ids: a sequence of 14 tokens does not cut over cp = 2" in refusals[1], refusals[1]
+        assert "pad the sequences to a multiple of 4" in refusals[1]
         assert "drop attention_mask" in refusals[2], refusals[2]
+        assert "loom knows no attention modules of Sequential" in refusals[3], refusals[3]
+        assert "'LlamaForCausalLM'" in refusals[3]
+        assert "built with Strategies(cp=1, attention='ulysses')" in refusals[4], refusals[4]
 
 
 SLOW_CASES = [

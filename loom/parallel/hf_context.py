@@ -33,7 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.dist.mesh import Mesh
-from loom.parallel.context import sequence_layout, shard_sequence, ulysses_attention
+from loom.models.recipes import RECIPES
+from loom.parallel.context import chunk_count, sequence_layout, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.module_plan import matching
 from loom.parallel.ring import ring_attention
@@ -144,9 +145,10 @@ def apply_context_parallel(
     cp = mesh.axis_size("cp")
     name = type(model).__name__
     if modules is None:
+        known = sorted(n for n, r in RECIPES.items() if getattr(r, "attention", None) is not None)
         raise ValueError(
-            f"plan.cp = {cp}: loom knows no attention modules of {name} (Hugging Face families with a "
-            f"recipe: see loom.models.recipes); use cp = 1"
+            f"plan.cp = {cp}: loom knows no attention modules of {name}, so it cannot cut its sequences "
+            f"(models it can: {known}, and loom's GPT built with Strategies(cp=...)); use cp = 1"
         )
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -211,6 +213,13 @@ def shard_causal_lm_inputs(
     if tokens is None:
         raise ValueError("with cp > 1 the model needs input_ids (or inputs_embeds): the sequences to cut")
     batch, seq = tokens.shape[:2]
+    cp = dist.get_world_size(group)
+    chunks = chunk_count(cp, layout)
+    if seq % chunks:
+        raise ValueError(
+            f"input_ids: a sequence of {seq} tokens does not cut over cp = {cp} ({layout!r} layout: {chunks} "
+            f"equal chunks); pad the sequences to a multiple of {chunks}"
+        )
     if kwargs.get("position_ids") is None:  # the global positions, cut below like the tokens
         kwargs["position_ids"] = torch.arange(seq, device=tokens.device).expand(batch, seq)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
