@@ -385,28 +385,8 @@ class GPT(nn.Module):
         return logits if targets is None else vocab_parallel_cross_entropy(logits, targets)
 
     def _token_positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """The global position of every token this rank holds, shaped and laid out as `ids` (batch, seq / cp):
-        the sequence cut over cp as `shard_inputs` cuts the tokens."""
-        s, local = self.strategies, ids.to_local() if isinstance(ids, DTensor) else ids
-        whole = ids.shape[1] * s.cp
-        if whole > self.config.max_seq_len:
-            raise ValueError(
-                f"the sequence of {whole} tokens ({ids.shape[1]} per rank x cp {s.cp}) is longer than "
-                f"max_seq_len {self.config.max_seq_len}"
-            )
-        every = torch.arange(whole, device=local.device)
-        mine = shard_sequence(every, 0, self.mesh.axis_group("cp"), layout=s.sequence_layout)
-        mine = mine.expand(local.shape).contiguous()
-        if not isinstance(ids, DTensor):
-            return mine
-        return DTensor.from_local(
-            mine,
-            ids.device_mesh,
-            ids.placements,
-            run_check=False,
-            shape=ids.shape,
-            stride=contiguous_strides(ids.shape),
-        )
+        """The global position of every token this rank holds (see `token_positions`)."""
+        return token_positions(ids, self.strategies, self.mesh, self.config.max_seq_len)
 
     def shard_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's shard of each (batch, seq) tensor (ids; targets already shifted on the whole
@@ -453,6 +433,35 @@ class GPT(nn.Module):
             experts = sum(p.numel() for moe in moe_layers(self) for p in moe.experts.parameters())
             total -= experts - experts * self.config.top_k // self.config.experts
         return total
+
+
+def token_positions(like: torch.Tensor, s: Strategies, mesh: Mesh, max_seq_len: int) -> torch.Tensor:
+    """The global position of every token this rank holds, shaped (batch, seq / cp) and laid out as `like`'s
+    first two dims (token ids, or the residual stream a pipeline stage receives): the sequence cut over cp
+    as `GPT.shard_inputs` cuts the tokens."""
+    local = like.to_local() if isinstance(like, DTensor) else like
+    whole = like.shape[1] * s.cp
+    if whole > max_seq_len:
+        raise ValueError(
+            f"the sequence of {whole} tokens ({like.shape[1]} per rank x cp {s.cp}) is longer than "
+            f"max_seq_len {max_seq_len}"
+        )
+    every = torch.arange(whole, device=local.device)
+    mine = shard_sequence(every, 0, mesh.axis_group("cp"), layout=s.sequence_layout)
+    mine = mine.expand(local.shape[0], like.shape[1]).contiguous()
+    if not isinstance(like, DTensor):
+        return mine
+    shape = like.shape[:2]
+    # rows as `like`'s; whole along the sequence (a stream cut over tp by sequence parallelism included)
+    rows = tuple(p if p == Shard(0) else Replicate() for p in like.placements)
+    return DTensor.from_local(
+        mine,
+        like.device_mesh,
+        rows,
+        run_check=False,
+        shape=shape,
+        stride=contiguous_strides(shape),
+    )
 
 
 def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:

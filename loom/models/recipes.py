@@ -29,6 +29,7 @@ layout depends on the model's config (loom's GPT: learned or rotary positions, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -399,17 +400,31 @@ MIXTRAL = dataclasses.replace(
 )
 
 
-def _gpt_embed(stage: Stage, ids: torch.Tensor) -> torch.Tensor:
+PositionsFn = Callable[[torch.Tensor], torch.Tensor]
+"""The global position of every token of a (batch, seq / cp, ...) piece of the sequences."""
+
+
+def _gpt_embed(stage: Stage, ids: torch.Tensor, positions: PositionsFn | None = None) -> torch.Tensor:
     x = stage.part("lookup")(stage.part("embedding"), ids)
     if stage.config.positions == "rotary":
         return stage.part("enter")(x)
+    if positions is not None:  # context parallelism: each token's row of the table, by global position
+        return stage.part("add_positions")(
+            x, stage.part("position_rows")(stage.part("positions"), positions(ids))
+        )
     return stage.part("add_positions")(x, stage.part("positions")[: ids.shape[1]])
 
 
-def _gpt_block_inputs(stage: Stage, x: torch.Tensor) -> dict[str, Any]:
+def _gpt_block_inputs(stage: Stage, x: torch.Tensor, positions: PositionsFn | None = None) -> dict[str, Any]:
     seq = x.shape[1]
     rotary = stage.config.positions == "rotary"
-    rope = (stage.part("rope_cos")[:seq], stage.part("rope_sin")[:seq]) if rotary else None
+    if rotary and positions is not None:  # context parallelism: per row, (batch, 1, seq / cp, head_dim)
+        rows = positions(x)
+        rope = tuple(
+            stage.part("position_rows")(stage.part(t), rows).unsqueeze(1) for t in ("rope_cos", "rope_sin")
+        )
+    else:
+        rope = (stage.part("rope_cos")[:seq], stage.part("rope_sin")[:seq]) if rotary else None
     return {"mask": stage.part("causal_mask")[:seq, :seq], "rope": rope}
 
 
@@ -430,18 +445,26 @@ def gpt_recipe(model: nn.Module) -> Recipe:
     """loom's GPT (`loom.models.gpt.GPT`): the token table and its lookup (and the learned positions, or
     the identity that lays out the stream for rotary ones) before the blocks; the final norm and the logits
     against the head (the token table itself when tied) after them; the causal mask and rotary tables on
-    every stage. Targets are shifted already."""
-    config = model.config
+    every stage. Targets are shifted already. With context parallelism (`Strategies.cp > 1`) each stage
+    takes this rank's piece of the sequences and looks its positions up by each token's global position
+    (`loom.models.gpt.token_positions`), as the whole GPT does."""
+    from loom.models.gpt import token_positions
+
+    config, s = model.config, model.strategies
     learned = config.positions == "learned"
     tables = ("causal_mask",) + (() if learned else ("rope_cos", "rope_sin"))
+    positions = None
+    if s.cp > 1:
+        tables += ("position_rows",)
+        positions = functools.partial(token_positions, s=s, mesh=model.mesh, max_seq_len=config.max_seq_len)
     return Recipe(
         family="gpt",
         blocks="blocks",
         before=("embedding", "lookup") + (("positions", "add_positions") if learned else ("enter",)),
         after=("norm", "logits", "embedding" if config.tie_embeddings else "head"),
         shared=tables,
-        embed=_gpt_embed,
-        block_inputs=_gpt_block_inputs,
+        embed=functools.partial(_gpt_embed, positions=positions),
+        block_inputs=functools.partial(_gpt_block_inputs, positions=positions),
         finish=_gpt_finish,
         loss=_gpt_loss,
     )

@@ -343,7 +343,10 @@ def tied_parameters(stages: Sequence[nn.Module], schedule: str, mesh: Mesh, virt
     for param, ranks in holders.items():
         if len(ranks) < 2:
             continue
-        vary = {"pp": tuple(sorted(ranks))} | ({"dp": None} if "dp" in mesh.shape.names else {})
+        # its gradient is pending over the stage's batch axes (dp, and cp's pieces of the sequences)
+        vary = {"pp": tuple(sorted(ranks))} | {
+            axis: None for axis in ("dp", "cp") if axis in mesh.shape.names
+        }
         group = mesh.group(vary)
         tied.append(Tied(param=param if here in ranks else None, holders=len(ranks), group=group))
     return tied

@@ -30,6 +30,7 @@ from loom.layout.parameters import materialize
 from loom.layout.redistribute import full
 from loom.models.gpt import GPT, vocab_parallel_cross_entropy
 from loom.models.recipes import gpt_recipe
+from loom.parallel.context import chunk_count
 from loom.parallel.parallelize import parallelize_part
 from loom.parallel.pipeline.blocks import BlockStage, rank_pipeline, source_names
 from loom.parallel.pipeline.schedule import Pipeline, stage_indices
@@ -130,10 +131,11 @@ def shard_stages(
     whole model on one device). Gradients are left pending: the pipeline's one `GradSync` reduces them (see
     `loom.parallel.pipeline.reduction`)."""
     s = model.strategies
-    if (s.dp, s.tp) != (mesh.dp_size, mesh.axis_size("tp")):
+    if (s.dp, s.cp, s.tp) != (mesh.dp_size, mesh.axis_size("cp"), mesh.axis_size("tp")):
         raise ValueError(
-            f"the GPT's Strategies are for dp {s.dp} x tp {s.tp} but the stage mesh is {mesh}: build the GPT "
-            f"with Strategies(dp={mesh.dp_size}, tp={mesh.axis_size('tp')}, ...)"
+            f"the GPT's Strategies are for dp {s.dp} x cp {s.cp} x tp {s.tp} but the stage mesh is {mesh}: "
+            f"build the GPT with Strategies(dp={mesh.dp_size}, tp={mesh.axis_size('tp')}, "
+            f"cp={mesh.axis_size('cp')}, ...)"
         )
     _materialize_buffers(model, device)
     stages = [gpt_stage(model, st.block_indices, first=st.first, last=st.last) for st in stages]
@@ -157,8 +159,12 @@ def shard_stages(
 
 
 def _example_input(model: GPT, stage: BlockStage) -> torch.Tensor:
-    """One row of what `stage` takes (token ids or the residual stream), for parallelize's dry run."""
-    seq = model.config.max_seq_len
+    """One row of what `stage` takes (token ids or the residual stream), for parallelize's dry run: with
+    context parallelism this rank's piece of the longest sequence that cuts evenly over cp."""
+    s, seq = model.strategies, model.config.max_seq_len
+    if s.cp > 1:
+        chunks = chunk_count(s.cp, s.sequence_layout)
+        seq = seq // chunks * chunks // s.cp
     if stage.first:
         return torch.zeros(1, seq, dtype=torch.long, device="meta")
     return torch.zeros(1, seq, model.config.d_model, device="meta")
@@ -199,7 +205,11 @@ def gpt_pipeline(
     stage_mesh = mesh.without("pp") if _on_stage_mesh(model, mesh) else None
     if stage_mesh is not None:
         if not all(p.is_meta for p in model.parameters()):
-            what = "tensor-parallel" if mesh.axis_size("tp") > 1 else "mixture-of-experts"
+            what = (
+                "tensor-parallel" if mesh.axis_size("tp") > 1
+                else "context-parallel" if model.strategies.cp > 1
+                else "mixture-of-experts"
+            )  # fmt: skip
             raise ValueError(f"{what} pipeline stages are laid out from a GPT on the meta device")
         stages = shard_stages(model, stages, stage_mesh, seed=seed)
     elif any(p.is_meta for stage in stages for p in stage.parameters()):
@@ -216,7 +226,7 @@ def _on_stage_mesh(model: GPT, mesh: Mesh) -> bool:
     whenever several ranks run a stage (their experts cut over ep there, and the balancing losses summed
     over the ranks that hold the micro-batch's other rows, as `MoEMLP` does on DTensors)."""
     ranks = mesh.world_size // mesh.axis_size("pp")
-    return mesh.axis_size("tp") > 1 or (model.config.is_moe and ranks > 1)
+    return mesh.axis_size("tp") > 1 or model.strategies.cp > 1 or (model.config.is_moe and ranks > 1)
 
 
 def whole_gpt(model: GPT, pipeline: Pipeline, mesh: Mesh, *, schedule: str, virtual: int = 1) -> GPT:

@@ -29,9 +29,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def stream_placements(mesh: Mesh, sequence_parallel: bool) -> tuple[Placement, ...]:
-    """Placements of a (batch, seq, ...) activation on a stage mesh: rows cut over "dp", the sequence cut
+    """Placements of a (batch, seq, ...) activation on a stage mesh: rows cut over "dp" and "cp" (each cp
+    rank's piece of the sequences is a row of its own, as `parallelize` takes the batch), the sequence cut
     over "tp" with sequence parallelism (else whole on every tp rank)."""
-    rows, cut = set(mesh.batch_dims), set(mesh.shape.canonical_dims_of("tp")) if sequence_parallel else set()
+    rows = set(mesh.batch_dims) | (
+        set(mesh.shape.canonical_dims_of("cp")) if "cp" in mesh.shape.names else set()
+    )
+    cut = set(mesh.shape.canonical_dims_of("tp")) if sequence_parallel else set()
     return tuple(Shard(0) if d in rows else Shard(1) if d in cut else Replicate() for d in range(mesh.ndim))
 
 

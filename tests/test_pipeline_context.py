@@ -1,0 +1,113 @@
+"""Tier 2: loom's GPT cut into pipeline stages whose sequences are cut over cp, against one device.
+
+Each stage is laid out on its pipeline rank's dp x cp x tp ranks; every rank brings its piece of its
+replica's sequences (`GPT.shard_inputs`), and cp rank r of stage s sends its piece of the residual stream to
+cp rank r of stage s+1. 3 SGD steps of a tiny GPT (4 layers, tied embeddings) through the pipeline give one
+device's losses (`RTOL`), first-step gradients (`RTOL`, `GRAD_ATOL`) and parameters (`param_atol` with
+SGD): pp 2 x cp 2 on 4 ranks with Ulysses attention, learned positions and 1f1b (in `make test`); marked
+slow: ring attention with rotary positions under interleaved and zero-bubble schedules, pp 2 x cp 2 x dp 2
+and pp 2 x cp 2 x tp 2 on 8 ranks. The cp collectives of a step are counted against `loom.cost.context`'s
+formula times the stage's layers and micro-batches. Also: `loom train` with `[parallel] pp = 2, cp = 2`.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from equivalence import GRAD_ATOL, RTOL, param_atol
+from job_cases import job_config
+
+import loom
+from loom.models.gpt import GPT, GPTConfig, Strategies
+from loom.parallel import make_optimizer
+from loom.parallel.pipeline import gpt_pipeline, source_names
+from loom.train.job import run
+
+STEPS, BATCH, SEQ, LR = 3, 4, 8, 0.5
+CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=SEQ)
+VIRTUAL = {"interleaved": 2, "zero_bubble": 2, "zbv": 2}  # stages per rank (4 layers: one block each)
+
+
+def _config(positions: str) -> GPTConfig:
+    return dataclasses.replace(CONFIG, positions=positions)
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CONFIG.vocab_size, (STEPS, BATCH, SEQ + 1), generator=generator)
+    return [(step[:, :-1], step[:, 1:]) for step in ids]
+
+
+def _reference(positions: str):
+    """One device, 3 SGD steps on the whole batches: losses, first-step gradients, final parameters."""
+    model = GPT(_config(positions))
+    sgd, losses, grads = torch.optim.SGD(model.parameters(), lr=LR), [], {}
+    for ids, targets in _batches():
+        loss = model(ids, targets)
+        loss.backward()
+        if not grads:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        sgd.step()
+        sgd.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def cp_pipeline_case(schedule: str, attention: str, positions: str, dp: int, tp: int, microbatches: int):
+    """3 SGD steps of the GPT's pipeline on pp 2 x dp x cp 2 x tp, each rank bringing its piece of its
+    replica's sequences; the losses, the whole first-step gradients and final parameters of its stages."""
+    mesh = loom.init({"pp": 2} | ({"dp": dp} if dp > 1 else {}) | {"cp": 2} | ({"tp": tp} if tp > 1 else {}))
+    with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
+        model = GPT(_config(positions), Strategies(dp, tp, cp=2, attention=attention), mesh=mesh)
+    virtual = VIRTUAL.get(schedule, 1)
+    pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
+    sgd = make_optimizer(pipe, torch.optim.SGD, 0, lr=LR)
+    rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+    losses, grads = [], {}
+    for ids, targets in _batches():
+        losses.append(pipe.step(*model.shard_inputs(rows(ids), rows(targets))))
+        if not grads:
+            grads = _whole(model, pipe, lambda p: p.grad)
+        sgd.step()
+        sgd.zero_grad()
+    return losses, grads, _whole(model, pipe, lambda p: p.detach())
+
+
+def _whole(model, pipe, get) -> dict[str, torch.Tensor]:
+    """`get(param)` of every parameter of this rank's stages, whole, under the model's names."""
+    return {
+        name: loom.full(get(p)).clone()
+        for stage in pipe.modules
+        for name, p in zip(source_names(model, stage), stage.parameters(), strict=True)
+    }
+
+
+def _assert_matches(results, positions: str) -> None:
+    expected, reference_grads, reference = _reference(positions)
+    trained = set()
+    for rank, (losses, grads, params) in enumerate(results):
+        where = f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0, msg=where)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], rtol=RTOL, atol=GRAD_ATOL, msg=f"{where}: {name}")
+        atol = param_atol(LR, STEPS, eps=1.0)
+        for name, param in params.items():
+            torch.testing.assert_close(param, reference[name], rtol=0, atol=atol, msg=f"{where}: {name}")
+        trained |= set(params)
+    assert trained == set(reference), "every parameter lives on some stage"
+
+
+CASES = [  # (schedule, attention, positions, dp, tp, micro-batches)
+    ("1f1b", "ulysses", "learned", 1, 1, 2),
+    pytest.param(("1f1b", "ring", "rotary", 1, 1, 2), marks=pytest.mark.slow),
+    pytest.param(("interleaved", "ring", "rotary", 1, 1, 2), marks=pytest.mark.slow),
+    pytest.param(("zero_bubble", "ulysses", "rotary", 1, 1, 2), marks=pytest.mark.slow),
+    pytest.param(("1f1b", "ring", "learned", 2, 1, 2), marks=pytest.mark.slow),
+    pytest.param(("gpipe", "ulysses", "rotary", 1, 2, 2), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_context_parallel_pipeline_matches_one_device(dist_run, case):
+    schedule, attention, positions, dp, tp, microbatches = case
+    _assert_matches(dist_run(4 * dp * tp, cp_pipeline_case, *case), positions)
