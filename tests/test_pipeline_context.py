@@ -10,21 +10,30 @@ and pp 2 x cp 2 x tp 2 on 8 ranks. The cp collectives of a step are counted agai
 formula times the stage's layers and micro-batches. Also: `loom train` with `[parallel] pp = 2, cp = 2`.
 """
 
+import contextlib
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from equivalence import GRAD_ATOL, RTOL, param_atol
 from job_cases import job_config
+from test_pipeline_hf import build
 
 import loom
+from loom.cost.context import ring_collectives, ulysses_collectives
+from loom.cost.traffic import summary
+from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
-from loom.parallel.pipeline import gpt_pipeline, source_names
+from loom.parallel.pipeline import gpt_pipeline, model_pipeline, source_names
+from loom.train.config import load_config
 from loom.train.job import run
 
 STEPS, BATCH, SEQ, LR = 3, 4, 8, 0.5
 CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=SEQ)
+ATTENTION_KINDS = ("all_to_all", "send", "recv")  # Ulysses' and ring attention's (gradients: all-reduces)
 VIRTUAL = {"interleaved": 2, "zero_bubble": 2, "zbv": 2}  # stages per rank (4 layers: one block each)
 
 
@@ -63,14 +72,24 @@ def cp_pipeline_case(schedule: str, attention: str, positions: str, dp: int, tp:
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
     sgd = make_optimizer(pipe, torch.optim.SGD, 0, lr=LR)
     rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
-    losses, grads = [], {}
-    for ids, targets in _batches():
-        losses.append(pipe.step(*model.shard_inputs(rows(ids), rows(targets))))
+    losses, grads, recorder = [], {}, CollectiveRecorder()
+    for step, (ids, targets) in enumerate(_batches()):
+        with (
+            recorder if step == 1 else contextlib.nullcontext()
+        ):  # the first step checks the ranks' agreement
+            losses.append(pipe.step(*model.shard_inputs(rows(ids), rows(targets))))
         if not grads:
             grads = _whole(model, pipe, lambda p: p.grad)
         sgd.step()
         sgd.zero_grad()
-    return losses, grads, _whole(model, pipe, lambda p: p.detach())
+    names = tuple(name for name, _ in mesh.axis_sizes())
+    sizes = tuple(size for _, size in mesh.axis_sizes())
+    recorded = recorder.summary(mesh_axes(names, sizes, dist.get_rank()))
+    attention = Counter(
+        {key: n for key, n in recorded.items() if key[1] == "cp" and key[0] in ATTENTION_KINDS}
+    )
+    blocks = sum(len(stage.blocks) for stage in pipe.modules)
+    return losses, grads, _whole(model, pipe, lambda p: p.detach()), attention, blocks
 
 
 def _whole(model, pipe, get) -> dict[str, torch.Tensor]:
@@ -82,14 +101,29 @@ def _whole(model, pipe, get) -> dict[str, torch.Tensor]:
     }
 
 
-def _assert_matches(results, positions: str) -> None:
+def _predicted(attention: str, dp: int, tp: int, microbatches: int, blocks: int) -> Counter:
+    """`loom.cost.context`'s collectives of one attention call on a micro-batch (this rank's rows, the whole
+    sequence), times the rank's layers and micro-batches."""
+    formula = ulysses_collectives if attention == "ulysses" else ring_collectives
+    one = formula(
+        batch=BATCH // dp // microbatches, seq=SEQ, heads=CONFIG.n_heads // tp, kv_heads=CONFIG.kv_heads // tp,
+        head_dim=CONFIG.head_dim, cp=2, dtype_bytes=4,
+    )  # fmt: skip
+    return Counter({key: n * blocks * microbatches for key, n in summary(one).items()})
+
+
+def _assert_matches(results, case) -> None:
+    schedule, attention, positions, dp, tp, microbatches = case
     expected, reference_grads, reference = _reference(positions)
     trained = set()
-    for rank, (losses, grads, params) in enumerate(results):
+    for rank, (losses, grads, params, collectives, blocks) in enumerate(results):
         where = f"rank {rank}"
+        assert collectives == _predicted(attention, dp, tp, microbatches, blocks), where
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0, msg=where)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference_grads[name], rtol=RTOL, atol=GRAD_ATOL, msg=f"{where}: {name}")
+            torch.testing.assert_close(
+                grad, reference_grads[name], rtol=RTOL, atol=GRAD_ATOL, msg=f"{where}: {name}"
+            )
         atol = param_atol(LR, STEPS, eps=1.0)
         for name, param in params.items():
             torch.testing.assert_close(param, reference[name], rtol=0, atol=atol, msg=f"{where}: {name}")
@@ -110,4 +144,33 @@ CASES = [  # (schedule, attention, positions, dp, tp, micro-batches)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_context_parallel_pipeline_matches_one_device(dist_run, case):
     schedule, attention, positions, dp, tp, microbatches = case
-    _assert_matches(dist_run(4 * dp * tp, cp_pipeline_case, *case), positions)
+    _assert_matches(dist_run(4 * dp * tp, cp_pipeline_case, *case), case)
+
+
+@pytest.mark.slow
+def test_loom_train_with_a_pipeline_and_cp_follows_one_device(dist_run, tmp_path):
+    """The job `loom train` runs: `[parallel] pp = 2, cp = 2` (ring attention) gives one worker's losses."""
+    one = job_config(tmp_path, parallel={"dp": 1}, train={"workers": 1, "steps": 3})
+    parallel = {"dp": 1, "pp": 2, "cp": 2, "attention": "ring", "microbatches": 2}
+    four = job_config(tmp_path, parallel=parallel, train={"workers": 4, "steps": 3})
+    expected = dist_run(1, run, one)[0]["losses"]
+    assert len(expected) == 3
+    assert dist_run(4, run, four)[0]["losses"] == pytest.approx(expected, rel=RTOL)
+
+
+def hf_refusal_case() -> str:
+    mesh = loom.init({"pp": 2, "cp": 2})
+    try:
+        model_pipeline(build("gpt2"), mesh, schedule="1f1b", microbatches=2)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_config_with_cp_and_a_pipeline_is_accepted_and_hugging_face_pipelines_refuse_cp(dist_run):
+    config = load_config(None, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.microbatches", "2"])
+    config.validate(4)
+    plan = config.plan(4)
+    assert (plan.pp, plan.cp, plan.dp) == (2, 2, 1)
+    for message in dist_run(4, hf_refusal_case):
+        assert "loom's GPT only (gpt_pipeline)" in message and "GPT2LMHeadModel with cp = 1" in message

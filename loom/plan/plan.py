@@ -127,13 +127,6 @@ class Plan:
             )
         check_sizes(OWNER, {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp})
         check_choice(OWNER, "attention", self.attention, ATTENTIONS)
-        if self.cp > 1 and self.pp > 1:
-            raise FieldError(
-                OWNER,
-                "cp",
-                self.cp,
-                f"pipelines do not cut the sequence over cp yet: use cp = 1 with pp = {self.pp}",
-            )
         if self.dp != -1 and self.dp % self.ep:
             raise FieldError(
                 OWNER, "ep", self.ep, f"experts shard the data-parallel axis: divide dp = {self.dp}"

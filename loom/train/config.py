@@ -388,7 +388,7 @@ class ParallelConfig(_Section):
     schedule: Literal[CONFIG_SCHEDULES] = _key("1f1b", "pipeline schedule when pp > 1")
     microbatches: int = _key(1, "micro-batches per pipeline step (>= pp when pp > 1)")
     sequence_parallel: bool = _key(False, "cut the sequence over tp outside attention and MLP")
-    cp: int = _key(1, "context-parallel size: each sequence cut over cp ranks (the GPT, without pipelines)")
+    cp: int = _key(1, "context-parallel size: each sequence cut over cp ranks (loom's GPT)")
     attention: Literal[ATTENTIONS] = _key("ulysses", "attention over the cp ranks: ulysses or ring")
     optimizer_level: int = _key(0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters")
     recompute: Literal[RECOMPUTE] = _key("none", "activation recomputation per block")

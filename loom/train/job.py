@@ -179,8 +179,10 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
         )  # fmt: skip
     else:
         with torch.device("meta"):
-            strategies = Strategies(mesh.dp_size, par.tp, par.sequence_parallel, par.ep)
-            model = GPT(gpt_config(config), strategies)
+            strategies = Strategies(
+                mesh.dp_size, par.tp, par.sequence_parallel, par.ep, cp=par.cp, attention=par.attention
+            )
+            model = GPT(gpt_config(config), strategies, mesh=mesh)
         pipeline = gpt_pipeline(
             model, mesh, schedule=par.schedule, microbatches=par.microbatches, virtual=virtual,
             seed=config.train.seed, split=_split(par),
@@ -471,12 +473,12 @@ def _train(
     summary = {"losses": losses, "first_step": first_step, "seconds": time.perf_counter() - start}
     if membership is not None:
         summary["joined_at"] = joined_at
-    if isinstance(model, GPT) and model.strategies.cp > 1:
-        summary.update(_context_parallel_report(config, dataset, model))
-    elif pipeline is None:
-        summary.update(_report(config, dataset, model))
-    else:
+    if pipeline is not None:
         summary.update(_pipeline_report(config, dataset, model, mesh, pipeline))
+    elif isinstance(model, GPT) and model.strategies.cp > 1:
+        summary.update(_context_parallel_report(config, dataset, model))
+    else:
+        summary.update(_report(config, dataset, model))
     return summary
 
 

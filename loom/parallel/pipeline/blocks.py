@@ -230,6 +230,12 @@ def model_pipeline(
     pp = mesh.axis_size("pp")
     if pp == 1:
         raise ValueError(f"a pipeline needs a mesh with a 'pp' axis of size > 1, got {mesh}")
+    if mesh.axis_size("cp") > 1:
+        raise ValueError(
+            f"model_pipeline: the mesh {mesh} cuts the sequence over cp, which pipeline stages do for loom's GPT "
+            f"only (gpt_pipeline); run {type(model).__name__} with cp = 1 in a pipeline, or cut its sequences "
+            f"without one (loom.parallelize(model, plan=Plan(cp=...)))"
+        )
     recipe = recipe or recipe_for(model, blocks)
     every = split_model(model, pp * virtual, recipe=recipe, split=split)
     stages = [every[k] for k in stage_indices(schedule, mesh.axis_rank("pp"), pp, virtual)]
