@@ -5,10 +5,11 @@ replica's sequences (`GPT.shard_inputs`), and cp rank r of stage s sends its pie
 cp rank r of stage s+1. 3 SGD steps of a tiny GPT (4 layers, tied embeddings) through the pipeline give one
 device's losses (`RTOL`), first-step gradients (`RTOL`, `GRAD_ATOL`) and parameters (`param_atol` with
 SGD): pp 2 x cp 2 on 4 ranks with Ulysses attention, learned positions and 1f1b (in `make test`); marked
-slow: ring attention with rotary positions under interleaved and zero-bubble schedules, pp 2 x cp 2 x dp 2
-and pp 2 x cp 2 x tp 2 on 8 ranks. The cp collectives of a step are counted against `loom.cost.context`'s
-formula times the stage's layers and micro-batches. Also: `loom train` with `[parallel] pp = 2, cp = 2`.
-"""
+slow: ring attention with rotary positions under 1f1b, interleaved and zero-bubble schedules, pp 2 x cp 2 x
+dp 2 (also with experts cut over ep 2) and pp 2 x cp 2 x tp 2 on 8 ranks. Each rank's cp exchanges of the
+second step (all-to-alls, sends and receives on the cp group) are `loom.cost.context`'s formula times its
+layers and micro-batches. Also: `loom train` with `[parallel] pp = 2, cp = 2`, the config and Plan accepting
+cp with pp, and `model_pipeline` (any other model) refusing a cp axis."""
 
 import contextlib
 import dataclasses
@@ -38,7 +39,11 @@ VIRTUAL = {"interleaved": 2, "zero_bubble": 2, "zbv": 2}  # stages per rank (4 l
 
 
 def _config(positions: str) -> GPTConfig:
-    return dataclasses.replace(CONFIG, positions=positions)
+    """`positions` "learned" or "rotary"; "+moe": 4 experts (top-2, dropless) without balancing losses, so
+    that routing is per token and the micro-batches' grouping changes nothing."""
+    positions, _, moe = positions.partition("+")
+    experts = {"experts": 4, "top_k": 2, "aux_loss_coef": 0.0} if moe else {}
+    return dataclasses.replace(CONFIG, positions=positions, **experts)
 
 
 def _batches():
@@ -67,7 +72,8 @@ def cp_pipeline_case(schedule: str, attention: str, positions: str, dp: int, tp:
     replica's sequences; the losses, the whole first-step gradients and final parameters of its stages."""
     mesh = loom.init({"pp": 2} | ({"dp": dp} if dp > 1 else {}) | {"cp": 2} | ({"tp": tp} if tp > 1 else {}))
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
-        model = GPT(_config(positions), Strategies(dp, tp, cp=2, attention=attention), mesh=mesh)
+        ep = dp if "moe" in positions else 1  # experts cut over the stage's dp ranks
+        model = GPT(_config(positions), Strategies(dp, tp, ep=ep, cp=2, attention=attention), mesh=mesh)
     virtual = VIRTUAL.get(schedule, 1)
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
     sgd = make_optimizer(pipe, torch.optim.SGD, 0, lr=LR)
@@ -138,6 +144,7 @@ CASES = [  # (schedule, attention, positions, dp, tp, micro-batches)
     pytest.param(("zero_bubble", "ulysses", "rotary", 1, 1, 2), marks=pytest.mark.slow),
     pytest.param(("1f1b", "ring", "learned", 2, 1, 2), marks=pytest.mark.slow),
     pytest.param(("gpipe", "ulysses", "rotary", 1, 2, 2), marks=pytest.mark.slow),
+    pytest.param(("1f1b", "ring", "rotary+moe", 2, 1, 2), marks=pytest.mark.slow),  # experts over ep 2
 ]
 
 
