@@ -2,7 +2,7 @@
 
 Each stage is laid out on its pipeline rank's dp x cp x tp ranks; every rank brings its piece of its
 replica's sequences (`GPT.shard_inputs`), and cp rank r of stage s sends its piece of the residual stream to
-cp rank r of stage s+1. 3 SGD steps of a tiny GPT (4 layers, tied embeddings) through the pipeline give one
+cp rank r of stage s+1. 3 SGD steps of a tiny GPT (one block per stage, tied embeddings) through the pipeline give one
 device's losses (`RTOL`), first-step gradients (`RTOL`, `GRAD_ATOL`) and parameters (`param_atol` with
 SGD): pp 2 x cp 2 on 4 ranks with Ulysses attention, learned positions and 1f1b (in `make test`); marked
 slow: ring attention with rotary positions under 1f1b, interleaved and zero-bubble schedules, pp 2 x cp 2 x
@@ -13,6 +13,7 @@ cp with pp, and `model_pipeline` (any other model) refusing a cp axis."""
 
 import contextlib
 import dataclasses
+import functools
 from collections import Counter
 
 import pytest
@@ -33,17 +34,18 @@ from loom.train.config import load_config
 from loom.train.job import run
 
 STEPS, BATCH, SEQ, LR = 3, 4, 8, 0.5
-CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=SEQ)
+CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
 ATTENTION_KINDS = ("all_to_all", "send", "recv")  # Ulysses' and ring attention's (gradients: all-reduces)
 VIRTUAL = {"interleaved": 2, "zero_bubble": 2, "zbv": 2}  # stages per rank (4 layers: one block each)
 
 
-def _config(positions: str) -> GPTConfig:
+def _config(positions: str, schedule: str) -> GPTConfig:
     """`positions` "learned" or "rotary"; "+moe": 4 experts (top-2, dropless) without balancing losses, so
     that routing is per token and the micro-batches' grouping changes nothing."""
     positions, _, moe = positions.partition("+")
     experts = {"experts": 4, "top_k": 2, "aux_loss_coef": 0.0} if moe else {}
-    return dataclasses.replace(CONFIG, positions=positions, **experts)
+    layers = 2 * VIRTUAL.get(schedule, 1)  # one block per stage
+    return dataclasses.replace(CONFIG, n_layers=layers, positions=positions, **experts)
 
 
 def _batches():
@@ -52,9 +54,10 @@ def _batches():
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def _reference(positions: str):
+@functools.cache
+def _reference(positions: str, schedule: str):
     """One device, 3 SGD steps on the whole batches: losses, first-step gradients, final parameters."""
-    model = GPT(_config(positions))
+    model = GPT(_config(positions, schedule))
     sgd, losses, grads = torch.optim.SGD(model.parameters(), lr=LR), [], {}
     for ids, targets in _batches():
         loss = model(ids, targets)
@@ -73,7 +76,9 @@ def cp_pipeline_case(schedule: str, attention: str, positions: str, dp: int, tp:
     mesh = loom.init({"pp": 2} | ({"dp": dp} if dp > 1 else {}) | {"cp": 2} | ({"tp": tp} if tp > 1 else {}))
     with torch.device("meta"):  # as `loom train` builds it: each rank materialises its stages only
         ep = dp if "moe" in positions else 1  # experts cut over the stage's dp ranks
-        model = GPT(_config(positions), Strategies(dp, tp, ep=ep, cp=2, attention=attention), mesh=mesh)
+        model = GPT(
+            _config(positions, schedule), Strategies(dp, tp, ep=ep, cp=2, attention=attention), mesh=mesh
+        )
     virtual = VIRTUAL.get(schedule, 1)
     pipe = gpt_pipeline(model, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual)
     sgd = make_optimizer(pipe, torch.optim.SGD, 0, lr=LR)
@@ -120,7 +125,7 @@ def _predicted(attention: str, dp: int, tp: int, microbatches: int, blocks: int)
 
 def _assert_matches(results, case) -> None:
     schedule, attention, positions, dp, tp, microbatches = case
-    expected, reference_grads, reference = _reference(positions)
+    expected, reference_grads, reference = _reference(positions, schedule)
     trained = set()
     for rank, (losses, grads, params, collectives, blocks) in enumerate(results):
         where = f"rank {rank}"
