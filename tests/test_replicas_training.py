@@ -33,7 +33,7 @@ from loom.fault import Fault, supervise
 from loom.models.gpt import GPT
 from loom.parallel.local_sgd import DiLoCo, LocalSGD
 from loom.train.config import TrainConfig
-from loom.train.job import run
+from loom.train.job import all_stages, run
 
 TOL = 1e-6
 
@@ -168,6 +168,79 @@ def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+# replicas of several ranks (4 gloo ranks): 2 replicas, each data-parallel (dp 2) or pipelined (pp 2) inside
+INSIDE = {
+    "level1": ({"dp": 4, "replicas": 2, "optimizer_level": 1}, {"dp": 4, "optimizer_level": 1}),
+    "level3": ({"dp": 4, "replicas": 2, "optimizer_level": 3}, {"dp": 4, "optimizer_level": 3}),
+    "pp2": ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "pp": 2, "microbatches": 2}),
+}
+
+
+@pytest.mark.parametrize(
+    "inside", ["level1", pytest.param("level3", marks=pytest.mark.slow), pytest.param("pp2", marks=pytest.mark.slow)]
+)  # fmt: skip
+def test_replicas_of_several_ranks_with_identity_outer_step_are_data_parallelism(dist_run, tmp_path, inside):
+    # sync_every = 1, inner SGD, outer SGD(lr 1, momentum 0): 2 replicas of dp 2 (optimizer levels 1, 3: states,
+    # and parameters, sharded over each replica's own dp ranks) are synchronous dp 4; 2 replicas of pp 2 are
+    # synchronous dp 2 x pp 2
+    replicas, synchronous = INSIDE[inside]
+    identity = {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, **replicas}
+    runs = {}
+    for name, parallel in (("sync", synchronous), ("replicas", identity)):
+        case = _sgd(parallel)
+        config = _config(tmp_path, name, case["parallel"], {**case["train"], "steps": 4, "workers": 4})
+        done = dist_run(4, run, config)
+        runs[name] = ([r["losses"] for r in done], read_model_tensors(tmp_path / name / "step_000004"))
+    (sync_losses, sync_params), (replica_losses, replica_params) = runs["sync"], runs["replicas"]
+    # ranks 0, 1 are replica 0 and ranks 2, 3 replica 1 (the "replica" axis outermost); each reports its own
+    assert replica_losses[0] == replica_losses[1] and replica_losses[2] == replica_losses[3]
+    means = [(a + b) / 2 for a, b in zip(replica_losses[0], replica_losses[2], strict=True)]
+    assert means == pytest.approx(sync_losses[0], rel=TOL, abs=TOL)
+    assert replica_params.keys() == sync_params.keys()
+    for name, value in sync_params.items():
+        torch.testing.assert_close(replica_params[name], value, rtol=TOL, atol=TOL, msg=name)
+
+
+def _outer_counted_run(config: TrainConfig, replica_ranks: int) -> tuple[dict, dict[int, list[int]]]:
+    """`run(config)` with the bytes of each `dist.all_reduce` between replicas (over a group whose ranks lie
+    in several replicas of `replica_ranks` consecutive ranks) by training step (as `_counted_run`)."""
+    calls: dict[int, list[int]] = {}
+    last = [0]
+    original = dist.all_reduce
+
+    def beat(step, phase) -> None:
+        if step is not None:
+            last[0] = step
+
+    def record(tensor, *args, group=None, **kwargs):
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        if len({rank // replica_ranks for rank in ranks}) > 1:
+            calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, group=group, **kwargs)
+
+    launch.BEAT_HOOKS.append(beat)
+    dist.all_reduce = record
+    try:
+        return run(config), calls
+    finally:
+        dist.all_reduce = original
+        launch.BEAT_HOOKS.remove(beat)
+
+
+@pytest.mark.slow  # 4 ranks
+def test_pipelined_replicas_meet_only_at_syncs_with_their_stage_bytes(dist_run, tmp_path):
+    steps, every = 7, 3
+    parallel = {"sync": "diloco", "sync_every": every, "dp": 2, "pp": 2, "microbatches": 2}
+    config = _config(tmp_path, "count", parallel, {"steps": steps, "workers": 4})
+    done = dist_run(4, _outer_counted_run, config, 2)
+    stages = all_stages(config, GPT(config.model.gpt_config()))  # pipeline rank k runs stage k (1f1b)
+    for rank, (summary, calls) in enumerate(done):  # rank = replica * 2 + pipeline rank
+        stage_bytes = 4 * sum(p.numel() for p in stages[rank % 2].parameters())  # fp32
+        during = {step: sizes for step, sizes in calls.items() if 1 <= step <= steps}
+        assert during == {s: [stage_bytes] for s in range(every, steps + 1, every)}, (rank, during)
+        assert summary["losses"][-1] < summary["losses"][0], summary["losses"]
+
+
 @pytest.mark.parametrize(
     ("parallel", "match"),
     [
@@ -176,14 +249,21 @@ def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_
         ({"sync": "diloco", "sync_every": 2, "fragments": 3}, r"parallel.fragments = 3 .* at most"),
         ({"sync": "diloco", "sync_every": 2, "fragment_delay": 2}, r"parallel.fragment_delay = 2 .* less than"),
         ({"sync": "diloco", "outer_momentum": 1.0}, r"parallel.outer_momentum = 1.0 .* \[0, 1\)"),
-        ({"sync": "diloco", "optimizer_level": 1}, r"parallel.optimizer_level = 1 with parallel.sync = 'diloco'"),
-        ({"sync": "local_sgd", "pp": 2, "microbatches": 2}, r"parallel.pp = 2 with parallel.sync = 'local_sgd'"),
+        ({"sync": "diloco", "optimizer_level": 1}, r"parallel.optimizer_level = 1 with parallel.sync = 'diloco' shards over the data-parallel ranks inside each replica"),
+        ({"sync": "diloco", "dp": 4, "replicas": 4, "optimizer_level": 2}, r"parallel.replicas = 4 \(dp = 4\) a replica has one: set parallel.replicas"),
+        ({"sync": "diloco", "dp": 4, "replicas": 3}, r"parallel.replicas = 3 must divide parallel.dp = 4: .* \[1, 2, 4\]"),
+        ({"sync": "diloco", "replicas": 0}, r"parallel.replicas = 0 is out of range"),
+        ({"replicas": 2}, r"parallel.replicas = 2 is read only with parallel.sync = 'local_sgd' or 'diloco'"),
         ({"sync": "diloco", "cp": 2}, r"parallel.cp = 2 with parallel.sync"),
+        ({"sync": "diloco", "dp": 4, "replicas": 2, "ep": 2}, r"parallel.ep = 2 with parallel.sync"),
+        ({"sync": "local_sgd", "pp": 2, "microbatches": 2, "elastic": True}, r"parallel.pp = 2 with fault.elastic_replicas = true"),
+        ({"sync": "local_sgd", "dp": 4, "replicas": 2, "elastic": True}, r"parallel.replicas = 2 with fault.elastic_replicas = true"),
     ],
 )  # fmt: skip
 def test_bad_sync_settings_name_the_key_and_the_fix(parallel, match):
+    fault = {"elastic_replicas": parallel.pop("elastic", False)}
     with pytest.raises(ValueError, match=match):
-        TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}})
+        TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}, "fault": fault})
 
 
 def _metadata(*paths: tuple) -> Metadata:

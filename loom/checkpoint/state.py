@@ -104,6 +104,8 @@ def chunked_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> Ch
     """Level 3 once the optimizer holds the parameters (after its first step), where the bucketed
     parameters hold no memory between uses: their pieces from the chunks this rank updates. None otherwise
     (the parameters themselves are current)."""
+    if isinstance(optimizer, Replicated):  # replicas stepping alone: their inner optimizer holds the chunks
+        optimizer = optimizer.inner
     sharding = optimizer.sharding if isinstance(optimizer, ZeroOptimizer) else None
     if sharding is None or not sharding.active:
         return None
