@@ -155,6 +155,36 @@ def test_a_killed_replica_resumes_bitwise(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))  # the replicas do differ
 
 
+@pytest.mark.slow  # 4 ranks, two supervised runs each
+@pytest.mark.parametrize(
+    ("inside", "during"),
+    [({"dp": 4, "replicas": 2, "optimizer_level": 2}, "step"), ({"dp": 4, "replicas": 2, "optimizer_level": 3}, "step"),
+     ({"dp": 2, "pp": 2, "microbatches": 2}, "save")],
+    ids=["level2", "level3", "pp2"],
+)  # fmt: skip
+def test_a_killed_replica_of_several_ranks_resumes_bitwise(tmp_path, inside, during):
+    # as test_a_killed_replica_resumes_bitwise, each replica data-parallel inside with its optimizer states
+    # (and parameters) sharded over its dp ranks, or pipelined; rank 1 is in replica 0. A pipeline's steps
+    # take no step faults: its rank dies writing step 6's checkpoint, so the run resumes from step 4 too
+    sync = {"sync": "diloco", "sync_every": 4, "fragments": 2, "fragment_delay": 1, **inside}
+    fault = {"heartbeat_timeout_s": 120}
+    kill = Fault(kind="sigkill", rank=1, step=5 if during == "step" else 6, during=during)
+    results = {}
+    for name, faults in (("clean", []), ("killed", [kill])):
+        config = _config(tmp_path, name, sync, {"steps": 7, "workers": 4}, fault=fault)
+        done = supervise(run, 4, config, faults, policy=restart_policy(config), log=print)
+        assert len(done.events) == len(faults)
+        results[name] = (done, _replica_entries(tmp_path / name / "step_000007"))
+    (clean, clean_state), (killed, killed_state) = results["clean"], results["killed"]
+    assert killed.events[0].kind == "died"
+    for rank in range(4):
+        assert killed.results[rank]["losses"] == clean.results[rank]["losses"][4:]
+    assert clean_state.keys() == {f"rank_0000{r}" for r in range(4)}
+    _assert_equal(killed_state, clean_state)
+    one, other = (clean_state[f"rank_0000{r}"]["params"] for r in (0, 2))  # replicas 0 and 1, same shards
+    assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))
+
+
 @pytest.mark.slow  # 4 ranks: replicas of tp = 2
 def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_path):
     sync = {"sync": "diloco", "sync_every": 2}

@@ -176,15 +176,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return chunks + grad_views(self._unbucketed())
 
     def held_tensors(self) -> list[torch.Tensor] | None:
-        """What this rank updates, as it holds it: its fp32 chunk of every gradient bucket, then the local
-        tensors of the parameters updated whole (replicas stepping alone, `loom.parallel.local_sgd`, run
-        their outer step on them; `republish` then makes the parameters follow). Builds the chunks now if
-        the first step has not yet; None while the buckets are unknown (routes learnt by the first backward)."""
+        """What this rank updates, as it holds it: its fp32 chunk of every gradient bucket (one view of it
+        per parameter piece), then the local tensors of the parameters updated whole (replicas stepping
+        alone, `loom.parallel.local_sgd`, run their outer step on them; `republish` then makes the
+        parameters follow). Builds the chunks now if the first step has not yet; None while the buckets are
+        unknown (routes learnt by the first backward)."""
         if not self.inner:
             if not self.sync.buckets:
                 return None
             self._build()
-        return [shard.master for shard in self.shards] + [_local(p) for p in self.whole]
+        pieces = [shard.master[at : at + hi - lo] for shard in self.shards for _, lo, hi, at in shard.pieces]
+        return pieces + [_local(p) for p in self.whole]
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager:
         """The parameters whole on this rank inside the block (level 3, once they live in the chunks: gathered
