@@ -1,5 +1,5 @@
 """`loom train` with `[parallel] sync = "local_sgd" | "diloco"` (loom.train.replicas) on 2 gloo ranks, one
-replica each (tier 3: the main job).
+replica each, and on 4 in replicas of several ranks (tier 3: the main job).
 
 - DiLoCo's (and local SGD's) losses fall, and the only all-reduces of its steps are the syncs, every `sync_every` steps, of
   the parameters' bytes (counted as tests/test_local_sgd.py counts them, per step by the heartbeats);
@@ -9,6 +9,11 @@ replica each (tier 3: the main job).
   checkpoint, taken between two syncs with a fragment's average in flight, and the run ends bitwise as the
   uninterrupted one: every rank's parameters, inner and outer states, and losses;
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
+- replicas of several ranks (4 ranks, the "replica" mesh axis outermost): a replica's mesh and groups; 2
+  replicas of dp 2 at optimizer levels 1 and 3 (level 3 slow) are synchronous dp 4, 2 replicas of pp 2 are
+  synchronous dp 2 x pp 2 (slow), under the identity outer step; with pp 2 inside, the only all-reduces
+  between replicas are the syncs, of each rank's stage bytes (slow); a replica of dp 2 at levels 2 and 3
+  and one of pp 2 resume bitwise after a kill (slow);
 - bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
   rank's replica entry (one of synchronous training), one saved by another number of ranks, or one saved
   under another sync or other sync settings.
@@ -23,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from job_cases import job_config
 from torch.distributed.checkpoint.metadata import Metadata
 
+import loom
 from loom.checkpoint import read_model_tensors
 from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.safe import SafeLoadPlanner, SafeReader
@@ -34,6 +40,7 @@ from loom.models.gpt import GPT
 from loom.parallel.local_sgd import DiLoCo, LocalSGD
 from loom.train.config import TrainConfig
 from loom.train.job import all_stages, run
+from loom.train.replicas import data_position, outer_group, replica_group, replica_mesh, replicas_mesh_sizes
 
 TOL = 1e-6
 
@@ -204,6 +211,32 @@ INSIDE = {
     "level3": ({"dp": 4, "replicas": 2, "optimizer_level": 3}, {"dp": 4, "optimizer_level": 3}),
     "pp2": ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "pp": 2, "microbatches": 2}),
 }
+
+
+def _replica_mesh_groups():
+    mesh = loom.init(replicas_mesh_sizes(TrainConfig.from_dict(
+        {"parallel": {"dp": 2, "pp": 2, "replicas": 2, "sync": "diloco", "microbatches": 2}}
+    ), 4))  # fmt: skip
+    inner = replica_mesh(mesh)
+    ranks = dist.get_process_group_ranks
+    whole = mesh.without("dp")  # an axis of size 1 leaves the same devices
+    return (
+        repr(mesh), repr(inner), ranks(inner.group({"pp": None})), ranks(replica_group(mesh)),
+        ranks(outer_group(mesh)), data_position(mesh), repr(whole), ranks(whole.group({"replica": None})),
+    )  # fmt: skip
+
+
+def test_a_replica_mesh_is_the_world_without_its_outermost_replica_axis(dist_run):
+    for rank, got in enumerate(dist_run(4, _replica_mesh_groups)):
+        mesh, inner, pipeline, replica, outer, position, whole, across = got
+        assert (
+            mesh == "Mesh(replica=2, pp=2, dp=1; canonical 2 x 2)"
+            and inner == "Mesh(pp=2, dp=1; canonical 2)"
+        )
+        base = rank // 2 * 2  # the groups of a cut-out mesh are the world's, this rank's replica fixed
+        assert pipeline == replica == [base, base + 1] and outer == [rank % 2, rank % 2 + 2]
+        assert position == (rank // 2, 2)  # the data of dp 2: one row set per replica
+        assert whole == "Mesh(replica=2, pp=2; canonical 2 x 2)" and across == outer
 
 
 @pytest.mark.parametrize(

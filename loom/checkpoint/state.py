@@ -13,7 +13,8 @@
   level, on any mesh or number of processes;
 - with replicas that step alone (`loom.parallel.local_sgd`: `[parallel] sync = "local_sgd" | "diloco"`),
   each rank's own entry instead of the optimizer's states: its parameters, inner and outer states and global
-  weights (`replica_state`), restored on the same mesh;
+  weights (`replica_state`; at optimizer levels 1-3 inside a replica its chunks' states, and at level 3 the
+  model entry from the chunks as `chunked_parameters` gives it), restored on the same mesh;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
 

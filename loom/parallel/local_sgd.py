@@ -420,9 +420,8 @@ class DiLoCo(Replicated):
             )
         if outer_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"outer_dtype = {outer_dtype} must be torch.float32 or torch.bfloat16")
-        self.fragment_count, self.fragment_delay, self.mix, self.outer_dtype = (
-            fragments, fragment_delay, mix, outer_dtype
-        )
+        self.fragment_count, self.fragment_delay = fragments, fragment_delay
+        self.mix, self.outer_dtype = mix, outer_dtype
         self.outer_class = outer
         self.outer_kwargs = (
             {"lr": 0.7, "momentum": 0.9, "nesterov": True} if outer_kwargs is None else dict(outer_kwargs)

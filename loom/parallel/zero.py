@@ -266,7 +266,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         when it was saved (the same mesh: replicas stepping alone resume so). Otherwise not supported: the
         states belong to bucket chunks that exist only after the first step; resume with
         `loom.checkpoint.load_checkpoint`, which restores them when the chunks are built."""
-        if self.inner and state_dict.get("level") == self.level and len(state_dict["inner"]) == len(self.inner):
+        if (
+            self.inner
+            and state_dict.get("level") == self.level
+            and len(state_dict["inner"]) == len(self.inner)
+        ):
             for optimizer, state in zip(self.inner, state_dict["inner"], strict=True):
                 optimizer.load_state_dict(state)
             return

@@ -1085,10 +1085,11 @@ class TrainConfig:
                 "= 'local_sgd' or 'diloco' (with every_step sync a death stays a restart); set one, or "
                 "fault.elastic_replicas = false"
             )
+        several = "a replica of several processes does not leave whole yet"
         refused = (
-            ("parallel.tp", par.tp, 1, "a replica of several processes does not leave whole yet"),
-            ("parallel.pp", par.pp, 1, "a replica of several processes does not leave whole yet"),
-            ("parallel.replicas", par.replicas, -1, "a replica of several processes does not leave whole yet"),
+            ("parallel.tp", par.tp, 1, several),
+            ("parallel.pp", par.pp, 1, several),
+            ("parallel.replicas", par.replicas, -1, several),
             ("parallel.optimizer_level", par.optimizer_level, 0, "replicas of one process shard nothing"),
             ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
             ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),
