@@ -372,14 +372,13 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         mesh = loom.init({"dp": 1})
         with use_mesh(None):
             return _train(config, faults, verbose, mesh, disarm, membership, model_mesh=None)
-    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started)
-    if not config.parallel.replicas_step_alone:
-        mesh = loom.init(config.plan(loom.world_size()).mesh_sizes())
-    else:  # the replicas on an outermost "replica" axis, each with the plan's axes inside
-        mesh = loom.init(replicas_mesh_sizes(config, loom.world_size()))
+    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started);
+    # replicas stepping alone lie on an outermost "replica" axis, each with the plan's axes inside
+    replicas, world = config.parallel.replicas_step_alone, loom.world_size()
+    mesh = loom.init(replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes())
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
-    if not config.parallel.replicas_step_alone:
+    if not replicas:
         return _train(config, faults, verbose, mesh, disarm, model_mesh=mesh)
     inner = replica_mesh(mesh)
     with use_mesh(inner):  # each replica computes on its own ranks alone
