@@ -9,7 +9,7 @@ replica each, and on 4 in replicas of several ranks (tier 3: the main job).
   checkpoint, taken between two syncs with a fragment's average in flight, and the run ends bitwise as the
   uninterrupted one: every rank's parameters, inner and outer states, and losses;
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
-- replicas of several ranks (4 ranks, the "replica" mesh axis outermost): a replica's mesh and groups; 2
+- replicas of several ranks (4 ranks, the "replica" mesh axis outermost): a replica's mesh and groups (slow); 2
   replicas of dp 2 at optimizer levels 1 and 3 (level 3 slow) are synchronous dp 4, 2 replicas of pp 2 are
   synchronous dp 2 x pp 2 (slow), under the identity outer step; with pp 2 inside, the only all-reduces
   between replicas are the syncs, of each rank's stage bytes (slow); a replica of dp 2 at levels 2 and 3
@@ -226,6 +226,7 @@ def _replica_mesh_groups():
     )  # fmt: skip
 
 
+@pytest.mark.slow  # 4 ranks (make test's 4-rank case is the level-1 one below, which builds such meshes too)
 def test_a_replica_mesh_is_the_world_without_its_outermost_replica_axis(dist_run):
     for rank, got in enumerate(dist_run(4, _replica_mesh_groups)):
         mesh, inner, pipeline, replica, outer, position, whole, across = got
