@@ -11,7 +11,8 @@ replica each, and on 4 in replicas of several ranks (tier 3: the main job).
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
 - replicas of several ranks (4 ranks, the "replica" mesh axis outermost): a replica's mesh and groups (slow); 2
   replicas of dp 2 at optimizer levels 1 and 3 (level 3 slow) are synchronous dp 4, 2 replicas of pp 2 are
-  synchronous dp 2 x pp 2 (slow), under the identity outer step; with pp 2 inside, the only all-reduces
+  synchronous dp 2 x pp 2 (slow), and on 8 ranks replicas of dp 2 x pp 2 (level 1) and of dp 2 x tp 2
+  (level 2) their synchronous runs (slow), under the identity outer step; with pp 2 inside, the only all-reduces
   between replicas are the syncs, of each rank's stage bytes (slow); a replica of dp 2 at levels 2 and 3
   and one of pp 2 resume bitwise after a kill (slow);
 - bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
@@ -210,6 +211,15 @@ INSIDE = {
     "level1": ({"dp": 4, "replicas": 2, "optimizer_level": 1}, {"dp": 4, "optimizer_level": 1}),
     "level3": ({"dp": 4, "replicas": 2, "optimizer_level": 3}, {"dp": 4, "optimizer_level": 3}),
     "pp2": ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "pp": 2, "microbatches": 2}),
+    # 8 ranks: dp 2 x pp 2 (level 1) and dp 2 x tp 2 (level 2) inside each replica
+    "pp2_level1": (
+        {"dp": 4, "replicas": 2, "pp": 2, "microbatches": 2, "optimizer_level": 1},
+        {"dp": 4, "pp": 2, "microbatches": 2, "optimizer_level": 1},
+    ),
+    "tp2_level2": (
+        {"dp": 4, "replicas": 2, "tp": 2, "optimizer_level": 2},
+        {"dp": 4, "tp": 2, "optimizer_level": 2},
+    ),
 }
 
 
@@ -241,24 +251,28 @@ def test_a_replica_mesh_is_the_world_without_its_outermost_replica_axis(dist_run
 
 
 @pytest.mark.parametrize(
-    "inside", ["level1", pytest.param("level3", marks=pytest.mark.slow), pytest.param("pp2", marks=pytest.mark.slow)]
+    "inside", ["level1", *(pytest.param(case, marks=pytest.mark.slow) for case in INSIDE if case != "level1")]
 )  # fmt: skip
 def test_replicas_of_several_ranks_with_identity_outer_step_are_data_parallelism(dist_run, tmp_path, inside):
     # sync_every = 1, inner SGD, outer SGD(lr 1, momentum 0): 2 replicas of dp 2 (optimizer levels 1, 3: states,
     # and parameters, sharded over each replica's own dp ranks) are synchronous dp 4; 2 replicas of pp 2 are
-    # synchronous dp 2 x pp 2
+    # synchronous dp 2 x pp 2; likewise with pp 2 or tp 2 besides dp 2 inside each replica (8 ranks)
     replicas, synchronous = INSIDE[inside]
     identity = {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, **replicas}
+    ranks = synchronous["dp"] * synchronous.get("pp", 1) * synchronous.get("tp", 1)
     runs = {}
     for name, parallel in (("sync", synchronous), ("replicas", identity)):
         case = _sgd(parallel)
-        config = _config(tmp_path, name, case["parallel"], {**case["train"], "steps": 4, "workers": 4})
-        done = dist_run(4, run, config)
+        rows = synchronous["dp"] * synchronous.get("microbatches", 1)  # a row per micro-batch and dp rank
+        train = {**case["train"], "steps": 4, "workers": ranks, "global_batch": max(4, rows)}
+        config = _config(tmp_path, name, case["parallel"], train)
+        done = dist_run(ranks, run, config)
         runs[name] = ([r["losses"] for r in done], read_model_tensors(tmp_path / name / "step_000004"))
     (sync_losses, sync_params), (replica_losses, replica_params) = runs["sync"], runs["replicas"]
-    # ranks 0, 1 are replica 0 and ranks 2, 3 replica 1 (the "replica" axis outermost); each reports its own
-    assert replica_losses[0] == replica_losses[1] and replica_losses[2] == replica_losses[3]
-    means = [(a + b) / 2 for a, b in zip(replica_losses[0], replica_losses[2], strict=True)]
+    # the first half of the ranks is replica 0 (the "replica" axis outermost); each rank reports its replica's
+    half = ranks // 2
+    assert all(replica_losses[r] == replica_losses[r // half * half] for r in range(ranks))
+    means = [(a + b) / 2 for a, b in zip(replica_losses[0], replica_losses[half], strict=True)]
     assert means == pytest.approx(sync_losses[0], rel=TOL, abs=TOL)
     assert replica_params.keys() == sync_params.keys()
     for name, value in sync_params.items():
