@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, integrity (fall back past corrupt checkpoints), resharding, export, CLI."""
 
 import shutil
+import types
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -153,6 +155,34 @@ def test_failed_save_leaves_earlier_checkpoints(dist_run, tmp_path):
     assert all(error is not None and "disk full" in error for error in errors), errors
     assert [step for step, _ in list_step_dirs(tmp_path)] == [1]
     assert not verify(tmp_path / "step_000001")
+
+
+def unexplained_write_failure_case(root):
+    """A save whose archive writer fails the way torch's does when the disk fills ("unexpected pos"), on a
+    file system that reports almost no free space."""
+    model, trainer, data = setup(2, 1, 0)
+    _steps(trainer, data, 1)
+
+    def short_write(step, temp):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    WRITE_HOOKS.append(short_write)
+    try:
+        with mock.patch("shutil.disk_usage", return_value=types.SimpleNamespace(total=2**32, free=2**20)):
+            save_checkpoint(root, trainer)
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        WRITE_HOOKS.remove(short_write)
+    return None
+
+
+def test_a_save_failing_on_a_full_disk_says_the_disk_is_full(dist_run, tmp_path):
+    errors = dist_run(2, unexplained_write_failure_case, str(tmp_path))
+    for error in errors:
+        assert "unexpected pos" in error and "earlier checkpoints are intact" in error
+        assert f"the file system holding {tmp_path} is full (1 MiB free of 4.0 GiB)" in error, error
+        assert "keep_last" in error and "checkpoint.dir" in error
 
 
 def save_error_policy_case(root, policy):

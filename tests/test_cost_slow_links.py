@@ -1,4 +1,5 @@
-"""The slow-link model (loom.cost.slow_links) with exact numbers, and `loom simulate --replicas`."""
+"""The slow-link model (loom.cost.slow_links) with exact numbers, and `loom simulate --replicas` (or a config's
+`[parallel] sync`)."""
 
 import json
 
@@ -71,3 +72,61 @@ def test_simulate_prices_replicas_over_a_slow_link(capsys):
     assert "DiLoCo steps" in capsys.readouterr().out
     assert main(["simulate", *replica, "--replicas", "4", "--link-gbps", "0"]) == 2
     assert "--link-gbps 0.0 must be > 0" in capsys.readouterr().err
+
+
+DEMO = "configs/demo.toml"
+REPLICAS = ["--parallel.optimizer_level", "0", "--train.workers", "4"]  # dp 2 x tp 2: 2 replicas of tp 2
+
+
+def _simulate_json(capsys, *args):
+    assert main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("sync, method", [("diloco", "DiLoCo"), ("local_sgd", "local SGD")])
+def test_a_config_whose_replicas_step_alone_is_priced_as_one_replica(capsys, sync, method):
+    keys = ["--parallel.sync", sync, "--parallel.sync_every", "10", "--link-gbps", "2"]
+    data = _simulate_json(capsys, DEMO, *REPLICAS, *keys)
+    # the main figures are one replica's: the same model on its 2 tp ranks with its half of the batch
+    replica = _simulate_json(capsys, DEMO, *REPLICAS, "--parallel.dp", "1", "--train.workers", "2",
+                             "--train.global_batch", "16")  # fmt: skip
+    assert data["plan"] == replica["plan"] and data["iteration_s"] == replica["iteration_s"]
+    slow = data["slow_links"]
+    assert slow["method"] == method and slow["replicas"] == 2 and slow["sync_every"] == 10
+    assert slow["replica_step_s"] == data["iteration_s"]
+    fp32_bytes = 4 * data["parameters"]
+    assert slow["synchronous_bytes_per_step"] == fp32_bytes
+    assert slow["diloco_bytes_per_step"] == pytest.approx(fp32_bytes / 10)
+    link = Link(name="slow link", bandwidth=2e9 / 8, latency_s=0.01, efficiency=1.0)
+    expected = compare_sync(replica_step_s=data["iteration_s"], parameters=data["parameters"], replicas=2,
+                            link=link, sync_every=10)  # fmt: skip
+    assert slow["synchronous_step_s"] == pytest.approx(expected.synchronous_step_s, rel=1e-12)
+    assert slow["diloco_step_s"] == pytest.approx(expected.diloco_step_s, rel=1e-12)
+
+
+def test_a_config_reads_its_streaming_keys(capsys):
+    keys = ["--parallel.sync", "diloco", "--parallel.sync_every", "8", "--parallel.fragments", "4",
+            "--parallel.fragment_delay", "2", "--parallel.outer_dtype", "bf16"]  # fmt: skip
+    slow = _simulate_json(capsys, DEMO, *REPLICAS, *keys)["slow_links"]
+    parameters = _simulate_json(capsys, DEMO, *REPLICAS)["parameters"]
+    assert slow["diloco_bytes_per_step"] == pytest.approx(2 * parameters / 8)  # bf16 pseudo-gradients
+    assert main(["simulate", DEMO, *REPLICAS, *keys]) == 0
+    assert "(DiLoCo: sync every 8, 4 fragment(s), delay 2, bf16)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_config_that_syncs_every_step_has_no_slow_link_table(capsys):
+    assert "slow_links" not in _simulate_json(capsys, DEMO, *REPLICAS)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([DEMO, "--sync-every", "3"], "how replicas meet ([parallel] sync), priced as loom train runs them; leave "
+         "out --sync-every"),
+        (["--model", "llama3-8b", "--fragments", "2"], "--fragments price replicas over a slow link: give "
+         "--replicas N too"),
+    ],
+)  # fmt: skip
+def test_sync_flags_that_do_not_apply_are_usage_errors(capsys, args, message):
+    assert main(["simulate", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -222,8 +222,30 @@ def describe(exc: BaseException) -> str:
     return f"rank {env.rank()}: {type(exc).__name__}: {exc}"
 
 
+LOW_DISK_BYTES = 256 * 2**20  # below this (or 1% of the file system) free, a failed save names the full disk
+
+
 def failure(step: int, final: Path, error: str) -> CheckpointError:
-    return CheckpointError(f"saving step {step} to {final} failed ({error}); earlier checkpoints are intact")
+    return CheckpointError(
+        f"saving step {step} to {final} failed ({error}){full_disk_note(final.parent)}; earlier checkpoints "
+        "are intact"
+    )
+
+
+def full_disk_note(root: Path) -> str:
+    """A note when the file system holding `root` is (nearly) full after a failed save, else "". Writes that
+    run out of space do not always say so: torch's archive writer reports "unexpected pos" instead."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return ""
+    if usage.free >= min(LOW_DISK_BYTES, usage.total // 100):
+        return ""
+    return (
+        f"; the file system holding {root} is full ({usage.free / 2**20:.0f} MiB free of "
+        f"{usage.total / 2**30:.1f} GiB): free space there, keep fewer checkpoints (keep_last), or save "
+        "elsewhere (checkpoint.dir)"
+    )
 
 
 def prepare(root: Path, step: int) -> tuple[Path, Path]:

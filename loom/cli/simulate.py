@@ -4,6 +4,10 @@ Three sources of what is priced: a training config (`loom simulate CONFIG.toml`:
 `loom train CONFIG.toml` runs, on its `train.workers` devices), a saved Plan (`--plan plan.json` with a
 model from the flags), or the flags alone. Each becomes a `loom.plan.Plan`, priced through
 `Plan.parallel_plan`.
+
+Replicas joined by a slow link (`--replicas` with the flags, or a config's `[parallel] sync = "local_sgd" |
+"diloco"`): the plan priced is one replica's, and `loom.cost.slow_links` sets it against synchronous data
+parallelism over the link.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -65,8 +69,10 @@ dp defaults to gpus / (tp * pp * cp); the global batch defaults to dp * micro-ba
 with --plan to dp * the plan's micro-batches * micro-batch. --cp cuts each sequence over cp ranks (inside a
 node after tp, as the mesh orders its axes): Ulysses (tp * cp must divide the heads) or ring attention
 (the sequence a multiple of 2 * cp); not with pipelines. A CONFIG.toml sets the model, the plan, the batch
-and the devices itself: only the hardware and output options go with it, and after CONFIG.toml the
-`--section.key value` overrides that `loom train` takes.
+and the devices itself: only the hardware, output and link options go with it, and after CONFIG.toml the
+`--section.key value` overrides that `loom train` takes. A config whose replicas step alone ([parallel] sync
+= "local_sgd" or "diloco") is priced as one replica, then against synchronous data parallelism over a link of
+--link-gbps between the replicas (as --replicas does with the flags).
 exit status: 0 when the plan fits; 1 when it is impossible or does not fit in memory (the reason is printed);
 2 for usage errors. --timeline draws the schedule of a plan that does not fit too (as if memory allowed),
 says so, and still exits 1. A timeline with many micro-batches gets a second panel zoomed on the step's start.
@@ -92,6 +98,9 @@ def positive_int(text: str) -> int:
 DEFAULT_SEQ = 2048
 PLAN_FLAGS = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "recompute")
 PLAN_FLAGS += ("sequence_parallel", "optimizer_level", "schedule", "dtype", "stage_layers", "cp", "attention")
+SYNC_EVERY = 50  # --sync-every's default
+# set by a config's [parallel] sync keys
+SYNC_FLAGS = ("replicas", "sync_every", "fragments", "fragment_delay", "outer_dtype")
 MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts")
 MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
@@ -158,10 +167,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--link-gbps", type=float, default=1.0, help="bandwidth per replica, Gbit/s (default 1)"
     )
     slow.add_argument("--link-latency-ms", type=float, default=10.0, help="latency per hop (default 10 ms)")
-    slow.add_argument("--sync-every", type=positive_int, default=50, help="DiLoCo's inner steps (default 50)")
-    slow.add_argument("--fragments", type=positive_int, default=1, help="streaming fragments (default 1)")
-    slow.add_argument("--fragment-delay", type=int, default=0, help="inner steps a fragment's sync overlaps")
-    slow.add_argument("--outer-dtype", choices=("fp32", "bf16"), default="fp32", help="pseudo-gradients sent")
+    slow.add_argument(
+        "--sync-every", type=positive_int, help=f"inner steps between syncs (default {SYNC_EVERY})"
+    )
+    slow.add_argument("--fragments", type=positive_int, help="DiLoCo's streaming fragments (default 1)")
+    slow.add_argument("--fragment-delay", type=int, help="inner steps a fragment's sync overlaps (default 0)")
+    slow.add_argument("--outer-dtype", choices=("fp32", "bf16"), help="pseudo-gradients sent (default fp32)")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument(
@@ -193,15 +204,20 @@ def _check_sources(args: argparse.Namespace) -> None:
     if args.config and args.plan:
         raise ValueError("give CONFIG.toml or --plan, not both")
     if args.config:
-        taken = [*MODEL_FLAGS, *PLAN_FLAGS, "gpus", "flash_attention", "no_overlap_grad_sync"]
+        taken = [*MODEL_FLAGS, *PLAN_FLAGS, *SYNC_FLAGS, "gpus", "flash_attention", "no_overlap_grad_sync"]
         why = (
-            "CONFIG.toml sets the model, the plan, the batch and the devices (priced as loom train runs them)"
+            "CONFIG.toml sets the model, the plan, the batch, the devices and how replicas meet ([parallel] "
+            "sync), priced as loom train runs them"
         )
     elif args.plan:
         taken = [flag for flag in PLAN_FLAGS if flag not in RUN_FLAGS]
         why = "--plan sets the parallel degrees, the schedule, the memory policies and the precision"
     else:
-        return
+        taken, why = [], ""
+    if not args.config and args.replicas is None:
+        sync = [f"--{flag.replace('_', '-')}" for flag in SYNC_FLAGS if getattr(args, flag) is not None]
+        if sync:
+            raise ValueError(f"{' '.join(sync)} price replicas over a slow link: give --replicas N too")
     given = [f"--{flag.replace('_', '-')}" for flag in taken if getattr(args, flag) not in (None, False)]
     if given:
         raise ValueError(f"{why}; leave out {' '.join(given)}")
@@ -266,6 +282,23 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
     return plan, batch
 
 
+def _config_plan(config: TrainConfig) -> tuple[ParallelPlan, int]:
+    """What `loom train CONFIG` runs, as the simulator prices it: the whole run, or one replica's share of it
+    when the replicas step alone (`[parallel] sync`), on that replica's devices."""
+    workers = config.train.workers
+    run = config.cost_model(workers)[1]
+    if not config.parallel.replicas_step_alone:
+        return run, workers
+    replicas = replica_count(config)
+    plan = config.plan(workers)
+    one = plan.replace(dp=plan.dp // replicas).parallel_plan(
+        global_batch=config.train.global_batch // replicas,
+        seq=config.data.seq_len,
+        accumulation=config.train.grad_accum,
+    )
+    return one, workers // replicas
+
+
 def _saved_plan(args: argparse.Namespace, saved: Plan) -> tuple[Plan, int]:
     """A loaded Plan (`dp = -1` resolved on --gpus) and the global batch to price it with."""
     if not saved.resolved and args.gpus is None:
@@ -281,7 +314,7 @@ def _plan(
     """What the simulator prices, and on how many devices (an impossible plan is a `PlanError`)."""
     try:
         if config is not None:
-            return config.cost_model(config.train.workers)[1], config.train.workers
+            return _config_plan(config)
         plan, batch = _saved_plan(args, saved) if saved is not None else _flags_plan(args, layers)
         priced = plan.parallel_plan(
             global_batch=batch,
@@ -395,40 +428,81 @@ def _print(
     console.print(BUBBLE_DEFINITION, highlight=False)
 
 
-def _slow_links(args: argparse.Namespace, model: TransformerConfig, result: SimResult) -> SlowLinkComparison:
-    """This replica's step against `--replicas` of them over the slow link (`loom.cost.slow_links`)."""
+@dataclass(frozen=True)
+class Sync:
+    """How replicas joined by a slow link meet: from the flags, or a config's `[parallel] sync` keys."""
+
+    method: str  # "DiLoCo" or "local SGD" (the same traffic: parameters every sync_every steps)
+    replicas: int
+    sync_every: int
+    fragments: int = 1
+    fragment_delay: int = 0
+    outer_dtype: str = "fp32"
+
+
+def replica_count(config: TrainConfig) -> int:
+    """The replicas of a run whose replicas step alone: one per data-parallel index."""
+    return config.parallel.to_plan(config.train.workers).dp
+
+
+def _sync(args: argparse.Namespace, config: TrainConfig | None) -> Sync | None:
+    """The replicas to price over the slow link, or None (no --replicas, a config that syncs every step)."""
+    if config is not None:
+        par = config.parallel
+        if not par.replicas_step_alone:
+            return None
+        method = "DiLoCo" if par.sync == "diloco" else "local SGD"
+        return Sync(method, replica_count(config), par.sync_every, par.fragments, par.fragment_delay,
+                    par.outer_dtype)  # fmt: skip
+    if args.replicas is None:
+        return None
+    return Sync("DiLoCo", args.replicas, args.sync_every or SYNC_EVERY, args.fragments or 1,
+                args.fragment_delay or 0, args.outer_dtype or "fp32")  # fmt: skip
+
+
+def _slow_links(
+    args: argparse.Namespace, sync: Sync, model: TransformerConfig, result: SimResult
+) -> SlowLinkComparison:
+    """One replica's step against `sync.replicas` of them over the slow link (`loom.cost.slow_links`)."""
     if args.link_gbps <= 0 or args.link_latency_ms < 0:
         raise ValueError(f"--link-gbps {args.link_gbps} must be > 0 and --link-latency-ms >= 0")
     link = Link(name="slow link", bandwidth=args.link_gbps * 1e9 / 8, latency_s=args.link_latency_ms / 1e3,
                 efficiency=1.0)  # fmt: skip
     return compare_sync(
-        replica_step_s=result.iteration_s, parameters=model.parameter_count(), replicas=args.replicas,
-        link=link, sync_every=args.sync_every, grad_bytes_per_value=4,
-        outer_bytes_per_value=2 if args.outer_dtype == "bf16" else 4, fragments=args.fragments,
-        fragment_delay=args.fragment_delay,
+        replica_step_s=result.iteration_s, parameters=model.parameter_count(), replicas=sync.replicas,
+        link=link, sync_every=sync.sync_every, grad_bytes_per_value=4,
+        outer_bytes_per_value=2 if sync.outer_dtype == "bf16" else 4, fragments=sync.fragments,
+        fragment_delay=sync.fragment_delay,
     )  # fmt: skip
 
 
-def _slow_json(slow: SlowLinkComparison) -> dict:
-    return asdict(slow) | {"speedup": slow.speedup, "byte_reduction": slow.byte_reduction}
+def _slow_json(sync: Sync, slow: SlowLinkComparison) -> dict:
+    return asdict(slow) | {
+        "method": sync.method,
+        "replicas": sync.replicas,
+        "speedup": slow.speedup,
+        "byte_reduction": slow.byte_reduction,
+    }
 
 
-def _print_slow(console: Console, args: argparse.Namespace, slow: SlowLinkComparison) -> None:
+def _print_slow(console: Console, args: argparse.Namespace, sync: Sync, slow: SlowLinkComparison) -> None:
+    how = f"sync every {sync.sync_every}"
+    if sync.method == "DiLoCo":
+        how += f", {sync.fragments} fragment(s), delay {sync.fragment_delay}, {sync.outer_dtype}"
     table = Table(
-        title=f"{args.replicas} replicas over {args.link_gbps:g} Gbit/s, {args.link_latency_ms:g} ms "
-        f"(DiLoCo: sync every {args.sync_every}, {args.fragments} fragment(s), delay {args.fragment_delay}, "
-        f"{args.outer_dtype})"
+        title=f"{sync.replicas} replicas over {args.link_gbps:g} Gbit/s, {args.link_latency_ms:g} ms "
+        f"({sync.method}: {how})"
     )
     for column in ("", "step", "GB sent per step"):
         table.add_column(column, justify="left" if not column else "right")
     table.add_row("one replica alone", _duration(slow.replica_step_s), "0")
     table.add_row("synchronous data parallel", _duration(slow.synchronous_step_s),
                   f"{slow.synchronous_bytes_per_step / 1e9:.3f}")  # fmt: skip
-    table.add_row("DiLoCo", _duration(slow.diloco_step_s), f"{slow.diloco_bytes_per_step / 1e9:.3f}")
+    table.add_row(sync.method, _duration(slow.diloco_step_s), f"{slow.diloco_bytes_per_step / 1e9:.3f}")
     console.print(table)
     console.print(
-        f"DiLoCo steps {slow.speedup:.2f}x faster and sends {slow.byte_reduction:.0f}x fewer bytes; it needs "
-        "somewhat more tokens for the same loss (benchmarks/diloco.py measures both)."
+        f"{sync.method} steps {slow.speedup:.2f}x faster and sends {slow.byte_reduction:.0f}x fewer bytes; it "
+        "needs somewhat more tokens for the same loss (benchmarks/diloco.py measures both)."
     )
 
 
@@ -460,19 +534,20 @@ def execute(args: argparse.Namespace) -> int:
         print(f"loom simulate: error: {exc}", file=sys.stderr)
         return 2
     try:
-        slow = _slow_links(args, model, result) if args.replicas else None
+        sync = _sync(args, config)
+        slow = _slow_links(args, sync, model, result) if sync is not None else None
     except ValueError as exc:
         print(f"loom simulate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         data = _json(model, plan, result, [] if result.fits else [result.reason])
-        print(json.dumps(data | ({"slow_links": _slow_json(slow)} if slow else {})))
+        print(json.dumps(data | ({"slow_links": _slow_json(sync, slow)} if slow else {})))
     elif not result.fits:
         print(f"loom simulate: the plan does not fit: {result.reason}", file=sys.stderr)
     else:
         _print(console, model, plan, cluster, result)
         if slow is not None:
-            _print_slow(console, args, slow)
+            _print_slow(console, args, sync, slow)
     if args.timeline:
         title = f"{model.name}: {result.iteration_s:.2f} s" + (
             "" if result.fits else " (does not fit in memory)"

@@ -39,7 +39,7 @@ from loom.dist.mesh import Mesh
 from loom.layout import Layout
 from loom.models.config import GPTConfig
 from loom.models.moe import MoE, MoEConfig, local_parameter, moe_layers
-from loom.parallel.context import chunk_count, shard_sequence, ulysses_attention
+from loom.parallel.context import chunk_count, sequence_layout, shard_sequence, ulysses_attention
 from loom.parallel.lift import attention_on_local_shards
 from loom.parallel.local_region import contiguous_strides
 from loom.parallel.ring import ring_attention
@@ -73,9 +73,8 @@ class Strategies:
 
     @property
     def sequence_layout(self) -> str:
-        """How the sequence is cut over cp: head-tail balances ring attention's causal work; Ulysses gathers
-        the whole sequence per head, so a plain contiguous cut serves it."""
-        return "head_tail" if self.attention == "ring" else "contiguous"
+        """How the sequence is cut over cp (`loom.parallel.context.sequence_layout`)."""
+        return sequence_layout(self.attention)
 
     def map(self, *dims: str) -> object:
         return self.layout(*dims)
@@ -98,8 +97,8 @@ class Strategies:
     @property
     def experts(self):
         """Stacked expert weights [experts, in, out]: the experts cut over the `ep` innermost data-parallel
-        ranks (blocks of consecutive ones), replicated over the others and over tp."""
-        layout = Layout((self.dp // self.ep, self.ep, self.tp), ("edp", "ep", "tp"))
+        ranks (blocks of consecutive ones), replicated over the others, over cp and over tp."""
+        layout = Layout((self.dp // self.ep, self.ep, self.cp, self.tp), ("edp", "ep", "cp", "tp"))
         return layout("ep", "None", "None")
 
     @property
@@ -460,11 +459,6 @@ def _check_context(config: GPTConfig, s: Strategies, mesh: Mesh | None) -> None:
     """What context parallelism needs of the model and the mesh, refused at construction."""
     if s.cp == 1:
         return
-    if config.is_moe:
-        raise ValueError(
-            f"cp {s.cp}: a mixture of experts does not run with context parallelism yet; use cp = 1 "
-            f"or no experts"
-        )
     if s.attention == "ulysses" and config.n_heads % (s.tp * s.cp):
         raise ValueError(
             f"Ulysses attention cuts each tp rank's heads over cp: tp x cp = {s.tp * s.cp} must divide n_heads "

@@ -139,6 +139,8 @@ class Recipe:
     `classes`: the model class names `RECIPES` files the recipe under. `tensor_plan`: the module plan of
     Megatron's tensor-parallel layouts (`loom.parallelize(model, module_plan=recipe.tensor_plan)`).
     `experts`: how the family's mixture of experts holds its experts (None: it has none), for `Plan(ep=...)`.
+    `attention`: the module-path pattern of its attention modules, those that call transformers' attention
+    interface (None: loom cannot cut its sequences), for `Plan(cp=...)` (`loom.parallel.hf_context`).
     """
 
     family: str
@@ -155,6 +157,7 @@ class Recipe:
     classes: tuple[str, ...] = ()
     tensor_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     experts: ExpertsRecipe | None = None
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         for group in (self.before, self.after, self.shared):
@@ -323,6 +326,7 @@ GPT2 = Recipe(
     block_inputs=_gpt2_block_inputs,
     loss=causal_lm_loss,
     tensor_plan=GPT2_TENSOR_PLAN,
+    attention="*.attn",
 )
 
 LLAMA = Recipe(
@@ -335,6 +339,7 @@ LLAMA = Recipe(
     block_inputs=_rotary_block_inputs,
     loss=causal_lm_loss,
     tensor_plan=LLAMA_TENSOR_PLAN,
+    attention="*.self_attn",
 )
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "chunk_pairs",
     "chunk_count",
     "sequence_chunks",
+    "sequence_layout",
     "shard_sequence",
     "ulysses_attention",
     "ulysses_kv_repeat",
@@ -39,6 +40,14 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "head_tail")
+
+
+def sequence_layout(attention: str) -> str:
+    """How a sequence is cut over cp for `attention`: "head_tail" balances ring attention's causal work;
+    Ulysses gathers the whole sequence per head, so a plain "contiguous" cut serves it."""
+    if attention not in ("ulysses", "ring"):
+        raise ValueError(f"attention {attention!r} is not one of ['ring', 'ulysses']")
+    return "head_tail" if attention == "ring" else "contiguous"
 
 
 # ---- how the sequence is cut --------------------------------------------------------------------------

@@ -36,12 +36,14 @@ from loom.layout.named import on_mesh_axes
 from loom.layout.parameters import lay_out_parameters, materialize
 from loom.layout.redistribute import layout_of
 from loom.layout.tensor_layout import TensorLayout
+from loom.models.recipes import known_recipe
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
 from loom.parallel.auto import auto_plan, global_meta
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.experts import connect_experts, expert_module_plan
 from loom.parallel.grad_sync import GradSync
+from loom.parallel.hf_context import apply_context_parallel
 from loom.parallel.lift import LiftPlainTensors
 from loom.parallel.module_plan import (
     apply_module_plan,
@@ -192,6 +194,8 @@ def parallelize(
         bind_primitives(model, mesh, follow_inputs=plan.primitives_follow_inputs)
     if mode is None:
         mode = "semi_auto" if plan is not None or module_plan is not None else "data_parallel"
+    if plan is not None and plan.cp > 1:
+        _context_parallel(model, mesh, plan)
     model = _parallelize(
         model, mesh, mode, example_inputs, full_batch, parameter_plan, bucket_mb, example_kwargs, batch_axes,
         module_plan, ep=ep,
@@ -318,6 +322,25 @@ def _parallelize(
         batch_dims=batch_dims,
     )
     return model
+
+
+def _context_parallel(model: nn.Module, mesh: Mesh, plan: Plan) -> None:
+    """A plan with cp > 1: loom's GPT cuts its own sequences (its `Strategies` must say the same); a
+    Hugging Face model's attention modules, named by its family's recipe, attend over the cp group and its
+    inputs are cut before they become DTensors (`loom.parallel.hf_context`)."""
+    strategies = getattr(model, "strategies", None)
+    if hasattr(strategies, "cp"):
+        if (strategies.cp, strategies.attention) != (plan.cp, plan.attention):
+            raise ValueError(
+                f"parallelize: the plan has cp = {plan.cp} with {plan.attention} attention, but the model was "
+                f"built with Strategies(cp={strategies.cp}, attention={strategies.attention!r}); build it with "
+                f"the plan's"
+            )
+        return
+    recipe = known_recipe(model)
+    apply_context_parallel(
+        model, mesh, attention=plan.attention, modules=recipe.attention if recipe else None, tp=plan.tp
+    )
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:

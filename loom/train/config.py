@@ -943,11 +943,6 @@ class TrainConfig:
         model, data, par = self.model, self.data, self.parallel
         if par.cp == 1:
             return
-        if model.experts > 1:
-            raise ValueError(
-                f"parallel.cp = {par.cp}: a mixture of experts (model.experts = {model.experts}) does not run "
-                "with context parallelism yet; set parallel.cp = 1"
-            )
         # the GPT cuts for ring attention head-tail (2 * cp chunks), for Ulysses contiguously (cp chunks):
         # `Strategies.sequence_layout`, `loom.parallel.context.chunk_count` (not imported here: no torch)
         chunks = 2 * par.cp if par.attention == "ring" else par.cp
@@ -968,8 +963,8 @@ class TrainConfig:
         par, model = self.parallel, self.model
         if par.cp > 1:
             raise ValueError(
-                f"parallel.cp = {par.cp}: context parallelism is built into loom's GPT, not into Hugging Face "
-                "models yet; set parallel.cp = 1"
+                f"parallel.cp = {par.cp}: loom train cuts the sequences of loom's GPT only, not yet of Hugging "
+                "Face models; set parallel.cp = 1 (in Python: loom.parallelize(model, plan=Plan(cp=...)))"
             )
         if par.tp > 1 and par.sequence_parallel:
             raise ValueError(
