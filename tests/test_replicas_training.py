@@ -20,6 +20,7 @@ replica each, and on 4 in replicas of several ranks (tier 3: the main job).
   under another sync or other sync settings.
 """
 
+import json
 import warnings
 
 import pytest
@@ -191,6 +192,8 @@ def test_a_killed_replica_of_several_ranks_resumes_bitwise(tmp_path, inside, dur
     _assert_equal(killed_state, clean_state)
     one, other = (clean_state[f"rank_0000{r}"]["params"] for r in (0, 2))  # replicas 0 and 1, same shards
     assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))
+    plan = json.loads((tmp_path / "clean" / "step_000007" / "plan.json").read_text())
+    assert plan["optimizer_level"] == inside.get("optimizer_level", 0)  # the replicas' inner optimizer's
 
 
 @pytest.mark.slow  # 4 ranks: replicas of tp = 2
