@@ -197,6 +197,23 @@ def test_auto_plans_at_optimizer_levels_above_0_train_as_one_device(dist_run, fa
     assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
 
 
+# 8 ranks: loom lays an axis of 4 out as two canonical mesh dims of 2, so both meshes are 3-D DeviceMeshes; a
+# quarter of the states cuts the weights over dp and tp. Heavy on 2 shared cores: `make test-all` only.
+MESHES_8 = [pytest.param({"dp": 2, "tp": 4}, id="dp2xtp4"), pytest.param({"dp": 4, "tp": 2}, id="dp4xtp2")]
+
+
+@SLOW
+@pytest.mark.parametrize("mesh", MESHES_8)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_auto_plans_on_8_ranks_train_as_one_device(dist_run, family, mesh):
+    """loom's GPT and Llama under a memory limit of a quarter of their states, on dp 2 x tp 4 and dp 4 x tp 2:
+    3 SGD steps give one device's losses, first-step gradients and parameters, and the plan cuts weights over
+    both axes, some read in another layout than they are kept (`compute_layouts`)."""
+    plan = _check_run(dist_run(8, level_case, family, mesh, 0, _states(family) / 4))
+    assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
+    assert plan.compute_layouts, plan.to_json()
+
+
 def reapply_case(family: str, memory_limit: float | None):
     """An automatic plan applied again, as is and read back from its JSON, to fresh copies of the model:
     per model, the parameters' placements, the losses and first-step gradients of 3 SGD steps, and the
