@@ -265,6 +265,40 @@ def test_an_automatic_plan_applied_again_runs_as_priced(dist_run):
                 torch.testing.assert_close(other_trained[1][name], grad, rtol=RTOL, atol=GRAD_ATOL)
 
 
+def unlike_inputs_case() -> tuple:
+    """A loom.ops BatchMatMul following its inputs, given an activation cut over rows (dp) and batch (tp) and a
+    weight whose contracted dim is cut over dp: the output, its placements and both gradients, whole."""
+    from loom.layout import TensorLayout, to_layout
+    from loom.ops import BatchMatMul
+
+    mesh = loom.init(MESH)
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 6, 8, generator=generator), torch.randn(8, 4, generator=generator)
+    xd = to_layout(x.clone().requires_grad_(), TensorLayout(((1,), (0,), ())), mesh)  # canonical: dp, tp
+    wd = to_layout(w.clone().requires_grad_(), TensorLayout(((0,), ())), mesh)
+    xd.retain_grad(), wd.retain_grad()
+    matmul = BatchMatMul()
+    matmul.mesh, matmul.follow_inputs = mesh, True
+    out = matmul(xd, wd)
+    (out * out).sum().backward()
+    return loom.full(out), str(out.placements), loom.full(xd.grad), loom.full(wd.grad)
+
+
+def test_a_matmul_of_unlike_inputs_moves_the_smaller_and_computes_as_one_device(dist_run):
+    """The weight takes the activation's cuts (whole here) and the product is local: the output keeps the
+    activation's cuts (DTensor's own rule would pick its own), and output and gradients are one device's."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 8, generator=generator).requires_grad_()
+    w = torch.randn(8, 4, generator=generator).requires_grad_()
+    out = x @ w
+    (out * out).sum().backward()
+    for got, placements, x_grad, w_grad in dist_run(4, unlike_inputs_case):
+        assert placements == "(Shard(dim=1), Shard(dim=0))", placements
+        torch.testing.assert_close(got, out.detach(), rtol=RTOL, atol=GRAD_ATOL)
+        torch.testing.assert_close(x_grad, x.grad, rtol=RTOL, atol=GRAD_ATOL)
+        torch.testing.assert_close(w_grad, w.grad, rtol=RTOL, atol=GRAD_ATOL)
+
+
 class _Branchy(nn.Module):
     """A model whose forward branches on a tensor's value: no graph can hold it."""
 
