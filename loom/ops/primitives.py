@@ -264,10 +264,11 @@ def _local(t: DTensor, used_axes: set[int]) -> torch.Tensor:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous. The local product's gradients can be transposed
-    views (`w.mT`'s); the DTensor `to_local`'s backward builds from one takes global strides from it, which
-    DTensor's later rules then trust while its local results come out contiguous, until a `view` in backward
-    finds the two disagree (loom's GPT, keys cut over sequence and batch on 8 ranks)."""
+    """Identity whose backward makes the gradient contiguous. The local product's input gradients can be
+    transposed views (the gradient of `w.mT`); loom's GPT on 8 ranks (keys cut over sequence and batch)
+    then met, in backward, a key gradient whose DTensor strides and local strides ordered its dims
+    differently, and a `view` that DTensor allowed by the former failed on the latter. A contiguous local
+    gradient gives the DTensor that `to_local`'s backward builds contiguous strides on both sides."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
