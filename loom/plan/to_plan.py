@@ -211,10 +211,10 @@ def compute_layout(solution: Any, param: Any) -> Placements | None:
     node = problem.canon.get(param.node, param.node)
     found = set()
     for edge in problem.edges:
-        if problem.canon.get(edge.ref.node, edge.ref.node) != node or not _inside(
-            graph[edge.target].module, param.module
-        ):
+        if problem.canon.get(edge.ref.node, edge.ref.node) != node:
             continue
+        if not _inside(graph[edge.target].module, param.module):
+            return None  # read outside its module's forward, where no hook moves it
         found.add(_read_through_views(solution, edge))
     if len(found) != 1:
         return None
