@@ -506,7 +506,13 @@ class ParallelConfig(_Section):
         """Fill the keys from `plan`, which the run then uses as it is (`to_plan` returns it). `origin` names
         where it came from in errors. A key already given another value than the plan's is an error naming
         both, unless `replace` (the planner's choice replaces its previous one)."""
-        operator_keys = ("strategies", "parameter_layouts", "recompute_modules", "primitives_follow_inputs")
+        operator_keys = (
+            "strategies",
+            "parameter_layouts",
+            "recompute_modules",
+            "primitives_follow_inputs",
+            "compute_layouts",
+        )
         if any(getattr(plan, k) for k in operator_keys):
             given = [k for k in operator_keys if getattr(plan, k)]
             raise ValueError(
