@@ -130,3 +130,23 @@ def test_a_config_that_syncs_every_step_has_no_slow_link_table(capsys):
 def test_sync_flags_that_do_not_apply_are_usage_errors(capsys, args, message):
     assert main(["simulate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_replicas_with_data_parallel_ranks_inside_are_priced_as_one_of_them(capsys):
+    # 4 workers, dp 4: 2 replicas of dp 2 (level 1 inside each), against one run of dp 2 on 2 workers
+    keys = [
+        "--parallel.sync",
+        "diloco",
+        "--parallel.replicas",
+        "2",
+        "--parallel.tp",
+        "1",
+        "--parallel.dp",
+        "4",
+    ]
+    data = _simulate_json(capsys, DEMO, "--train.workers", "4", *keys)
+    replica = _simulate_json(capsys, DEMO, "--train.workers", "2", "--parallel.tp", "1", "--parallel.dp", "2",
+                             "--train.global_batch", "16")  # fmt: skip
+    assert data["plan"] == replica["plan"] and data["iteration_s"] == replica["iteration_s"]
+    assert data["plan"]["dp"] == 2 and data["plan"]["optimizer_level"] == 1
+    assert data["slow_links"]["replicas"] == 2

@@ -4,7 +4,8 @@ first-step gradients at tests/equivalence.py's tolerances). Under a memory limit
 parameter states, the plan cuts the weights: every rank holds a strict part of each large parameter and the
 plan's predicted memory is under the limit; such plans also train as one device at optimizer levels 1 and 3
 (losses, gradients at level 1, parameters after the SGD steps), and applied again to a fresh model (as is or
-read back from JSON) they lay it out and train it alike."""
+read back from JSON) they lay it out and train it alike. On 8 ranks (dp 2 x tp 4, dp 4 x tp 2: 3-D canonical
+meshes) loom's GPT and Llama under a quarter of their states train as one device too."""
 
 from __future__ import annotations
 
@@ -197,6 +198,23 @@ def test_auto_plans_at_optimizer_levels_above_0_train_as_one_device(dist_run, fa
     assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
 
 
+# 8 ranks: loom lays an axis of 4 out as two canonical mesh dims of 2, so both meshes are 3-D DeviceMeshes; a
+# quarter of the states cuts the weights over dp and tp. Heavy on 2 shared cores: `make test-all` only.
+MESHES_8 = [pytest.param({"dp": 2, "tp": 4}, id="dp2xtp4"), pytest.param({"dp": 4, "tp": 2}, id="dp4xtp2")]
+
+
+@SLOW
+@pytest.mark.parametrize("mesh", MESHES_8)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_auto_plans_on_8_ranks_train_as_one_device(dist_run, family, mesh):
+    """loom's GPT and Llama under a memory limit of a quarter of their states, on dp 2 x tp 4 and dp 4 x tp 2:
+    3 SGD steps give one device's losses, first-step gradients and parameters, and the plan cuts weights over
+    both axes, some read in another layout than they are kept (`compute_layouts`)."""
+    plan = _check_run(dist_run(8, level_case, family, mesh, 0, _states(family) / 4))
+    assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
+    assert plan.compute_layouts, plan.to_json()
+
+
 def reapply_case(family: str, memory_limit: float | None):
     """An automatic plan applied again, as is and read back from its JSON, to fresh copies of the model:
     per model, the parameters' placements, the losses and first-step gradients of 3 SGD steps, and the
@@ -246,6 +264,40 @@ def test_an_automatic_plan_applied_again_runs_as_priced(dist_run):
             )
             for name, grad in grads.items():
                 torch.testing.assert_close(other_trained[1][name], grad, rtol=RTOL, atol=GRAD_ATOL)
+
+
+def unlike_inputs_case() -> tuple:
+    """A loom.ops BatchMatMul following its inputs, given an activation cut over rows (dp) and batch (tp) and a
+    weight whose contracted dim is cut over dp: the output, its placements and both gradients, whole."""
+    from loom.layout import TensorLayout, to_layout
+    from loom.ops import BatchMatMul
+
+    mesh = loom.init(MESH)
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 6, 8, generator=generator), torch.randn(8, 4, generator=generator)
+    xd = to_layout(x.clone().requires_grad_(), TensorLayout(((1,), (0,), ())), mesh)  # canonical: dp, tp
+    wd = to_layout(w.clone().requires_grad_(), TensorLayout(((0,), ())), mesh)
+    xd.retain_grad(), wd.retain_grad()
+    matmul = BatchMatMul()
+    matmul.mesh, matmul.follow_inputs = mesh, True
+    out = matmul(xd, wd)
+    (out * out).sum().backward()
+    return loom.full(out), str(out.placements), loom.full(xd.grad), loom.full(wd.grad)
+
+
+def test_a_matmul_of_unlike_inputs_moves_the_smaller_and_computes_as_one_device(dist_run):
+    """The weight takes the activation's cuts (whole here) and the product is local: the output keeps the
+    activation's cuts (DTensor's own rule would pick its own), and output and gradients are one device's."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 8, generator=generator).requires_grad_()
+    w = torch.randn(8, 4, generator=generator).requires_grad_()
+    out = x @ w
+    (out * out).sum().backward()
+    for got, placements, x_grad, w_grad in dist_run(4, unlike_inputs_case):
+        assert placements == "(Shard(dim=1), Shard(dim=0))", placements
+        torch.testing.assert_close(got, out.detach(), rtol=RTOL, atol=GRAD_ATOL)
+        torch.testing.assert_close(x_grad, x.grad, rtol=RTOL, atol=GRAD_ATOL)
+        torch.testing.assert_close(w_grad, w.grad, rtol=RTOL, atol=GRAD_ATOL)
 
 
 class _Branchy(nn.Module):

@@ -1,5 +1,5 @@
 """`loom train` with `[parallel] sync = "local_sgd" | "diloco"` (loom.train.replicas) on 2 gloo ranks, one
-replica each (tier 3: the main job).
+replica each, and on 4 in replicas of several ranks (tier 3: the main job).
 
 - DiLoCo's (and local SGD's) losses fall, and the only all-reduces of its steps are the syncs, every `sync_every` steps, of
   the parameters' bytes (counted as tests/test_local_sgd.py counts them, per step by the heartbeats);
@@ -9,11 +9,18 @@ replica each (tier 3: the main job).
   checkpoint, taken between two syncs with a fragment's average in flight, and the run ends bitwise as the
   uninterrupted one: every rank's parameters, inner and outer states, and losses;
 - each replica of tp = 2 ranks computes what a replica of one process does (slow: 4 ranks);
+- replicas of several ranks (4 ranks, the "replica" mesh axis outermost): a replica's mesh and groups (slow); 2
+  replicas of dp 2 at optimizer levels 1 and 3 (level 3 slow) are synchronous dp 4, 2 replicas of pp 2 are
+  synchronous dp 2 x pp 2 (slow), and on 8 ranks replicas of dp 2 x pp 2 (level 1) and of dp 2 x tp 2
+  (level 2) their synchronous runs (slow), under the identity outer step; with pp 2 inside, the only all-reduces
+  between replicas are the syncs, of each rank's stage bytes (slow); a replica of dp 2 at levels 2 and 3
+  and one of pp 2 resume bitwise after a kill (slow);
 - bad `[parallel]` settings are refused naming the key and the fix, and so is a checkpoint without this
   rank's replica entry (one of synchronous training), one saved by another number of ranks, or one saved
   under another sync or other sync settings.
 """
 
+import json
 import warnings
 
 import pytest
@@ -23,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from job_cases import job_config
 from torch.distributed.checkpoint.metadata import Metadata
 
+import loom
 from loom.checkpoint import read_model_tensors
 from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.safe import SafeLoadPlanner, SafeReader
@@ -33,7 +41,8 @@ from loom.fault import Fault, supervise
 from loom.models.gpt import GPT
 from loom.parallel.local_sgd import DiLoCo, LocalSGD
 from loom.train.config import TrainConfig
-from loom.train.job import run
+from loom.train.job import all_stages, run
+from loom.train.replicas import data_position, outer_group, replica_group, replica_mesh, replicas_mesh_sizes
 
 TOL = 1e-6
 
@@ -155,6 +164,38 @@ def test_a_killed_replica_resumes_bitwise(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))  # the replicas do differ
 
 
+@pytest.mark.slow  # 4 ranks, two supervised runs each
+@pytest.mark.parametrize(
+    ("inside", "during"),
+    [({"dp": 4, "replicas": 2, "optimizer_level": 2}, "step"), ({"dp": 4, "replicas": 2, "optimizer_level": 3}, "step"),
+     ({"dp": 2, "pp": 2, "microbatches": 2}, "save")],
+    ids=["level2", "level3", "pp2"],
+)  # fmt: skip
+def test_a_killed_replica_of_several_ranks_resumes_bitwise(tmp_path, inside, during):
+    # as test_a_killed_replica_resumes_bitwise, each replica data-parallel inside with its optimizer states
+    # (and parameters) sharded over its dp ranks, or pipelined; rank 1 is in replica 0. A pipeline's steps
+    # take no step faults: its rank dies writing step 6's checkpoint, so the run resumes from step 4 too
+    sync = {"sync": "diloco", "sync_every": 4, "fragments": 2, "fragment_delay": 1, **inside}
+    fault = {"heartbeat_timeout_s": 120}
+    kill = Fault(kind="sigkill", rank=1, step=5 if during == "step" else 6, during=during)
+    results = {}
+    for name, faults in (("clean", []), ("killed", [kill])):
+        config = _config(tmp_path, name, sync, {"steps": 7, "workers": 4}, fault=fault)
+        done = supervise(run, 4, config, faults, policy=restart_policy(config), log=print)
+        assert len(done.events) == len(faults)
+        results[name] = (done, _replica_entries(tmp_path / name / "step_000007"))
+    (clean, clean_state), (killed, killed_state) = results["clean"], results["killed"]
+    assert killed.events[0].kind == "died"
+    for rank in range(4):
+        assert killed.results[rank]["losses"] == clean.results[rank]["losses"][4:]
+    assert clean_state.keys() == {f"rank_0000{r}" for r in range(4)}
+    _assert_equal(killed_state, clean_state)
+    one, other = (clean_state[f"rank_0000{r}"]["params"] for r in (0, 2))  # replicas 0 and 1, same shards
+    assert any(not torch.equal(a, b) for a, b in zip(one, other, strict=True))
+    plan = json.loads((tmp_path / "clean" / "step_000007" / "plan.json").read_text())
+    assert plan["optimizer_level"] == inside.get("optimizer_level", 0)  # the replicas' inner optimizer's
+
+
 @pytest.mark.slow  # 4 ranks: replicas of tp = 2
 def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_path):
     sync = {"sync": "diloco", "sync_every": 2}
@@ -168,6 +209,119 @@ def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+# replicas of several ranks (4 gloo ranks): 2 replicas, each data-parallel (dp 2) or pipelined (pp 2) inside
+INSIDE = {
+    "level1": ({"dp": 4, "replicas": 2, "optimizer_level": 1}, {"dp": 4, "optimizer_level": 1}),
+    "level3": ({"dp": 4, "replicas": 2, "optimizer_level": 3}, {"dp": 4, "optimizer_level": 3}),
+    "pp2": ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "pp": 2, "microbatches": 2}),
+    # 8 ranks: dp 2 x pp 2 (level 1) and dp 2 x tp 2 (level 2) inside each replica
+    "pp2_level1": (
+        {"dp": 4, "replicas": 2, "pp": 2, "microbatches": 2, "optimizer_level": 1},
+        {"dp": 4, "pp": 2, "microbatches": 2, "optimizer_level": 1},
+    ),
+    "tp2_level2": (
+        {"dp": 4, "replicas": 2, "tp": 2, "optimizer_level": 2},
+        {"dp": 4, "tp": 2, "optimizer_level": 2},
+    ),
+}
+
+
+def _replica_mesh_groups():
+    mesh = loom.init(replicas_mesh_sizes(TrainConfig.from_dict(
+        {"parallel": {"dp": 2, "pp": 2, "replicas": 2, "sync": "diloco", "microbatches": 2}}
+    ), 4))  # fmt: skip
+    inner = replica_mesh(mesh)
+    ranks = dist.get_process_group_ranks
+    whole = mesh.without("dp")  # an axis of size 1 leaves the same devices
+    return (
+        repr(mesh), repr(inner), ranks(inner.group({"pp": None})), ranks(replica_group(mesh)),
+        ranks(outer_group(mesh)), data_position(mesh), repr(whole), ranks(whole.group({"replica": None})),
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # 4 ranks (make test's 4-rank case is the level-1 one below, which builds such meshes too)
+def test_a_replica_mesh_is_the_world_without_its_outermost_replica_axis(dist_run):
+    for rank, got in enumerate(dist_run(4, _replica_mesh_groups)):
+        mesh, inner, pipeline, replica, outer, position, whole, across = got
+        assert (
+            mesh == "Mesh(replica=2, pp=2, dp=1; canonical 2 x 2)"
+            and inner == "Mesh(pp=2, dp=1; canonical 2)"
+        )
+        base = rank // 2 * 2  # the groups of a cut-out mesh are the world's, this rank's replica fixed
+        assert pipeline == replica == [base, base + 1] and outer == [rank % 2, rank % 2 + 2]
+        assert position == (rank // 2, 2)  # the data of dp 2: one row set per replica
+        assert whole == "Mesh(replica=2, pp=2; canonical 2 x 2)" and across == outer
+
+
+@pytest.mark.parametrize(
+    "inside", ["level1", *(pytest.param(case, marks=pytest.mark.slow) for case in INSIDE if case != "level1")]
+)  # fmt: skip
+def test_replicas_of_several_ranks_with_identity_outer_step_are_data_parallelism(dist_run, tmp_path, inside):
+    # sync_every = 1, inner SGD, outer SGD(lr 1, momentum 0): 2 replicas of dp 2 (optimizer levels 1, 3: states,
+    # and parameters, sharded over each replica's own dp ranks) are synchronous dp 4; 2 replicas of pp 2 are
+    # synchronous dp 2 x pp 2; likewise with pp 2 or tp 2 besides dp 2 inside each replica (8 ranks)
+    replicas, synchronous = INSIDE[inside]
+    identity = {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, **replicas}
+    ranks = synchronous["dp"] * synchronous.get("pp", 1) * synchronous.get("tp", 1)
+    runs = {}
+    for name, parallel in (("sync", synchronous), ("replicas", identity)):
+        case = _sgd(parallel)
+        rows = synchronous["dp"] * synchronous.get("microbatches", 1)  # a row per micro-batch and dp rank
+        train = {**case["train"], "steps": 4, "workers": ranks, "global_batch": max(4, rows)}
+        config = _config(tmp_path, name, case["parallel"], train)
+        done = dist_run(ranks, run, config)
+        runs[name] = ([r["losses"] for r in done], read_model_tensors(tmp_path / name / "step_000004"))
+    (sync_losses, sync_params), (replica_losses, replica_params) = runs["sync"], runs["replicas"]
+    # the first half of the ranks is replica 0 (the "replica" axis outermost); each rank reports its replica's
+    half = ranks // 2
+    assert all(replica_losses[r] == replica_losses[r // half * half] for r in range(ranks))
+    means = [(a + b) / 2 for a, b in zip(replica_losses[0], replica_losses[half], strict=True)]
+    assert means == pytest.approx(sync_losses[0], rel=TOL, abs=TOL)
+    assert replica_params.keys() == sync_params.keys()
+    for name, value in sync_params.items():
+        torch.testing.assert_close(replica_params[name], value, rtol=TOL, atol=TOL, msg=name)
+
+
+def _outer_counted_run(config: TrainConfig, replica_ranks: int) -> tuple[dict, dict[int, list[int]]]:
+    """`run(config)` with the bytes of each `dist.all_reduce` between replicas (over a group whose ranks lie
+    in several replicas of `replica_ranks` consecutive ranks) by training step (as `_counted_run`)."""
+    calls: dict[int, list[int]] = {}
+    last = [0]
+    original = dist.all_reduce
+
+    def beat(step, phase) -> None:
+        if step is not None:
+            last[0] = step
+
+    def record(tensor, *args, group=None, **kwargs):
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        if len({rank // replica_ranks for rank in ranks}) > 1:
+            calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, group=group, **kwargs)
+
+    launch.BEAT_HOOKS.append(beat)
+    dist.all_reduce = record
+    try:
+        return run(config), calls
+    finally:
+        dist.all_reduce = original
+        launch.BEAT_HOOKS.remove(beat)
+
+
+@pytest.mark.slow  # 4 ranks
+def test_pipelined_replicas_meet_only_at_syncs_with_their_stage_bytes(dist_run, tmp_path):
+    steps, every = 7, 3
+    parallel = {"sync": "diloco", "sync_every": every, "dp": 2, "pp": 2, "microbatches": 2}
+    config = _config(tmp_path, "count", parallel, {"steps": steps, "workers": 4})
+    done = dist_run(4, _outer_counted_run, config, 2)
+    stages = all_stages(config, GPT(config.model.gpt_config()))  # pipeline rank k runs stage k (1f1b)
+    for rank, (summary, calls) in enumerate(done):  # rank = replica * 2 + pipeline rank
+        stage_bytes = 4 * sum(p.numel() for p in stages[rank % 2].parameters())  # fp32
+        during = {step: sizes for step, sizes in calls.items() if 1 <= step <= steps}
+        assert during == {s: [stage_bytes] for s in range(every, steps + 1, every)}, (rank, during)
+        assert summary["losses"][-1] < summary["losses"][0], summary["losses"]
+
+
 @pytest.mark.parametrize(
     ("parallel", "match"),
     [
@@ -176,14 +330,21 @@ def test_tensor_parallel_replicas_compute_as_one_process_replicas(dist_run, tmp_
         ({"sync": "diloco", "sync_every": 2, "fragments": 3}, r"parallel.fragments = 3 .* at most"),
         ({"sync": "diloco", "sync_every": 2, "fragment_delay": 2}, r"parallel.fragment_delay = 2 .* less than"),
         ({"sync": "diloco", "outer_momentum": 1.0}, r"parallel.outer_momentum = 1.0 .* \[0, 1\)"),
-        ({"sync": "diloco", "optimizer_level": 1}, r"parallel.optimizer_level = 1 with parallel.sync = 'diloco'"),
-        ({"sync": "local_sgd", "pp": 2, "microbatches": 2}, r"parallel.pp = 2 with parallel.sync = 'local_sgd'"),
+        ({"sync": "diloco", "optimizer_level": 1}, r"parallel.optimizer_level = 1 with parallel.sync = 'diloco' shards over the data-parallel ranks inside each replica"),
+        ({"sync": "diloco", "dp": 4, "replicas": 4, "optimizer_level": 2}, r"parallel.replicas = 4 \(dp = 4\) a replica has one: set parallel.replicas"),
+        ({"sync": "diloco", "dp": 4, "replicas": 3}, r"parallel.replicas = 3 must divide parallel.dp = 4: .* \[1, 2, 4\]"),
+        ({"sync": "diloco", "replicas": 0}, r"parallel.replicas = 0 is out of range"),
+        ({"replicas": 2}, r"parallel.replicas = 2 is read only with parallel.sync = 'local_sgd' or 'diloco'"),
         ({"sync": "diloco", "cp": 2}, r"parallel.cp = 2 with parallel.sync"),
+        ({"sync": "diloco", "dp": 4, "replicas": 2, "ep": 2}, r"parallel.ep = 2 with parallel.sync"),
+        ({"sync": "local_sgd", "pp": 2, "microbatches": 2, "elastic": True}, r"parallel.pp = 2 with fault.elastic_replicas = true"),
+        ({"sync": "local_sgd", "dp": 4, "replicas": 2, "elastic": True}, r"parallel.replicas = 2 with fault.elastic_replicas = true"),
     ],
 )  # fmt: skip
 def test_bad_sync_settings_name_the_key_and_the_fix(parallel, match):
+    fault = {"elastic_replicas": parallel.pop("elastic", False)}
     with pytest.raises(ValueError, match=match):
-        TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}})
+        TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}, "fault": fault})
 
 
 def _metadata(*paths: tuple) -> Metadata:

@@ -168,8 +168,23 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
             "has strategies: loom train lays out",
         ),
         (Plan(dp=2, primitives_follow_inputs=True), {}, "has primitives_follow_inputs: loom train lays out"),
+        (
+            Plan(dp=2, compute_layouts={"blocks.*.mlp.w_up": ["None", "dp"]}),
+            {},
+            "has compute_layouts: loom train",
+        ),
     ],
-    ids=["world-size", "layers", "heads", "explicit-key", "precision", "fp8", "strategies", "follow-inputs"],
+    ids=[
+        "world-size",
+        "layers",
+        "heads",
+        "explicit-key",
+        "precision",
+        "fp8",
+        "strategies",
+        "follow-inputs",
+        "compute-layouts",
+    ],  # fmt: skip
 )
 def test_a_plan_that_does_not_fit_the_run_is_a_clear_error(tmp_path, plan, sections, message):
     plan.save(tmp_path / "plan.json")

@@ -13,7 +13,8 @@
   level, on any mesh or number of processes;
 - with replicas that step alone (`loom.parallel.local_sgd`: `[parallel] sync = "local_sgd" | "diloco"`),
   each rank's own entry instead of the optimizer's states: its parameters, inner and outer states and global
-  weights (`replica_state`), restored on the same mesh;
+  weights (`replica_state`; at optimizer levels 1-3 inside a replica its chunks' states, and at level 3 the
+  model entry from the chunks as `chunked_parameters` gives it), restored on the same mesh;
 - shared scalars (step, learning-rate schedule, loss scaler, optimizer hyper-parameters, data position);
 - per-rank random number generator states.
 
@@ -104,6 +105,8 @@ def chunked_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> Ch
     """Level 3 once the optimizer holds the parameters (after its first step), where the bucketed
     parameters hold no memory between uses: their pieces from the chunks this rank updates. None otherwise
     (the parameters themselves are current)."""
+    if isinstance(optimizer, Replicated):  # replicas stepping alone: their inner optimizer holds the chunks
+        optimizer = optimizer.inner
     sharding = optimizer.sharding if isinstance(optimizer, ZeroOptimizer) else None
     if sharding is None or not sharding.active:
         return None

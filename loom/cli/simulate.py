@@ -441,8 +441,9 @@ class Sync:
 
 
 def replica_count(config: TrainConfig) -> int:
-    """The replicas of a run whose replicas step alone: one per data-parallel index."""
-    return config.parallel.to_plan(config.train.workers).dp
+    """The replicas of a run whose replicas step alone (`[parallel] replicas`; one per dp index by default)."""
+    par = config.parallel
+    return par.replica_count(par.to_plan(config.train.workers).dp)
 
 
 def _sync(args: argparse.Namespace, config: TrainConfig | None) -> Sync | None:

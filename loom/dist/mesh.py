@@ -133,6 +133,8 @@ class Mesh:
     _sub_meshes: dict[tuple[int, ...], DeviceMesh] = field(default_factory=dict, repr=False)
     _without: dict[str, Mesh] = field(default_factory=dict, repr=False)
     _groups: dict[tuple, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    # a mesh cut out of another (`without`): the groups are the parent's, with the cut axis fixed
+    _parent: Mesh | None = field(default=None, repr=False)
 
     def __deepcopy__(self, memo: dict) -> Mesh:
         # a mesh is a handle on process groups every rank built together: copies of a model (the dry run's
@@ -223,19 +225,26 @@ class Mesh:
         `"pp"`: this pipeline stage's dp x tp mesh), so that collectives on it never cross `axis`.
 
         A slice of this mesh's DeviceMesh (DTensor still finds the flattened runs on the root mesh), built
-        on first use by every rank together (flattening may create process groups), then cached.
+        on first use by every rank together (flattening may create process groups), then cached. An axis of
+        size 1 leaves the same devices (e.g. the one replica of `loom.train.replicas`'s "replica" axis).
         """
         if axis not in self._without:
-            if self.axis_size(axis) == 1:
-                raise ValueError(f"mesh axis {axis!r} has size 1 in {self}: there is nothing to cut out")
+            if axis not in self.shape.names:
+                raise ValueError(f"unknown mesh axis {axis!r}; {self} has axes {list(self.shape.names)}")
             kept = tuple((name, size) for name, size in self.shape.sizes if name != axis)
+            if not kept:
+                raise ValueError(f"{self} has no axis besides {axis!r}: there is nothing left")
             shape = MeshShape(sizes=kept, world_size=self.world_size // self.axis_size(axis))
             names = self.device_mesh.mesh_dim_names
             dims = [names[d] for name, _ in kept for d in self.shape.canonical_dims_of(name)]
             if not dims:
                 raise ValueError(f"{self} has no axis of size > 1 besides {axis!r}")
-            mesh = Mesh(shape=shape, device_mesh=self.device_mesh[tuple(dims)])
-            mesh._flatten_all_runs()
+            device_mesh = self.device_mesh if self.axis_size(axis) == 1 else self.device_mesh[tuple(dims)]
+            mesh = Mesh(shape=shape, device_mesh=device_mesh, _parent=self)
+            if self.axis_size(axis) == 1:
+                mesh._sub_meshes = self._sub_meshes  # the same canonical dims
+            else:
+                mesh._flatten_all_runs()
             self._without[axis] = mesh
         return self._without[axis]
 
@@ -247,7 +256,10 @@ class Mesh:
         rank with this rank's tp index (those that hold a tied embedding's copies).
 
         Collective on first use: every rank creates every group of this kind, in one order (a process group
-        is created by all ranks together); then cached."""
+        is created by all ranks together); then cached. On a mesh cut out of another (`without`) they are the
+        parent's groups, this rank's index along the cut axis fixed (the ranks here are the parent's)."""
+        if self._parent is not None:
+            return self._parent.group(vary)
         key = tuple(sorted((axis, None if idx is None else tuple(idx)) for axis, idx in vary.items()))
         if key not in self._groups:
             sizes = [size for _, size in self.shape.sizes]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from loom.layout import TensorLayout, layout_of
+from loom.layout.redistribute import to_layout
 from loom.ops.primitive import Primitive
 
 BATCH = "ABCDEFGH"  # labels of batch dims, aligned from the right as broadcasting aligns them
@@ -195,8 +196,11 @@ class BatchMatMul(MatMul):
         pending = any(p.is_partial() for t in (x, w) for p in t.placements)
         if pending or len(used) != len(set(used)) or any(len(cuts) > 1 for cuts in seen.values()):
             # inputs no strategy laid out alike (the automatic planner's layouts): the local product cannot
-            # say its output; DTensor's rule moves them to a layout it can
-            return super().compute(x, w)
+            # say its output; the smaller input takes the other's cuts, or DTensor's rule moves them
+            fitted = self._fitted(x, w, x_labels, w_labels) if not pending else None
+            if fitted is None or (fitted[0] is x and fitted[1] is w):  # nothing moved: no local product
+                return super().compute(x, w)
+            return self.compute(*fitted)
         out_labels = BATCH[: len(batch)] + "ij"
         layout = TensorLayout(tuple(axes[label] for label in out_labels), partial=axes["k"])
         used = {axis for dim_axes in axes.values() for axis in dim_axes}
@@ -209,6 +213,36 @@ class BatchMatMul(MatMul):
             shape=torch.Size([*batch, i, j]),
             stride=torch.empty(0).new_empty([*batch, i, j]).stride(),
         )
+
+    def _fitted(self, x: DTensor, w: DTensor, x_labels: str, w_labels: str) -> tuple | None:
+        """`x` and `w` with the smaller one moved to the other's cuts of their shared dims, its own dims
+        keeping the mesh dims the other leaves free; None when not both are DTensors on this primitive's mesh.
+
+        DTensor's own rule would do as well, but on a mesh of 3 or more dims its strategy expansion prices
+        every candidate with its graph-based redistribution planner (a view of a sequence-cut activation
+        is a `_StridedShard`): minutes for one matmul of loom's GPT on 8 ranks."""
+        mesh = self.mesh
+        if mesh is None or not isinstance(w, DTensor) or x.device_mesh != mesh.device_mesh:
+            return None
+        move_x = x.numel() < w.numel()
+        (big, big_labels), (small, small_labels) = (
+            ((w, w_labels), (x, x_labels)) if move_x else ((x, x_labels), (w, w_labels))
+        )
+        cut = {
+            label: axes
+            for label, size, axes in zip(big_labels, big.shape, layout_of(big).dim_axes, strict=True)
+            if size != 1
+        }
+        taken = {axis for axes in cut.values() for axis in axes}
+        own = layout_of(small).dim_axes
+        target = TensorLayout(
+            tuple(
+                () if size == 1 else cut[label] if label in cut else tuple(a for a in axes if a not in taken)
+                for label, size, axes in zip(small_labels, small.shape, own, strict=True)
+            )
+        )
+        moved = to_layout(small, target, mesh, f"{self.name} input {'x' if move_x else 'w'}")
+        return (moved, w) if move_x else (x, moved)
 
     def labels(self, shapes, *extra):
         x, w = shapes
@@ -226,7 +260,23 @@ def _local(t: DTensor, used_axes: set[int]) -> torch.Tensor:
     grad_placements = [
         p if p.is_shard() or axis not in used_axes else Partial() for axis, p in enumerate(t.placements)
     ]
-    return t.to_local(grad_placements=grad_placements)
+    return _ContiguousGrad.apply(t.to_local(grad_placements=grad_placements))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. The local product's input gradients can be
+    transposed views (the gradient of `w.mT`); loom's GPT on 8 ranks (keys cut over sequence and batch)
+    then met, in backward, a key gradient whose DTensor strides and local strides ordered its dims
+    differently, and a `view` that DTensor allowed by the former failed on the latter. A contiguous local
+    gradient gives the DTensor that `to_local`'s backward builds contiguous strides on both sides."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad.contiguous()
 
 
 class Gather(Primitive):

@@ -10,8 +10,9 @@ memory is allocated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,9 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.dist.mesh import Mesh
+from loom.layout.redistribute import to_layout
+from loom.layout.tensor_layout import TensorLayout
 from loom.plan import Plan
 
-__all__ = ["auto_plan", "global_meta", "local_regions"]
+__all__ = ["auto_plan", "global_meta", "local_regions", "read_in_compute_layouts"]
 
 
 def auto_plan(
@@ -106,3 +109,43 @@ def global_meta(x: Any, batch_factor: int) -> Any:
     if shape:
         shape[0] *= batch_factor
     return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
+def read_in_compute_layouts(model: nn.Module, layouts: Mapping[str, TensorLayout], mesh: Mesh) -> None:
+    """A Plan's `compute_layouts` applied: each parameter named in `layouts` (path -> layout) is read by its
+    module's forward in that layout, moved when the forward starts (DTensor's collectives, differentiable:
+    its gradient goes back to the layout it is kept in, an all-gather's as a reduce-scatter).
+
+    The planner priced that move on the edge into the parameter's consumer. Left to DTensor, an operator
+    whose inputs do not fit together moves whichever its own costs prefer, which is not what was priced
+    and may leave gradients in layouts DTensor's rules mishandle (docs/planner.md, "8 ranks")."""
+    by_module: dict[str, dict[str, TensorLayout]] = {}
+    for name, layout in layouts.items():
+        path, _, short = name.rpartition(".")
+        by_module.setdefault(path, {})[short] = layout
+    for path, params in by_module.items():
+        module = model.get_submodule(path)
+        missing = [short for short in params if short not in module._parameters]
+        if missing:
+            raise ValueError(
+                f"plan.compute_layouts names {path}.{missing[0]}, which is not a parameter of its module "
+                f"{type(module).__name__}; the plan was made for another model"
+            )
+        module.register_forward_pre_hook(partial(_read_in, params=params, mesh=mesh, path=path))
+        module.register_forward_hook(partial(_read_done, names=tuple(params)), always_call=True)
+
+
+def _read_in(
+    module: nn.Module, _args: Any, *, params: Mapping[str, TensorLayout], mesh: Mesh, path: str
+) -> None:
+    # an instance attribute shadows the registered parameter for the forward's `self.weight` reads only:
+    # the parameter itself (its `.grad`, `named_parameters`, the optimizer's) stays where it is kept
+    for short, layout in params.items():
+        module.__dict__[short] = to_layout(
+            module._parameters[short], layout, mesh, f"parameter {path}.{short}"
+        )
+
+
+def _read_done(module: nn.Module, _args: Any, _output: Any, *, names: Sequence[str]) -> None:
+    for short in names:
+        module.__dict__.pop(short, None)

@@ -36,6 +36,11 @@ optimizer fresh. DiLoCo's fragments and delays are not elastic yet (one fragment
 
 Parameters may be DTensors (a replica sharded by tp): every operation here works on each rank's local
 shard, so the sharding must be the same in every replica (rank r of each replica holds the same slice).
+An inner optimizer that holds its own chunks of the parameters (`loom.parallel.zero.ZeroOptimizer`: a
+replica that is data-parallel inside, at optimizer levels 1-3) is met on those chunks, its `held_tensors`,
+and republishes them into the parameters after each sync (an all-gather inside the replica). Its chunks may
+exist only once the first backward has found the gradient buckets: the meetings then start at the first
+step (from the weights as they were before it), and a state loaded before it waits for them.
 `group` is the process group of the replicas this rank meets (e.g. a mesh's "dp" axis); None means all
 ranks. Nothing else communicates: a step between syncs issues no collective. The state (inner and outer
 optimizer, global weights, step count) is in `state_dict()` and resumes exactly.
@@ -43,6 +48,7 @@ optimizer, global weights, step count) is in `state_dict()` and resumes exactly.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterable
 from typing import Any
@@ -59,6 +65,13 @@ __all__ = ["DiLoCo", "LocalSGD", "Replicated", "fragments_of"]
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of `param` (its shard, for a DTensor)."""
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _held(params: list[torch.Tensor], inner: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+    """The tensors the syncs work on: the inner optimizer's own chunks when it holds them (`held_tensors`,
+    optimizer levels 1-3; None until they exist), else this rank's shard of each parameter."""
+    held = getattr(inner, "held_tensors", None)
+    return held() if held is not None else [_local(p) for p in params]
 
 
 def fragments_of(params: list[torch.Tensor], count: int) -> list[list[int]]:
@@ -148,6 +161,29 @@ class Replicated:
         # whether this replica holds the replicas' state (a replacement does not, until it joins)
         self.holds_state = self.membership is None or not self.membership.joining
         self.inner_steps = 0
+        # what the syncs average and save: this rank's shards (or the inner optimizer's chunks of them),
+        # found by `_ready` (at the first step when the chunks wait for the gradient buckets)
+        self.tensors: list[torch.Tensor] | None = None
+        self._loaded: dict[str, Any] | None = None  # a state loaded before the tensors existed
+        self._ready()
+
+    def _ready(self) -> bool:
+        """Find the tensors the syncs work on, start the meetings from them (`_begin`) and apply a state
+        loaded meanwhile; False while an inner optimizer's chunks do not exist yet (before the first step)."""
+        if self.tensors is not None:
+            return True
+        tensors = _held(self.params, self.inner)
+        if tensors is None:
+            return False
+        self.tensors = tensors
+        self._begin()
+        if self._loaded is not None:
+            state, self._loaded = self._loaded, None
+            self._load_state(state)
+        return True
+
+    def _begin(self) -> None:
+        """Start the meetings from `tensors` as they are (DiLoCo: the global weights)."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -177,6 +213,7 @@ class Replicated:
     @torch.no_grad()
     def step(self) -> None:
         """One inner step, then the syncs due at it."""
+        self._require_ready()  # before the inner step: the meetings start from the weights before it
         self.inner.step()
         self.skip()
 
@@ -184,8 +221,16 @@ class Replicated:
     def skip(self) -> None:
         """A step whose inner update is left out (a non-finite gradient on this replica): it still counts,
         and the syncs due at it still happen, so that every replica meets at the same steps."""
+        self._require_ready()
         self.inner_steps += 1
         self._sync_due()
+
+    def _require_ready(self) -> None:
+        if not self._ready():
+            raise RuntimeError(
+                f"{type(self).__name__}: the inner optimizer's chunks do not exist at a step: run a backward "
+                "pass (which finds the gradient buckets) before the step"
+            )
 
     def _sync_due(self) -> None:
         """The syncs due after inner step `inner_steps`."""
@@ -195,11 +240,33 @@ class Replicated:
         raise NotImplementedError
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` (checked at once; applied once the tensors exist, see `_ready`)."""
+        self._check_state(state)
+        self.inner_steps = int(state["inner_steps"])
+        if self.tensors is None:
+            self._loaded = state
+        else:
+            self._load_state(state)
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """A ValueError when `state` cannot resume this optimizer (nothing to check here)."""
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    @torch.no_grad()
     def adopt_params(self) -> None:
         """Start the meetings from the parameters as they are now (weights loaded after this was built,
         with no state of its own: the replicas' common starting point)."""
+        recut = getattr(self.inner, "recut", None)  # an inner optimizer's chunks follow the parameters
+        if recut is not None and self.tensors is not None:
+            recut()
+
+    def _written(self) -> None:
+        """After the syncs wrote `tensors`: an inner optimizer that holds them republishes the parameters."""
+        republish = getattr(self.inner, "republish", None)
+        if republish is not None:
+            republish()
 
     def settings(self) -> dict[str, Any]:
         """What a resumed run must share with the saved one, by `[parallel]` key: the sync and its settings."""
@@ -229,9 +296,17 @@ class Replicated:
         """What a checkpoint keeps of this rank: `state_dict()` and the parameters as this rank holds them
         (its shards; between two syncs each replica's differ, so no rank can stand for another), with the
         settings, world size and replica count that `resume_mismatch` compares on load."""
+        if self.tensors is None and self._loaded is not None:  # resumed, and no step since
+            optimizer = self._loaded
+        else:
+            self._require_ready()
+            optimizer = self.state_dict()
+        gathered = getattr(self.inner, "gathered_parameters", contextlib.nullcontext)
+        with gathered():  # optimizer level 3: the parameters whole on this rank while they are read
+            params = [_local(p).detach().clone() for p in self.params]
         return {
-            "optimizer": self.state_dict(),
-            "params": [_local(p).detach().clone() for p in self.params],
+            "optimizer": optimizer,
+            "params": params,
             "settings": self.settings(),
             "world_size": _world(),
             "replicas": _replicas(self.group),
@@ -258,6 +333,9 @@ class Replicated:
                     "model or its sharding differs from the saved run's"
                 )
             local.copy_(value)
+        recut = getattr(self.inner, "recut", None)  # an inner optimizer's chunks, if built, follow them
+        if recut is not None and self.tensors is not None:
+            recut()
         self.load_state_dict(state["optimizer"])
 
 
@@ -275,7 +353,7 @@ class LocalSGD(Replicated):
     @torch.no_grad()
     def average(self) -> None:
         """Replace every parameter by its mean over the replicas (one all-reduce)."""
-        locals_ = [_local(p) for p in self.params]
+        locals_ = self.tensors
         flat = _flatten(locals_)
         if self.membership is not None:  # the replicas alive; a replacement brings nothing
             contribution = flat if self.holds_state else torch.zeros_like(flat)
@@ -286,15 +364,14 @@ class LocalSGD(Replicated):
             flat /= _replicas(self.group)
         for local, averaged in zip(locals_, _unflatten(flat, locals_), strict=True):
             local.copy_(averaged)
+        self._written()
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state and the step count."""
         return {"inner": self.inner.state_dict(), "inner_steps": self.inner_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`."""
+    def _load_state(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
-        self.inner_steps = int(state["inner_steps"])
 
 
 class DiLoCo(Replicated):
@@ -319,7 +396,7 @@ class DiLoCo(Replicated):
         mix: float = 0.5,
         outer_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(params, inner, sync_every=sync_every, group=group)
+        sync_every = _check_every(sync_every)
         if fragments > sync_every:
             raise ValueError(
                 f"fragments = {fragments} is more than sync_every = {sync_every}: each fragment syncs once "
@@ -336,28 +413,37 @@ class DiLoCo(Replicated):
             )
         if not 0.0 <= mix <= 1.0:
             raise ValueError(f"mix = {mix} must be in [0, 1] (the share of the local weights kept)")
-        if self.membership is not None and (fragments != 1 or fragment_delay != 0):
+        if isinstance(group, Membership) and (fragments != 1 or fragment_delay != 0):
             raise ValueError(
                 f"fragments = {fragments}, fragment_delay = {fragment_delay}: replicas that come and go meet "
                 "with one fragment and no delay yet; set fragments = 1 and fragment_delay = 0"
             )
         if outer_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"outer_dtype = {outer_dtype} must be torch.float32 or torch.bfloat16")
-        self.fragments = fragments_of(self.params, fragments)
-        self.fragment_delay, self.mix, self.outer_dtype = fragment_delay, mix, outer_dtype
-        # the global weights: fp32 copies of this rank's local shards, updated by the outer optimizer only
-        self.global_weights = [_local(p).detach().float().clone() for p in self.params]
-        kwargs = (
+        self.fragment_count, self.fragment_delay = fragments, fragment_delay
+        self.mix, self.outer_dtype = mix, outer_dtype
+        self.outer_class = outer
+        self.outer_kwargs = (
             {"lr": 0.7, "momentum": 0.9, "nesterov": True} if outer_kwargs is None else dict(outer_kwargs)
         )
-        self.outer = outer(self.global_weights, **kwargs)
         self._pending: dict[int, tuple[int, Any, torch.Tensor]] = {}  # fragment -> (apply at, work, buffer)
+        super().__init__(params, inner, sync_every=sync_every, group=group)
+
+    def _begin(self) -> None:
+        """The fragments, and the global weights (fp32 copies of `tensors`, updated by the outer optimizer
+        only) with their outer optimizer."""
+        self.fragments = fragments_of(self.tensors, self.fragment_count)
+        self.global_weights = [tensor.detach().float().clone() for tensor in self.tensors]
+        self.outer = self.outer_class(self.global_weights, **self.outer_kwargs)
 
     @torch.no_grad()
     def adopt_params(self) -> None:
         """The global weights become the parameters as they are now (see `Replicated.adopt_params`)."""
-        for weight, param in zip(self.global_weights, self.params, strict=True):
-            weight.copy_(_local(param))
+        super().adopt_params()
+        if self.tensors is None:  # they will be taken from the parameters at the first step
+            return
+        for weight, tensor in zip(self.global_weights, self.tensors, strict=True):
+            weight.copy_(tensor)
 
     def _offset(self, fragment: int) -> int:
         """The inner step (mod sync_every) at which `fragment` starts its sync."""
@@ -375,7 +461,7 @@ class DiLoCo(Replicated):
     def _start(self, fragment: int) -> None:
         """Average the fragment's pseudo-gradients: at once, or asynchronously with a delay."""
         indices = self.fragments[fragment]
-        pseudo = [self.global_weights[i] - _local(self.params[i]).float() for i in indices]
+        pseudo = [self.global_weights[i] - self.tensors[i].float() for i in indices]
         flat = _flatten(pseudo).to(self.outer_dtype)
         if self.membership is not None:
             self._meet(flat)
@@ -424,11 +510,12 @@ class DiLoCo(Replicated):
             weight.grad = grad
         self._outer_step(weights)
         for i, weight in zip(indices, weights, strict=True):
-            local = _local(self.params[i])
+            local = self.tensors[i]
             if self.fragment_delay > 0:  # inner steps ran meanwhile: keep a share of their progress
                 local.mul_(self.mix).add_(weight.to(local.dtype), alpha=1.0 - self.mix)
             else:
                 local.copy_(weight)
+        self._written()
 
     def _outer_step(self, weights: list[torch.Tensor]) -> None:
         """Step the outer optimizer on `weights` only (the other fragments keep their gradients at None)."""
@@ -449,12 +536,12 @@ class DiLoCo(Replicated):
     def settings(self) -> dict[str, Any]:
         """`Replicated.settings` and the outer step's: its learning rate and momentum, the fragments, their
         delay and mix, the dtype the pseudo-gradients travel in."""
-        outer = self.outer.defaults
+        outer = self.outer_kwargs
         return {
             **super().settings(),
             "outer_lr": outer.get("lr"),
-            "outer_momentum": outer.get("momentum"),
-            "fragments": len(self.fragments),
+            "outer_momentum": outer.get("momentum", 0),
+            "fragments": self.fragment_count,
             "fragment_delay": self.fragment_delay,
             "mix": self.mix,
             "outer_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.outer_dtype],
@@ -479,8 +566,8 @@ class DiLoCo(Replicated):
             "settings": self.settings(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`, under the settings it was saved with."""
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """Resume only under the settings `state` was saved with."""
         changed = {
             k: (v, state["settings"].get(k))
             for k, v in self.settings().items()
@@ -494,6 +581,8 @@ class DiLoCo(Replicated):
                 f"DiLoCo.load_state_dict: {described}: resume with the settings of the saved run (the fragments "
                 "and the averages in flight depend on them)"
             )
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         saved = state["global_weights"]
         if len(saved) != len(self.global_weights):
             raise ValueError(
@@ -508,5 +597,4 @@ class DiLoCo(Replicated):
             weight.copy_(value)
         self.inner.load_state_dict(state["inner"])
         self.outer.load_state_dict(state["outer"])
-        self.inner_steps = int(state["inner_steps"])
         self._pending = {int(f): (int(at), None, flat.clone()) for f, (at, flat) in state["pending"].items()}

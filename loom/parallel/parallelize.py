@@ -39,7 +39,7 @@ from loom.layout.tensor_layout import TensorLayout
 from loom.models.recipes import known_recipe
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
-from loom.parallel.auto import auto_plan, global_meta
+from loom.parallel.auto import auto_plan, global_meta, read_in_compute_layouts
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.experts import connect_experts, expert_module_plan
 from loom.parallel.grad_sync import GradSync
@@ -201,6 +201,9 @@ def parallelize(
         module_plan, ep=ep,
     )  # fmt: skip
     if plan is not None:
+        # the planner's parameters read in another layout than kept (gathered over dp to compute)
+        computed = pattern_layouts(model, plan.compute_layouts, mesh)
+        read_in_compute_layouts(model, _planned(model, computed, mesh, ep), mesh)
         recompute_modules(model, plan.recompute_modules)
         model.loom.plan = plan
     return model

@@ -13,6 +13,7 @@ whole, by a second optimizer of the same kind.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -174,6 +175,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ]
         return chunks + grad_views(self._unbucketed())
 
+    def held_tensors(self) -> list[torch.Tensor] | None:
+        """What this rank updates, as it holds it: its fp32 chunk of every gradient bucket (one view of it
+        per parameter piece), then the local tensors of the parameters updated whole (replicas stepping
+        alone, `loom.parallel.local_sgd`, run their outer step on them; `republish` then makes the
+        parameters follow). Builds the chunks now if the first step has not yet; None while the buckets are
+        unknown (routes learnt by the first backward)."""
+        if not self.inner:
+            if not self.sync.buckets:
+                return None
+            self._build()
+        pieces = [shard.master[at : at + hi - lo] for shard in self.shards for _, lo, hi, at in shard.pieces]
+        return pieces + [_local(p) for p in self.whole]
+
+    def gathered_parameters(self) -> contextlib.AbstractContextManager:
+        """The parameters whole on this rank inside the block (level 3, once they live in the chunks: gathered
+        by every rank of their buckets' groups together, freed after); elsewhere they are already."""
+        if self.sharding is not None and self.sharding.active:
+            return self.sharding.full_parameters()
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def republish(self) -> None:
+        """The parameters after `held_tensors` were written from outside: every rank's chunks all-gathered
+        into them (collective over each bucket's group); at level 3 once the chunks hold the parameters,
+        each unit is gathered afresh at its next use instead."""
+        if self.sharding is not None and self.sharding.active:
+            self.sharding.gathered = [False] * len(self.sharding.units)
+            return
+        for shard in self.shards:
+            shard.publish()
+
+    @torch.no_grad()
+    def recut(self) -> None:
+        """The chunks copied again from the parameters: weights loaded into them after the chunks were built
+        (before level 3's first step, while the parameters still hold memory)."""
+        if self.sharding is not None and self.sharding.active:
+            raise ValueError("ZeroOptimizer.recut: at level 3 the chunks hold the parameters already")
+        for shard in self.shards:
+            shard.master.copy_(shard.cut(lambda param: param))
+
     def whole_params(self) -> list[nn.Parameter]:
         """The parameters in no gradient bucket (updated whole): their gradients are kept whole."""
         return self._unbucketed()
@@ -221,8 +262,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {"level": self.level, "inner": [optimizer.state_dict() for optimizer in self.inner]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Not supported directly: the states belong to bucket chunks that exist only after the first step.
-        Resume with `loom.checkpoint.load_checkpoint`, which restores them when the chunks are built."""
+        """This rank's `state_dict()` back, once the chunks are built (`held_tensors`) and cut as they were
+        when it was saved (the same mesh: replicas stepping alone resume so). Otherwise not supported: the
+        states belong to bucket chunks that exist only after the first step; resume with
+        `loom.checkpoint.load_checkpoint`, which restores them when the chunks are built."""
+        if (
+            self.inner
+            and state_dict.get("level") == self.level
+            and len(state_dict["inner"]) == len(self.inner)
+        ):
+            for optimizer, state in zip(self.inner, state_dict["inner"], strict=True):
+                optimizer.load_state_dict(state)
+            return
         raise NotImplementedError(
             "ZeroOptimizer.load_state_dict: use loom.checkpoint.load_checkpoint (or Checkpointer.resume), "
             "which restores sharded states once the gradient buckets exist"

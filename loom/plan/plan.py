@@ -76,7 +76,9 @@ class Plan:
     Pipeline: `schedule` (one of `SCHEDULES`), `virtual_stages` model chunks per pipeline rank, `micro_batches` per schedule run, and optionally `stages`, the
     `pp * virtual_stages` stages as blocks per stage or module paths per stage (uneven allowed).
     `strategies`: module pattern -> {"in_strategy", "out_strategy", "parameter_plan"} (MindSpore's `shard`
-    arguments as JSON lists); `parameter_layouts`: parameter pattern -> tensor spec (see `loom.plan.specs`).
+    arguments as JSON lists); `parameter_layouts`: parameter pattern -> tensor spec (see `loom.plan.specs`);
+    `compute_layouts`: parameter pattern -> the tensor spec its module's forward reads it in, where that
+    differs from where it is kept (an automatic plan's weight kept cut over dp and gathered to compute).
     `primitives_follow_inputs`: the model's `loom.ops` primitives set their own strategies aside and compute
     on their inputs as those arrive, by DTensor's rules (an automatic plan's layouts are priced so: its
     parameter layouts and module strategies are the only ones); false, each primitive applies its strategy.
@@ -100,6 +102,7 @@ class Plan:
     precision: str = "fp32"
     strategies: dict[str, dict] = field(default_factory=dict)
     parameter_layouts: dict[str, list] = field(default_factory=dict)
+    compute_layouts: dict[str, list] = field(default_factory=dict)
     primitives_follow_inputs: bool = False
     predicted_step_s: float | None = None
     predicted_memory_bytes: int | None = None
@@ -118,6 +121,7 @@ class Plan:
                 raise FieldError(OWNER, key, getattr(self, key), "use true or false")
         check_strategies(self.strategies)
         check_layouts(self.parameter_layouts)
+        check_layouts(self.compute_layouts, "compute_layouts")
         self._check_predictions()
 
     def _check_mesh(self) -> None:

@@ -116,10 +116,10 @@ def check_strategy(key: str, entry: Any) -> None:
         check_tensor_spec(f"{key}.parameter_plan[{name!r}]", spec)
 
 
-def check_layouts(layouts: Any) -> None:
-    """Parameter pattern -> tensor spec."""
-    for pattern, spec in _mapping("parameter_layouts", layouts).items():
-        check_tensor_spec(f"parameter_layouts[{pattern!r}]", spec)
+def check_layouts(layouts: Any, key: str = "parameter_layouts") -> None:
+    """Parameter pattern -> tensor spec (the plan field `key`)."""
+    for pattern, spec in _mapping(key, layouts).items():
+        check_tensor_spec(f"{key}[{pattern!r}]", spec)
 
 
 def check_recompute_modules(policies: Any) -> None:

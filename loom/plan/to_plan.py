@@ -20,7 +20,7 @@ from loom.plan.problem import requirement
 from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
-__all__ = ["pins", "placements", "solution_plan", "tensor_spec"]
+__all__ = ["compute_layout", "pins", "placements", "solution_plan", "tensor_spec"]
 
 
 def placements(spec: Any, ndim: int, mesh: Mapping[str, int], where: str) -> Placements:
@@ -160,7 +160,7 @@ def solution_plan(solution: Any) -> Plan:
         raise ValueError(
             f"a Plan names mesh axes from {MESH_AXES}; the mesh {mesh} has {unknown}: rename them"
         )
-    layouts, owners = {}, {}
+    layouts, computed, owners = {}, {}, {}
     for path, param in graph.params.items():
         decision = problem.decisions.get(param.node)
         if decision is None or decision.kind != "parameter" or graph[param.node].target != path:
@@ -169,6 +169,9 @@ def solution_plan(solution: Any) -> Plan:
         if any(isinstance(p, Shard) for p in ps):
             layouts[_pattern(graph, path)] = tensor_spec(ps, param.info.ndim, mesh)
             owners[param.module] = param.one_input
+        read = compute_layout(solution, param)
+        if read is not None and read != ps:
+            computed[_pattern(graph, path)] = tensor_spec(read, param.info.ndim, mesh)
     strategies = {}
     for module in sorted(set(owners) - {""}):  # the root's output is the model's: the caller reads it as is
         entry = {}
@@ -187,10 +190,60 @@ def solution_plan(solution: Any) -> Plan:
         **sizes,
         strategies=strategies,
         parameter_layouts=layouts,
+        compute_layouts=computed,
         primitives_follow_inputs=True,
         predicted_step_s=solution.cost_s if solution.cost_s > 0 else None,
         predicted_memory_bytes=int(solution.memory_bytes) if solution.memory_bytes >= 1 else None,
     )
+
+
+def compute_layout(solution: Any, param: Any) -> Placements | None:
+    """The placements the chosen operators read parameter `param` (a `graph.params` entry) in: what its
+    first non-view consumer requires, carried back through the views between them (a linear weight's `t`)
+    by the views' own chosen-compatible candidates. None when its readers disagree, lie outside its module,
+    or require a pending sum: DTensor's dispatcher then moves it as it sees fit.
+
+    The solver priced moving the parameter from where it is kept to this layout on the edge into its
+    consumer; DTensor, left to itself, may instead move the consumer's other input (it prices with its
+    own constants), which is neither the plan priced nor, for the gradients it then produces, always
+    within what its own rules handle (see docs/planner.md, "8 ranks")."""
+    problem, graph = solution.problem, solution.problem.graph
+    node = problem.canon.get(param.node, param.node)
+    found = set()
+    for edge in problem.edges:
+        if problem.canon.get(edge.ref.node, edge.ref.node) != node:
+            continue
+        if not _inside(graph[edge.target].module, param.module):
+            return None  # read outside its module's forward, where no hook moves it
+        found.add(_read_through_views(solution, edge))
+    if len(found) != 1:
+        return None
+    (read,) = found
+    if read is None or any(isinstance(p, Partial) for p in read):
+        return None
+    return read
+
+
+def _read_through_views(solution: Any, edge: Any) -> Placements | None:
+    """What the consumer at the end of `edge`'s chain of single-input views requires, as placements of
+    the chain's start (None where a view has no candidate giving what the next operator requires)."""
+    problem, graph = solution.problem, solution.problem.graph
+    chain = [edge]
+    while getattr(graph[chain[-1].target].op, "is_view", False) and len(graph[chain[-1].target].inputs) == 1:
+        out = [e for e in problem.edges if e.ref.node == chain[-1].target]
+        if len(out) != 1:
+            break
+        chain.append(out[0])
+    need, _ = requirement(
+        problem.decisions[chain[-1].target], solution.choice[chain[-1].target], chain[-1].index, problem.mesh
+    )
+    for link in reversed(chain[:-1]):
+        view = problem.decisions[link.target]
+        gives = [c.inputs[0] for c in view.options if c.outputs[0] == need]
+        if not gives:
+            return None
+        need = gives[0]
+    return need
 
 
 def _module_input(solution: Any, module: str) -> list | None:

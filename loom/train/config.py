@@ -400,6 +400,9 @@ class ParallelConfig(_Section):
         "every_step", "how dp replicas meet: gradients every step, or weights every sync_every steps"
     )
     sync_every: int = _key(50, "local_sgd, diloco: inner steps between two syncs of the replicas")
+    replicas: int = _key(
+        -1, "local_sgd, diloco: replicas stepping alone (divides dp; -1: dp, one per data-parallel index)"
+    )
     outer_lr: float = _key(0.7, "diloco: learning rate of the outer SGD on the averaged pseudo-gradient")
     outer_momentum: float = _key(0.9, "diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
     fragments: int = _key(1, "diloco: parameters cut into F fragments, each synced at its own step")
@@ -427,7 +430,7 @@ class ParallelConfig(_Section):
             self._fail("outer_momentum", "use a value in [0, 1)")
         if not 0 <= self.mix <= 1:
             self._fail("mix", "use a value in [0, 1]")
-        readers = {"sync_every": ("local_sgd", "diloco")}
+        readers = {key: ("local_sgd", "diloco") for key in ("sync_every", "replicas")}
         readers.update((key, ("diloco",)) for key in _DILOCO_KEYS)
         for key, syncs in readers.items():
             if self.sync not in syncs and self.given(key):
@@ -453,6 +456,11 @@ class ParallelConfig(_Section):
     def replicas_step_alone(self) -> bool:
         """True when the data-parallel replicas step alone and meet every `sync_every` steps."""
         return self.sync != "every_step"
+
+    def replica_count(self, dp: int) -> int:
+        """How many replicas step alone among `dp` data-parallel ranks (`replicas`, or dp for -1): each has
+        dp / replicas data-parallel ranks inside, which reduce their gradients every step."""
+        return dp if self.replicas == -1 else self.replicas
 
     def check(self) -> None:
         if self.mode == "auto":
@@ -498,7 +506,13 @@ class ParallelConfig(_Section):
         """Fill the keys from `plan`, which the run then uses as it is (`to_plan` returns it). `origin` names
         where it came from in errors. A key already given another value than the plan's is an error naming
         both, unless `replace` (the planner's choice replaces its previous one)."""
-        operator_keys = ("strategies", "parameter_layouts", "recompute_modules", "primitives_follow_inputs")
+        operator_keys = (
+            "strategies",
+            "parameter_layouts",
+            "recompute_modules",
+            "primitives_follow_inputs",
+            "compute_layouts",
+        )
         if any(getattr(plan, k) for k in operator_keys):
             given = [k for k in operator_keys if getattr(plan, k)]
             raise ValueError(
@@ -616,7 +630,7 @@ _PLAN_KEYS = {
 
 # written by `to_dict` only when given: a plan file or the planner fills the sizes, and a sync refuses the keys
 # it does not read
-ParallelConfig.WRITTEN_WHEN_GIVEN = frozenset(_PLAN_KEYS.values()) | {"sync_every", *_DILOCO_KEYS}
+ParallelConfig.WRITTEN_WHEN_GIVEN = frozenset(_PLAN_KEYS.values()) | {"sync_every", "replicas", *_DILOCO_KEYS}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -922,8 +936,8 @@ class TrainConfig:
             raise ValueError(f"parallel.pp = {par.pp} exceeds model.n_layers = {model.n_layers}; lower pp")
         self._check_context()
         self.check_pipeline()
-        self.check_replicas()
         dp = par.dp_size(world_size) if world_size is not None else (None if par.dp == -1 else par.dp)
+        self.check_replicas(dp)
         self.check_elastic(dp)
         if not model.is_hf:  # a Hugging Face model's experts: `_check_hf_experts`
             model.gpt_config().check_expert_parallel(par.ep, dp)
@@ -1024,17 +1038,19 @@ class TrainConfig:
                 "parallel.pp = 1"
             )
 
-    def check_replicas(self) -> None:
+    def check_replicas(self, dp: int | None = None) -> None:
         """With `parallel.sync` other than "every_step": a ValueError for each setting that replicas stepping
-        alone refuse, saying how to fix it (each replica may be tensor-parallel inside; nothing else cuts it)."""
+        alone refuse, saying how to fix it (`dp`: the data-parallel size, when known). A replica may be
+        data-parallel (`parallel.replicas` < dp, its optimizer level sharding over its own dp ranks),
+        pipelined and tensor-parallel inside; nothing else cuts it."""
         par, model = self.parallel, self.model
         if not par.replicas_step_alone:
             return
+        if par.replicas != -1 and par.replicas < 1:
+            par._fail("replicas", "use a positive divisor of parallel.dp, or -1 for one replica per dp index")
         refused = (
-            ("parallel.pp", par.pp, 1, "pipelines do not step alone yet"),
             ("parallel.cp", par.cp, 1, "context-parallel ranks do not step alone yet"),
             ("parallel.ep", par.ep, 1, "experts cut over dp ranks need every replica at each step"),
-            ("parallel.optimizer_level", par.optimizer_level, 0, "ZeRO shards states over the dp replicas"),
             ("model.experts", model.experts, 1, "the experts' balancing is not kept per replica yet"),
         )
         _refuse(refused, f"parallel.sync = {par.sync!r}", "parallel.sync = 'every_step'")
@@ -1042,6 +1058,20 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.sync = {par.sync!r} trains loom's GPT; a Hugging Face model (model.hf_config / "
                 "hf_pretrained) syncs every step yet: set parallel.sync = 'every_step'"
+            )
+        if dp is not None and dp % par.replica_count(dp):
+            raise ValueError(
+                f"parallel.replicas = {par.replicas} must divide parallel.dp = {dp}: each replica holds dp / "
+                f"replicas data-parallel ranks; choose replicas in "
+                f"{[d for d in range(1, dp + 1) if dp % d == 0]} or -1 (one replica per dp index)"
+            )
+        inside = None if dp is None else dp // par.replica_count(dp)
+        if par.optimizer_level > 0 and (inside == 1 or (dp is None and par.replicas == -1)):
+            raise ValueError(
+                f"parallel.optimizer_level = {par.optimizer_level} with parallel.sync = {par.sync!r} shards over "
+                "the data-parallel ranks inside each replica, and with parallel.replicas = "
+                f"{par.replicas} (dp = {dp if dp is not None else par.dp}) a replica has one: set "
+                "parallel.replicas to a divisor of dp below it (e.g. dp / 2), or optimizer_level = 0"
             )
 
     def check_elastic(self, replicas: int | None = None) -> None:
@@ -1056,8 +1086,12 @@ class TrainConfig:
                 "= 'local_sgd' or 'diloco' (with every_step sync a death stays a restart); set one, or "
                 "fault.elastic_replicas = false"
             )
+        several = "a replica of several processes does not leave whole yet"
         refused = (
-            ("parallel.tp", par.tp, 1, "a replica of several processes does not leave whole yet"),
+            ("parallel.tp", par.tp, 1, several),
+            ("parallel.pp", par.pp, 1, several),
+            ("parallel.replicas", par.replicas, -1, several),
+            ("parallel.optimizer_level", par.optimizer_level, 0, "replicas of one process shard nothing"),
             ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
             ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),
         )

@@ -67,11 +67,13 @@ from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.precision import DTYPES, DynamicLossScaler
 from loom.train.replicas import (
+    data_position,
     join_replicas,
     replica_group,
     replica_mesh,
     replica_optimizer,
     replica_plan_text,
+    replicas_mesh_sizes,
     whole_replica_model,
 )
 from loom.train.report import ReportedCheckpointer, group_layouts, main_rank_warnings
@@ -84,19 +86,16 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
     return config.model.gpt_config()
 
 
-def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple, batch_axes: tuple | None = None) -> GPT:
-    """The GPT of `[model]`, laid out on `mesh`, with only this rank's shards materialised (its experts cut
-    over `parallel.ep` data-parallel ranks). `batch_axes` as `loom.parallelize` takes them (`()` on a
-    replica's own mesh, whose ranks all bring the replica's batch)."""
+def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
+    """The GPT of `[model]`, laid out on `mesh` (the run's, or a replica's own: `loom.train.replicas`), with
+    only this rank's shards materialised (its experts cut over `parallel.ep` data-parallel ranks)."""
     par = config.parallel
     strategies = Strategies(
         mesh.dp_size, par.tp, par.sequence_parallel, par.ep, cp=par.cp, attention=par.attention
     )
     with torch.device("meta"):
         model = GPT(gpt_config(config), strategies, mesh=mesh)
-    loom.parallelize(
-        model, mode="semi_auto", example_inputs=model.shard_inputs(*example), batch_axes=batch_axes
-    )
+    loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(*example))
     model.loom.materialize(model, "cpu")
     model.init_weights(config.train.seed)
     for block in model.blocks:
@@ -260,8 +259,9 @@ def build_trainer(
     throughput and MFU against this device's peak); with `pipeline` (this rank's stages of `model`), the
     optimizer holds the stages' parameters and the Trainer runs the schedule. `mesh`: the run's whole mesh
     (default: the current one); with `parallel.sync` other than every step, the optimizer becomes the inner
-    one of the replicas' `LocalSGD` or `DiLoCo` over it (`loom.train.replicas`), the schedule still on it;
-    with `membership` (replicas that come and go), over that instead."""
+    one of the replicas' `LocalSGD` or `DiLoCo` over its "replica" axis (`loom.train.replicas`), working
+    on this rank's parameters (its stages' with a pipeline), the schedule still on it; with `membership`
+    (replicas that come and go), over that instead."""
     t = config.train
     if t.optimizer == "adamw":
         optimizer_class, hyper = (
@@ -280,7 +280,7 @@ def build_trainer(
     mesh = mesh or loom.current_mesh()
     group = None  # the step's loss and norm over every rank
     if config.parallel.replicas_step_alone:
-        optimizer = replica_optimizer(config, model, optimizer, mesh, membership)
+        optimizer = replica_optimizer(config, parts, optimizer, mesh, membership)
         group = replica_group(mesh)
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
     flops_per_token = model_flops_per_token(
@@ -373,15 +373,18 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         check_faults(config, faults)
         mesh = loom.init({"dp": 1})
         with use_mesh(None):
-            return _train(config, faults, verbose, mesh, disarm, membership)
-    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started)
-    mesh = loom.init(config.plan(loom.world_size()).mesh_sizes())
+            return _train(config, faults, verbose, mesh, disarm, membership, model_mesh=None)
+    # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started);
+    # replicas stepping alone lie on an outermost "replica" axis, each with the plan's axes inside
+    replicas, world = config.parallel.replicas_step_alone, loom.world_size()
+    mesh = loom.init(replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes())
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
-    if not config.parallel.replicas_step_alone:
-        return _train(config, faults, verbose, mesh, disarm)
-    with use_mesh(replica_mesh(mesh)):  # each replica computes on its own ranks alone
-        return _train(config, faults, verbose, mesh, disarm)
+    if not replicas:
+        return _train(config, faults, verbose, mesh, disarm, model_mesh=mesh)
+    inner = replica_mesh(mesh)
+    with use_mesh(inner):  # each replica computes on its own ranks alone
+        return _train(config, faults, verbose, mesh, disarm, model_mesh=inner)
 
 
 def _train(
@@ -391,13 +394,15 @@ def _train(
     mesh: loom.Mesh,
     disarm: list,
     membership: elastic.Membership | None = None,
+    *,
+    model_mesh: loom.Mesh | None,
 ) -> dict:
     """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report.
-    `membership`: this replica's slot among replicas that come and go (its data rank), else None."""
-    # the replica's data rank: its dp index, or its slot among replicas that come and go
-    dp_rank, dp_size = (
-        (mesh.dp_rank(), mesh.dp_size) if membership is None else (membership.rank, membership.size)
-    )
+    `membership`: this replica's slot among replicas that come and go (its data rank), else None.
+    `model_mesh`: the mesh the model is laid out on: the run's, a replica's own (`replica_mesh`), or None
+    for a replica of one process."""
+    # the rank's data position: its dp index over every replica, or its slot among replicas that come and go
+    dp_rank, dp_size = data_position(mesh) if membership is None else (membership.rank, membership.size)
     t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
@@ -407,17 +412,15 @@ def _train(
     pipeline = None
     _phase("building the model")
     if config.parallel.pp > 1:
-        model, pipeline = build_pipeline(config, mesh)
+        model, pipeline = build_pipeline(config, model_mesh)
     elif config.model.is_hf:
-        model = build_hf_model(config, mesh)
-    elif replicas and loom.current_mesh() is None:  # a replica of one process: the whole GPT on it
+        model = build_hf_model(config, model_mesh)
+    elif model_mesh is None:  # a replica of one process: the whole GPT on it
         model = whole_replica_model(config)
     else:
         # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
-        example = DistributedBatches(dataset, t.global_batch, mesh.dp_rank(), mesh.dp_size, seed=t.seed)
-        # a replica of tp ranks is laid out on its own mesh (the current one), where every rank brings its batch
-        axes = () if replicas and "dp" not in loom.current_mesh().shape.names else None
-        model = build_model(config, loom.current_mesh(), tuple(next(iter(example))), axes)
+        example = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)
+        model = build_model(config, model_mesh, tuple(next(iter(example))))
     logger = MetricsLogger(
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,
@@ -450,7 +453,7 @@ def _train(
             fault.install(trainer)
     if is_main:
         if replicas:
-            text = replica_plan_text(config, model, mesh, membership)
+            text = replica_plan_text(config, model if pipeline is None else pipeline, mesh, membership)
         elif pipeline is None:
             text = plan_text(config, model, verbose)
         else:
@@ -474,7 +477,7 @@ def _train(
     if membership is not None:
         summary["joined_at"] = joined_at
     if pipeline is not None:
-        summary.update(_pipeline_report(config, dataset, model, mesh, pipeline))
+        summary.update(_pipeline_report(config, dataset, model, model_mesh, pipeline))
     elif isinstance(model, GPT) and model.strategies.cp > 1:
         summary.update(_context_parallel_report(config, dataset, model))
     else:
@@ -513,7 +516,7 @@ def _context_parallel_report(config: TrainConfig, dataset: object, model: GPT) -
 def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
     """Held-out batches: the same kind of data drawn with another seed (the same on every run)."""
     data = build_dataset(dataclasses.replace(config.data, seed=config.data.seed + 10_000))
-    batches = DistributedBatches(data, config.train.global_batch, mesh.dp_rank(), mesh.dp_size, seed=1)
+    batches = DistributedBatches(data, config.train.global_batch, *data_position(mesh), seed=1)
     return [tuple(next(batches)) for _ in range(config.train.eval_batches)]
 
 

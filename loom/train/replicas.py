@@ -1,14 +1,17 @@
 """`loom train` with `[parallel] sync = "local_sgd"` or `"diloco"`: data-parallel replicas that step alone and
 meet every `sync_every` steps (`loom.parallel.local_sgd`), for replicas joined by slow links.
 
-Each replica is the ranks that share a data-parallel index: one process at `tp = 1`, else its `tp` ranks,
-laid out tensor-parallel on a mesh of their own (`replica_mesh`), so that nothing in a step leaves the
-replica: its gradients are not reduced over dp, and the step's loss, gradient norm and finiteness are the
-replica's (`replica_group`, the Trainer's `group`). The optimizer `[train]` describes becomes the inner
-optimizer of a `LocalSGD` or `DiLoCo` over the ranks of the other replicas that hold the same shards
-(`outer_group`), which issues the only collectives between replicas, at the syncs. Checkpoints keep each
-rank's parameters and optimizer states (`loom.checkpoint.state.replica_state`), so a resumed run continues
-exactly.
+The world is laid out with an outermost mesh axis "replica" of `parallel.replicas` (default: dp) replicas,
+then the run's usual axes (pp, dp, tp) with dp / replicas data-parallel ranks in each replica
+(`replicas_mesh_sizes`). A replica's ranks are the mesh without that axis (`replica_mesh`): one process, or
+its ranks laid out data-, pipeline- and tensor-parallel on a mesh of their own, so that nothing in a step
+leaves the replica: its gradients are reduced over its own dp ranks only (sharded there at optimizer levels
+1-3), and the step's loss, gradient norm and finiteness are the replica's (`replica_group`, the Trainer's
+`group`). The optimizer `[train]` describes becomes the inner optimizer of a `LocalSGD` or `DiLoCo` over the
+ranks of the other replicas at the same coordinates (`outer_group`), which hold the same shards (a pipeline
+rank's stages, a tp slice, a ZeRO chunk) and issue the only collectives between replicas, at the syncs.
+Checkpoints keep each rank's parameters and optimizer states (`loom.checkpoint.state.replica_state`), so a
+resumed run continues exactly.
 
 With `[fault] elastic_replicas` (replicas of one process) the replicas come and go: each worker is a process
 group of its own and the syncs are meetings of the replicas alive (`loom.dist.elastic.Membership`); a
@@ -22,43 +25,74 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import loom
 from loom.dist.elastic import Membership
 from loom.models.gpt import GPT
 from loom.parallel.local_sgd import DiLoCo, LocalSGD, Replicated
+from loom.parallel.pipeline import Pipeline
 from loom.recompute import recompute
 from loom.train.config import TrainConfig
 
 __all__ = [
+    "REPLICA_AXIS",
+    "data_position",
     "join_replicas",
     "outer_group",
     "replica_group",
     "replica_mesh",
     "replica_optimizer",
     "replica_plan_text",
+    "replicas_mesh_sizes",
     "whole_replica_model",
 ]
 
 _OUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# the outermost mesh axis of a run whose replicas step alone: one index per replica
+REPLICA_AXIS = "replica"
+
+
+def replicas_mesh_sizes(config: TrainConfig, world_size: int) -> dict[str, int]:
+    """The axes of a run whose replicas step alone, for `loom.init`: "replica" outermost, then the Plan's
+    axes (`Plan.mesh_sizes`) with dp / replicas data-parallel ranks inside each replica."""
+    sizes = config.plan(world_size).mesh_sizes()
+    config.check_replicas(sizes["dp"])  # replicas divides dp (and what it allows inside)
+    count = config.parallel.replica_count(sizes["dp"])
+    return {REPLICA_AXIS: count, **sizes, "dp": sizes["dp"] // count}
+
 
 def replica_mesh(mesh: loom.Mesh) -> loom.Mesh | None:
-    """The mesh of this rank's replica (the ranks of its dp index): None for one process, the whole mesh
-    for one replica."""
-    if mesh.world_size == mesh.dp_size:
+    """The mesh of this rank's replica (the ranks of its "replica" index, with the run's dp, pp and tp axes
+    inside): None for a replica of one process."""
+    if mesh.world_size == mesh.axis_size(REPLICA_AXIS):
         return None
-    return mesh if mesh.dp_size == 1 else mesh.without("dp")
+    return mesh.without(REPLICA_AXIS)
 
 
 def replica_group(mesh: loom.Mesh) -> dist.ProcessGroup | None:
     """The process group of this rank's replica (collective on first use: every rank builds every group)."""
-    return mesh.group({"tp": None} if mesh.axis_size("tp") > 1 else {})
+    return mesh.group({name: None for name in mesh.shape.names if name != REPLICA_AXIS})
 
 
 def outer_group(mesh: loom.Mesh) -> dist.ProcessGroup | None:
-    """The ranks this rank meets at a sync: one per replica, each holding the same shards (same tp index)."""
-    return mesh.group({"dp": None})
+    """The ranks this rank meets at a sync: one per replica, each at this rank's coordinates in its replica
+    (the same pipeline rank, dp index and tp index: the same shards)."""
+    return mesh.group({REPLICA_AXIS: None})
+
+
+def data_position(mesh: loom.Mesh) -> tuple[int, int]:
+    """This rank's data-parallel index and the data-parallel size, over every replica: replica r's dp
+    ranks read rows r * dp ... (r + 1) * dp - 1 of the split (on a mesh without replicas: its dp axis)."""
+    inside = (mesh.dp_rank(), mesh.dp_size)
+    if REPLICA_AXIS not in mesh.shape.names:
+        return inside
+    return mesh.axis_rank(REPLICA_AXIS) * inside[1] + inside[0], mesh.axis_size(REPLICA_AXIS) * inside[1]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def whole_replica_model(config: TrainConfig) -> GPT:
@@ -73,16 +107,17 @@ def whole_replica_model(config: TrainConfig) -> GPT:
 
 def replica_optimizer(
     config: TrainConfig,
-    model: nn.Module,
+    parts: nn.Module | Pipeline,
     inner: torch.optim.Optimizer,
     mesh: loom.Mesh,
     membership: Membership | None = None,
 ) -> Replicated:
-    """`[parallel] sync`'s optimizer around `inner` (the optimizer `[train]` describes) over `mesh`'s
-    replicas, or over `membership`'s (replicas that come and go)."""
+    """`[parallel] sync`'s optimizer around `inner` (the optimizer `[train]` describes, over the model
+    `parts`: a module, or this rank's pipeline stages) over `mesh`'s replicas, or over `membership`'s
+    (replicas that come and go)."""
     par = config.parallel
     group = outer_group(mesh) if membership is None else membership
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in dict.fromkeys(parts.parameters()) if p.requires_grad]
     if par.sync == "local_sgd":
         return LocalSGD(params, inner, sync_every=par.sync_every, group=group)
     # Nesterov needs a momentum: without one the outer step is plain SGD (lr 1: the average as it is)
@@ -94,10 +129,11 @@ def replica_optimizer(
 
 
 def replica_plan_text(
-    config: TrainConfig, model: nn.Module, mesh: loom.Mesh, membership: Membership | None = None
+    config: TrainConfig, parts: nn.Module | Pipeline, mesh: loom.Mesh, membership: Membership | None = None
 ) -> str:
-    """The plan of a run whose replicas step alone: how many, of how many ranks, and how they meet (with
-    `membership`, replicas of one process that come and go, each on a mesh of its own)."""
+    """The plan of a run whose replicas step alone: how many, each of what (dp x pp x tp ranks, optimizer
+    level, pipeline schedule), and how they meet (with `membership`, replicas of one process that come and
+    go, each on a mesh of its own). `parts`: the model, or this rank's pipeline stages."""
     par, m = config.parallel, config.model
     meets = f"{par.sync} every {par.sync_every} steps"
     if par.sync == "diloco":
@@ -106,12 +142,13 @@ def replica_plan_text(
             meets += f", {par.fragments} fragments landing {par.fragment_delay} steps later (mix {par.mix})"
         if par.outer_dtype != "fp32":
             meets += f", pseudo-gradients in {par.outer_dtype}"
-    each = "one process" if mesh.axis_size("tp") == 1 else f"tp = {par.tp} ranks"
     if membership is not None:
         mesh_text, replicas = f"{membership.size} processes", f"{membership.size} replicas (coming and going)"
+        each = "one process"
     else:
-        mesh_text, replicas = str(mesh), f"{mesh.dp_size} replicas"
-    count = sum(p.numel() for p in model.parameters())  # this rank's shards
+        mesh_text, replicas = str(mesh), f"{mesh.axis_size(REPLICA_AXIS)} replicas"
+        each = _replica_text(config, mesh)
+    count = sum(_local(p).numel() for p in dict.fromkeys(parts.parameters()))  # this rank's shards
     return "\n".join(
         [
             f"plan: {mesh_text}, {replicas} of {each} stepping alone, meeting by {meets}; precision "
@@ -120,6 +157,19 @@ def replica_plan_text(
             f"{m.n_heads} heads; the loss logged is replica 0's",
         ]
     )
+
+
+def _replica_text(config: TrainConfig, mesh: loom.Mesh) -> str:
+    """What one replica is: "one process", or "dp 2 x pp 2 x tp 1 ranks (..." with its optimizer level and
+    its pipeline schedule."""
+    if replica_mesh(mesh) is None:
+        return "one process"
+    par = config.parallel
+    dp, pp, tp = (mesh.axis_size(axis) for axis in ("dp", "pp", "tp"))
+    inside = [f"optimizer level {par.optimizer_level}"]
+    if pp > 1:
+        inside.append(f"pipeline schedule {par.schedule} with {par.microbatches} micro-batches")
+    return f"dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} ranks ({', '.join(inside)})"
 
 
 def join_replicas(trainer: object, batches: object, last_step: int) -> int | None:

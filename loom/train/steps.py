@@ -27,6 +27,7 @@ from loom.dist import env
 from loom.dist.context import unsharded
 from loom.models.moe import aux_losses
 from loom.parallel.grads import GradView, grad_views
+from loom.parallel.local_sgd import Replicated
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.zero import ZeroOptimizer
 from loom.train.precision import autocast
@@ -37,9 +38,17 @@ if TYPE_CHECKING:
 __all__ = ["ModuleSteps", "PipelineSteps", "steps_for"]
 
 
-def steps_for(parts: nn.Module | Pipeline) -> ModuleSteps | PipelineSteps:
-    """The step engine of `parts`: a module (one part) or a `Pipeline` (this rank's stages)."""
-    return PipelineSteps(parts) if isinstance(parts, Pipeline) else ModuleSteps(parts)
+def steps_for(
+    parts: nn.Module | Pipeline, group: dist.ProcessGroup | None = None
+) -> ModuleSteps | PipelineSteps:
+    """The step engine of `parts`: a module (one part) or a `Pipeline` (this rank's stages), trained by the
+    ranks of `group` (default: every rank)."""
+    return PipelineSteps(parts, group) if isinstance(parts, Pipeline) else ModuleSteps(parts)
+
+
+def _sharding(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds the step's gradients: the inner one of replicas stepping alone."""
+    return optimizer.inner if isinstance(optimizer, Replicated) else optimizer
 
 
 class ModuleSteps:
@@ -77,7 +86,7 @@ class ModuleSteps:
 
     def grad_views(self, trainer: Trainer) -> list[GradView]:
         """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""
-        own = getattr(trainer.optimizer, "grad_views", None)
+        own = getattr(_sharding(trainer.optimizer), "grad_views", None)
         return own() if own is not None else grad_views(trainer.params, trainer.group)
 
     def balance_group(self) -> dist.ProcessGroup | None:
@@ -108,17 +117,19 @@ def global_mean(losses: Sequence, group: dist.ProcessGroup | None = None) -> flo
 class PipelineSteps:
     """This rank's pipeline stages (`loom.parallel.pipeline.model_pipeline` or `gpt_pipeline`): each of the
     step's micro-batches is an `(inputs, targets)` pair that the pipeline cuts again into its own
-    micro-batches. Every rank of the world runs one pipeline rank (world = pp x dp x tp), so sums over the
-    world (the gradient norm, the finiteness check) cover every stage once per replica. Stages laid out on a
-    stage mesh (tp > 1) run with that mesh (`Pipeline` passes it inside the `unsharded` block)."""
+    micro-batches. Every rank of `group` (default: the world) runs one pipeline rank (group = pp x dp x
+    tp), so sums over it (the loss, the gradient norm, the finiteness check) cover every stage once per
+    data-parallel replica. Stages laid out on a stage mesh (tp > 1) run with that mesh (`Pipeline` passes it
+    inside the `unsharded` block)."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
-        if pipeline.pp * pipeline.stage_ranks() != env.world_size():
+    def __init__(self, pipeline: Pipeline, group: dist.ProcessGroup | None = None) -> None:
+        ranks = dist.get_world_size(group) if group is not None else env.world_size()
+        if pipeline.pp * pipeline.stage_ranks() != ranks:
             raise ValueError(
-                f"Trainer: pp {pipeline.pp} x {pipeline.stage_ranks()} ranks per stage do not make the world of "
-                f"{env.world_size()}: every rank must hold one pipeline rank"
+                f"Trainer: pp {pipeline.pp} x {pipeline.stage_ranks()} ranks per stage do not make the "
+                f"{ranks} ranks that train the model: every rank must hold one pipeline rank"
             )
-        self.pipeline = pipeline
+        self.pipeline, self.group = pipeline, group
         self.module = nn.ModuleList(pipeline.modules)
         self.replicas = dist.get_world_size(pipeline.dp_group) if pipeline.dp_group is not None else 1
 
@@ -131,13 +142,13 @@ class PipelineSteps:
         with unsharded(), autocast(trainer.precision, env.device_type()):
             for index, (inputs, targets) in enumerate(micro_batches):
                 losses.append(self.pipeline.run(inputs, targets, weight=weight, sync=index == count - 1))
-        return self.pipeline.global_loss(losses)
+        return self.pipeline.global_loss(losses, self.group)
 
     def eval_loss(self, trainer: Trainer, batches: Iterable[tuple]) -> float:
         """The schedule's forward only over `batches`; the mean loss, global."""
         with unsharded(), autocast(trainer.precision, env.device_type()):
             losses = [self.pipeline.run_eval(inputs, targets) for inputs, targets in batches]
-        return self.pipeline.global_loss(losses) if losses else float("nan")
+        return self.pipeline.global_loss(losses, self.group) if losses else float("nan")
 
     def grad_views(self, trainer: Trainer) -> list[GradView]:
         """This rank's stage gradients; the same values sit on the stage's data-parallel replicas (a DTensor
@@ -146,7 +157,7 @@ class PipelineSteps:
         world-wide sum of the norm counts every element once. At optimizer level 2 the gradients are the
         chunks of the stages' buckets (a tied parameter's bucket spans every rank holding a copy, so each of
         its chunks sits on one rank of it)."""
-        optimizer = trainer.optimizer
+        optimizer = _sharding(trainer.optimizer)
         if isinstance(optimizer, ZeroOptimizer) and optimizer.level >= 2:
             chunks = [
                 GradView(bucket.shard_grad, bucket.route.copies)

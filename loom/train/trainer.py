@@ -85,7 +85,8 @@ class Trainer:
             raise ValueError(f"grad_accum {grad_accum} must be >= 1")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm {clip_grad_norm} must be > 0 (or None for no clipping)")
-        self.steps = steps_for(model)  # how this kind of model parts runs a step's forward and backward
+        # how this kind of model parts runs a step's forward and backward, on the ranks of `group`
+        self.steps = steps_for(model, group)
         self.model = named_as if named_as is not None else self.steps.module
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.grad_accum, self.clip_grad_norm, self.precision = grad_accum, clip_grad_norm, precision

@@ -327,14 +327,14 @@ class Pipeline:
         # the schedule keeps the weighted losses: unweight their mean (fp32, as the other ranks receive it)
         return torch.stack(losses).detach().float().mean() / self._weight
 
-    def global_loss(self, losses: Sequence[torch.Tensor]) -> float:
+    def global_loss(self, losses: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> float:
         """The global mean of `run`'s losses (one per batch of a step), on every rank: one all-reduce over
-        the world, every rank of which runs one pipeline rank. The ranks with the last stage hold shares whose
-        mean over the ranks that run it is the global loss (plain stages: each replica's mean over its rows;
-        tensor-parallel stages: `tensor_stages.local_share`); the others zeros."""
+        `group` (default: the world), every rank of which runs one pipeline rank. The ranks with the last
+        stage hold shares whose mean over the ranks that run it is the global loss (plain stages: each
+        replica's mean over its rows; tensor-parallel stages: `tensor_stages.local_share`); the others zeros."""
         loss = torch.stack(list(losses)).mean()
-        dist.all_reduce(loss)
-        return (loss * self.pp / dist.get_world_size()).item()
+        dist.all_reduce(loss, group=group)
+        return (loss * self.pp / dist.get_world_size(group)).item()
 
     def stage_ranks(self) -> int:
         """How many ranks run this pipeline rank's stages together (its stage mesh, or its dp replicas)."""
