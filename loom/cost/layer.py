@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
-from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
+from loom.cost.compute import DTYPE_BYTES, fused_attention_time, matmul_time, memory_time
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
@@ -97,11 +97,12 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
     dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
     s, b, d = plan.seq, plan.micro_batch, model.head_dim
     heads = b * model.heads / (plan.tp * plan.cp)  # Ulysses: whole sequences, the rank's share of the heads
-    matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     if plan.flash_attention:
         # a fused causal kernel computes only the score blocks on and below the diagonal, at its own
         # fraction of the GEMMs' speed (softmax and masking inside the kernel)
-        return {"matmul": CAUSAL_SHARE * matmul / dev.attention_efficiency, "elementwise": 0.0}
+        fused = fused_attention_time(dev, s, d, s, dtype=dt, batch=heads, share=CAUSAL_SHARE)
+        return {"matmul": fused, "elementwise": 0.0}
+    matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     scores = heads * s * s
     # scale+mask+softmax reads and writes the scores; dropout reads, writes and stores a byte mask
     moved = 2 * e * scores + ((2 * e + 1) * scores if model.dropout else 0.0)
@@ -116,9 +117,12 @@ def _ring_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     over the block's scores (no dropout)."""
     dev, dt, e, cp = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.cp
     block, heads = plan.seq / cp, plan.micro_batch * model.heads / plan.tp
-    matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
     if plan.flash_attention:
-        return {"matmul": matmul / dev.attention_efficiency, "elementwise": 0.0}
+        fused = fused_attention_time(
+            dev, block, model.head_dim, block, dtype=dt, batch=heads, share=CAUSAL_SHARE
+        )
+        return {"matmul": cp * fused, "elementwise": 0.0}
+    matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
     scores = cp * CAUSAL_SHARE * heads * block * block
     return {"matmul": matmul, "elementwise": memory_time(dev, 2 * e * scores, kernels=2 * cp)}
 

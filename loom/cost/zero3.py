@@ -27,6 +27,10 @@ class UnitBytes:
     dense: float
     expert: float = 0.0
 
+    def scaled(self, factor: float) -> UnitBytes:
+        """The same unit's buffers in another precision (`factor` = new bytes per element / old)."""
+        return UnitBytes(dense=self.dense * factor, expert=self.expert * factor)
+
 
 def layer_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     """One transformer layer's gathered parameters on one device (see the module's docstring)."""

@@ -24,12 +24,12 @@ import csv
 import dataclasses
 from dataclasses import dataclass
 
-from loom.cost.hardware import PROFILES
+from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
 from loom.sim.validation import HERE, Case, cases, fsdp_cases
 
-__all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "published_cases", "source_halves"]
+__all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "jean_zay", "published_cases", "source_halves"]
 
 KINDS = ("dp", "fsdp", "3d", "interleaved", "moe", "long-context")
 LONG_CONTEXT = 32768  # sequences from this length count as long-context runs
@@ -45,6 +45,15 @@ ARCHITECTURES: dict[str, dict[str, int]] = {
     # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
     "bloom": {"vocab": 250880},
 }
+
+
+def jean_zay() -> Cluster:
+    """BigScience's BLOOM cluster as its training README describes it ('Hardware'): nodes of 8 A100 80GB
+    over NVLink, nodes linked by 4 Omni-Path links each (Omni-Path 100 series: 100 Gb/s a link), so 50 GB/s
+    per node, 6.25 GB/s per GPU, a quarter of the DGX A100 profile's one 200 Gb/s HDR NIC per GPU."""
+    dgx = PROFILES["a100-80gb"]
+    inter = dataclasses.replace(dgx.inter, name="omni-path-100g-x4-per-node", bandwidth=4 * 100e9 / 8 / 8)
+    return dataclasses.replace(dgx, inter=inter, notes="Jean Zay A100 80GB: 8 GPUs, NVLink, 4 x 100 Gb/s OPA")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +203,12 @@ def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
 
 
 def _bloom() -> tuple[list[Case], list[Skipped]]:
-    """BigScience BLOOM-176B shapes on 384 A100 80GB, Megatron-DeepSpeed (ZeRO-1, 1F1B, full recompute)."""
+    """BigScience BLOOM-176B shapes on 384 A100 80GB of Jean Zay (`jean_zay`), Megatron-DeepSpeed (1F1B, full
+    recompute). Its bf16 optimizer (the prequel's 'Rebalancing layers': "BF16 optimizer that was just written
+    to accumulate gradients in fp32"; the README: it "doesn't shard the static fp32 buffer") adds each
+    micro-batch's bf16 gradients into an fp32 buffer after its backward, all-reduces the whole fp32 buffer
+    over dp, updates its ZeRO-1 shard and all-gathers the bf16 parameters (DeepSpeed's pipeline engine:
+    `update_hp_grads` after every backward, `buffered_allreduce_fallback` of the fp32 gradients)."""
     stem, out = "bigscience2022_bloom176b", []
     for row in _rows(stem):
         model = TransformerConfig(
@@ -208,12 +222,12 @@ def _bloom() -> tuple[list[Case], list[Skipped]]:
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute="full", optimizer_level=1,
-            dtype="bf16", overlap_grad_sync=False,
+            dtype="bf16", overlap_grad_sync=False, grad_dtype="fp32", grad_reduce="all_reduce",
+            grad_accumulation="separate",
         )  # fmt: skip
         label = f"{row['model']} h{row['heads']} tp{row['tp']} pp{row['pp']} mb{row['micro_batch']}"
-        out.append(
-            _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
-        )
+        case = _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
+        out.append(dataclasses.replace(case, cluster=jean_zay().with_size(int(row["gpus"]))))
     return out, []
 
 
