@@ -134,12 +134,14 @@ def _layer_gemms(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[flo
     q, kv, f = model.heads * model.head_dim, model.kv * model.head_dim, model.ffn
     mats = 2 if model.gated_mlp else 1
     experts_here = model.experts / plan.ep if model.is_moe else 1
-    per_expert = tokens * model.top_k / experts_here if model.is_moe else tokens
+    # with etp < tp each rank routes only its tp / etp share of the tokens, to experts cut etp ways
+    et = plan.etp if model.is_moe else t
+    per_expert = tokens * model.top_k * et / t / experts_here if model.is_moe else tokens
     gemms = [
         (tokens, h, (q + 2 * kv) / t, 1),
         (tokens, q / t, h, 1),
-        (per_expert, h, mats * f / t, experts_here),
-        (per_expert, f / t, h, experts_here),
+        (per_expert, h, mats * f / et, experts_here),
+        (per_expert, f / et, h, experts_here),
     ]
     return gemms + ([(tokens, h, model.experts, 1)] if model.is_moe else [])
 
@@ -193,8 +195,8 @@ def _cp_comm(
 
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
-    two token exchanges forward, their reverses backward), over ep groups of consecutive dp ranks."""
-    span = group_span(plan.ep, plan.tp, cluster.gpus_per_node)
+    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart."""
+    span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
     return sum(
         c.count * collective_time(c.kind, c.nbytes, span, cluster)
         for c in layer_moe_collectives(model, plan)

@@ -155,6 +155,7 @@ class ParallelPlan:
     stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (no pipelines: `loom.sim.simulator`)
     attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
+    expert_tp: int = 0  # the experts' own tensor parallelism (Megatron-Core's ETP), a divisor of tp; 0: tp
     grad_dtype: str = ""  # see the class docstring: one of GRAD_DTYPES
     grad_reduce: str = ""  # one of GRAD_REDUCES
     grad_accumulation: str = "fused"  # one of GRAD_ACCUMULATIONS
@@ -188,10 +189,17 @@ class ParallelPlan:
                 f"ParallelPlan: global batch {self.global_batch} is not a multiple of dp*micro_batch "
                 f"= {self.dp}*{self.micro_batch}; change --global-batch or --micro-batch"
             )
-        if self.dp % self.ep:
+        if self.expert_tp and (self.expert_tp > self.tp or self.tp % self.expert_tp):
+            raise FieldError(owner, "expert_tp", self.expert_tp, f"use a divisor of tp={self.tp} (0: tp)")
+        if self.expert_tp in (0, self.tp) and self.dp % self.ep:
             raise ValueError(
                 f"ParallelPlan: ep={self.ep} must divide dp={self.dp} (experts shard the data-parallel axis)"
             )
+        if (self.tp * self.dp) % (self.etp * self.ep):
+            raise FieldError(
+                owner, "ep", self.ep,
+                f"expert_tp*ep = {self.etp}*{self.ep} must divide the tp*dp = {self.tp * self.dp} ranks of a stage",
+            )  # fmt: skip
         if self.stage_layers:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
             check_sizes(owner, {f"stage_layers[{i}]": n for i, n in enumerate(self.stage_layers)})
@@ -200,6 +208,19 @@ class ParallelPlan:
                     owner, "stage_layers", self.stage_layers,
                     f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
                 )  # fmt: skip
+
+    @property
+    def etp(self) -> int:
+        """Tensor parallelism inside each expert (`expert_tp`, else `tp`). A stage's tp * dp ranks are folded
+        for the experts as etp * ep * edp, etp innermost, then ep (Megatron-Core's expert layout): with
+        etp = tp the ep groups are ep consecutive data-parallel replicas (loom's own layout); with etp < tp
+        each rank routes its own sequence-parallel tokens and an ep group spans tensor-parallel ranks."""
+        return self.expert_tp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the ranks that hold the same experts' shard (tp * dp / (etp * ep))."""
+        return self.tp * self.dp // (self.etp * self.ep)
 
     @property
     def grad_collective(self) -> str:

@@ -23,7 +23,7 @@ def chunk_parameters(model: TransformerConfig, plan: ParallelPlan, stage: int) -
     experts = model.experts * model.mlp_parameters() if model.is_moe else 0
     sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
     dense = layers * (sharded / t + norms)
-    expert = layers * experts / (t * plan.ep)
+    expert = layers * experts / (plan.etp * plan.ep)
     if stage == 0:
         dense += model.embedding_parameters() / t
     if stage == plan.virtual_stages - 1:
@@ -51,7 +51,7 @@ def stage_memory(
     grad_bytes += GRAD_BYTES if plan.grad_accumulation == "separate" else 0
     level = plan.optimizer_level
     states = model_state_bytes(dense, level, rows.dp, grad_bytes=grad_bytes)
-    states += model_state_bytes(expert, level, rows.dp // plan.ep, grad_bytes=grad_bytes)
+    states += model_state_bytes(expert, level, rows.edp, grad_bytes=grad_bytes)
     s, b, t, e = plan.seq, plan.micro_batch, plan.tp, DTYPE_BYTES[plan.dtype]
     options = {
         "sequence_parallel": plan.sequence_parallel,

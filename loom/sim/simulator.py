@@ -190,7 +190,7 @@ def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cl
     """Seconds of one unit's all-gather or reduce-scatter: dense parameters over the data-parallel group,
     experts over the expert-data-parallel group, one after the other on the communication stream."""
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
-    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
+    edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     return collective_time(kind, unit.dense, dp_span, cluster) + collective_time(
         kind, unit.expert, edp_span, cluster
     )
@@ -226,7 +226,7 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     e, g, end = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision], playback.end[rank]
     dense, expert = stage_parameters(model, plan, rank)
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
-    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
+    edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     comm_free = 0.0
     if plan.optimizer_level < 3:
         kind = plan.grad_collective

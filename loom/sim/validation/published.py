@@ -131,9 +131,11 @@ def _unsupported(row: dict[str, str]) -> str:
     """Why a row's parallel layout cannot be simulated (empty: it can)."""
     if _int(row, "cp", 1) > 1:
         return f"context parallelism (cp={row['cp']}) is not simulated"
-    ep, dp = _int(row, "ep", 1), int(row["dp"])
-    if dp % ep:
-        return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}); loom's ep lives inside dp"
+    ep, dp, tp, etp = _int(row, "ep", 1), int(row["dp"]), int(row["tp"]), _int(row, "etp")
+    if etp is None and dp % ep:
+        return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}) and the row gives no expert tp"
+    if etp is not None and (tp * dp) % (etp * ep):
+        return f"expert tp * ep = {etp}*{ep} does not divide tp * dp = {tp * dp}"
     return ""
 
 
@@ -243,6 +245,12 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             reason = "architecture not recorded"
         elif not row["micro_batch"] or not row["iteration_s"]:
             reason = "micro-batch size and time per iteration not recorded"
+        elif (virtual := int(row["pp"]) * _int(row, "interleave", 1)) >= int(row["layers"]) + 2:
+            reason = f"{virtual} virtual stages for {row['layers']} layers leave the first and last without layers"
+        elif row["dispatcher"] == "DeepEP" and int(row["ep"]) * int(row["etp"] or row["tp"]) > 8:
+            # DeepEP sends a token once per destination node over RDMA and forwards it inside the node over
+            # NVLink; loom prices a flat all-to-all, which sends it once per routed expert
+            reason = "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
@@ -250,9 +258,10 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
         recompute = "full" if row["recompute"] == "full" else "selective" if row["recompute"] else "none"
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
-            ep=int(row["ep"]), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
-            seq=int(row["seq"]), recompute=recompute, optimizer_level=int(row["zero_stage"]),
-            sequence_parallel=int(row["tp"]) > 1, flash_attention=True, dtype="bf16",
+            ep=int(row["ep"]), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
+            global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
+            optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
+            dtype="bf16",
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
