@@ -31,20 +31,20 @@ __all__ = [
 # fraction of the dense bf16/fp16 peak that large training GEMMs reach, per GPU generation: the H100's
 # 989 TFLOP/s is a boost-clock figure that power and clock throttling keep out of reach far more than the
 # A100's 312 TFLOP/s
-MATMUL_EFFICIENCY = {"a100": 0.684, "h100": 0.518}
+MATMUL_EFFICIENCY = {"a100": 0.698, "h100": 0.551}
 # GEMM efficiency falls as m, k or n approach this size (thin shards, short heads): see `loom.cost.compute`
 MATMUL_KNEE = 32.0
 # fraction of the fp8 peak that fp8 GEMMs reach relative to `MATMUL_EFFICIENCY` (scaling and casts around
 # every fp8 GEMM: Transformer Engine, torchao float8)
-FP8_MATMUL_EFFICIENCY = 0.997
+FP8_MATMUL_EFFICIENCY = 0.999
 # speed of a fused (flash) attention kernel relative to a GEMM of the same FLOPs, per GPU generation: online
 # softmax, masking and the causal diagonal blocks run inside it, and FlashAttention-2's schedule keeps the
 # H100's tensor cores far less busy than its GEMMs do (about 35% of peak, Shah et al. 2024, FlashAttention-3)
-ATTENTION_EFFICIENCY = {"a100": 0.392, "h100": 0.316}
+ATTENTION_EFFICIENCY = {"a100": 0.390, "h100": 0.288}
 # fraction of the data-sheet memory bandwidth that memory-bound kernels reach
-MEMORY_EFFICIENCY = 0.876
+MEMORY_EFFICIENCY = 0.627
 # fraction of a link's bandwidth that NCCL collectives reach as bus bandwidth
-LINK_EFFICIENCY = 0.851
+LINK_EFFICIENCY = 0.949
 
 # the range the fit searches for each constant (names as `loom.sim.validation.fit` knows them)
 FIT_BOUNDS = {
@@ -54,5 +54,5 @@ FIT_BOUNDS = {
     "attention_a100": (0.2, 1.0),
     "attention_h100": (0.15, 1.0),
     "memory": (0.5, 1.0),
-    "link": (0.4, 1.0),
+    "link": (0.4, 0.95),  # NCCL's protocols never carry the link's data-sheet rate
 }

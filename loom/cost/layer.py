@@ -143,7 +143,7 @@ def _layer_gemms(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[flo
         (per_expert, h, mats * f / et, experts_here),
         (per_expert, f / et, h, experts_here),
     ]
-    return gemms + ([(tokens, h, model.experts, 1)] if model.is_moe else [])
+    return gemms + ([(tokens * et / t, h, model.experts, 1)] if model.is_moe else [])
 
 
 def gemm_shapes(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[int, int, int]]:
@@ -167,13 +167,15 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     h, f, tokens = model.hidden, model.ffn, plan.seq * plan.micro_batch
     replicated = tokens / t if plan.sequence_parallel else tokens
     routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
+    # with etp < tp each rank routes and permutes only its own tp / etp share of them
+    own = routed * plan.etp / t if model.is_moe else routed
     matmul = sum(
         matmul_time(dev, m, k, n, dtype=dt, batch=batch) for m, k, n, batch in _layer_gemms(model, plan)
     )
     residual = (3 * e + (1 if model.dropout else 0)) * replicated * h * 2  # (dropout +) residual add, twice
     norms = 2 * e * replicated * h * 2
     activation = (3 if model.gated_mlp else 2) * e * routed * f / t
-    permute = 4 * e * routed * h if model.is_moe else 0.0
+    permute = 4 * e * own * h if model.is_moe else 0.0
     elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
     costs = {
         "matmul": matmul + core["matmul"],

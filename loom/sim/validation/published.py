@@ -16,6 +16,11 @@ origin. Rules applied to every row of a source, never per row:
 - FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`).
 - Throughput rows are compared as tokens/s over all devices (tokens/s per GPU times the GPUs); rows that
   publish only a time per iteration are compared on it.
+- BigScience BLOOM: the cluster its README describes (`jean_zay`: 4 Omni-Path links per node) and DeepSpeed's
+  bf16 optimizer (fp32 gradients accumulated in a pass of their own and all-reduced whole).
+- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); rows
+  whose DeepEP dispatch crosses nodes are left out (DeepEP sends a token once per node, loom prices a flat
+  all-to-all).
 """
 
 from __future__ import annotations
