@@ -89,7 +89,9 @@ def test_separate_fp32_accumulation_is_a_memory_pass_per_micro_batch():
 def test_fp32_all_reduce_of_the_whole_gradient():
     cluster = get_cluster("a100-80gb", gpus=8)
     link = cluster.intra
-    plan = ParallelPlan(dp=8, micro_batch=1, global_batch=8, seq=64, optimizer_level=1, overlap_grad_sync=False)
+    plan = ParallelPlan(
+        dp=8, micro_batch=1, global_batch=8, seq=64, optimizer_level=1, overlap_grad_sync=False
+    )
     params = 4 * LAYER + 128 * 64 + 128
 
     def dp_comm(**changes) -> float:

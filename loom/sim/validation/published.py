@@ -251,11 +251,15 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
         elif not row["micro_batch"] or not row["iteration_s"]:
             reason = "micro-batch size and time per iteration not recorded"
         elif (virtual := int(row["pp"]) * _int(row, "interleave", 1)) >= int(row["layers"]) + 2:
-            reason = f"{virtual} virtual stages for {row['layers']} layers leave the first and last without layers"
+            reason = (
+                f"{virtual} virtual stages for {row['layers']} layers leave the first and last without layers"
+            )
         elif row["dispatcher"] == "DeepEP" and int(row["ep"]) * int(row["etp"] or row["tp"]) > 8:
             # DeepEP sends a token once per destination node over RDMA and forwards it inside the node over
             # NVLink; loom prices a flat all-to-all, which sends it once per routed expert
-            reason = "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
+            reason = (
+                "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
+            )
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
