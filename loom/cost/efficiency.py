@@ -36,21 +36,21 @@ __all__ = [
 # fraction of the dense bf16/fp16 peak that large training GEMMs reach, per GPU generation: the H100's
 # 989 TFLOP/s is a boost-clock figure that power and clock throttling keep out of reach far more than the
 # A100's 312 TFLOP/s
-MATMUL_EFFICIENCY = {"a100": 0.682, "h100": 0.549}
+MATMUL_EFFICIENCY = {"a100": 0.682, "h100": 0.551}
 # GEMM efficiency falls as m, k or n approach this size (thin shards, short heads): see `loom.cost.compute`
 MATMUL_KNEE = 32.0
 # fraction of the fp8 peak that fp8 GEMMs reach relative to `MATMUL_EFFICIENCY` (scaling and casts around
 # every fp8 GEMM: Transformer Engine, torchao float8)
-FP8_MATMUL_EFFICIENCY = 0.999
+FP8_MATMUL_EFFICIENCY = 0.997
 # speed of a fused (flash) attention kernel relative to a GEMM of the same FLOPs, per GPU generation: online
 # softmax, masking and the causal diagonal blocks run inside it, and FlashAttention-2's schedule keeps the
 # H100's tensor cores far less busy than its GEMMs do (about 35% of peak, Shah et al. 2024, FlashAttention-3)
-ATTENTION_EFFICIENCY = {"a100": 0.393, "h100": 0.280}
+ATTENTION_EFFICIENCY = {"a100": 0.392, "h100": 0.277}
 # fraction of the data-sheet memory bandwidth that memory-bound kernels reach; not fitted on the published
 # runs (see the module's docstring): the value of the previous fit, in the range `loom bench` measures
 MEMORY_EFFICIENCY = 0.876
 # fraction of a link's bandwidth that NCCL collectives reach as bus bandwidth
-LINK_EFFICIENCY = 0.949
+LINK_EFFICIENCY = 0.948
 
 # the range the fit searches for each constant (names as `loom.sim.validation.fit` knows them)
 FIT_BOUNDS = {
