@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from loom.cost.hardware import Device
 
-__all__ = ["DTYPE_BYTES", "matmul_efficiency", "matmul_time", "memory_time"]
+__all__ = ["DTYPE_BYTES", "fused_attention_time", "matmul_efficiency", "matmul_time", "memory_time"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -32,6 +32,39 @@ def matmul_time(
     compute = flops / (device.peak(dtype) * fraction)
     memory = (
         (m * k + k * n + m * n)
+        * batch
+        * DTYPE_BYTES[dtype]
+        / (device.memory_bandwidth * device.memory_efficiency)
+    )
+    return max(compute, memory) + device.kernel_overhead_s
+
+
+def fused_attention_time(
+    device: Device,
+    queries: float,
+    head_dim: float,
+    keys: float,
+    *,
+    dtype: str = "bf16",
+    batch: float = 1,
+    share: float = 1.0,
+) -> float:
+    """Seconds for a fused (flash) attention kernel's forward over `batch` heads: scores (queries x keys)
+    and context, `share` of the score blocks computed (a causal kernel skips the blocks above the diagonal).
+    Its FLOPs run at the GEMMs' shape-dependent speed times `device.attention_efficiency`; its memory traffic
+    is the query, key, value and output tiles only, since the scores stay on chip: unlike `matmul_time`,
+    the queries x keys scores never count as bytes moved."""
+    if min(queries, head_dim, keys, batch, share) <= 0:
+        return 0.0
+    flops = 2 * 2.0 * queries * head_dim * keys * batch * share
+    knee = device.matmul_knee
+    fraction = device.matmul_efficiency * device.attention_efficiency
+    fraction *= queries / (queries + knee) * keys / (keys + knee)
+    compute = flops / (device.peak(dtype) * fraction)
+    memory = (
+        2
+        * (queries + keys)
+        * head_dim
         * batch
         * DTYPE_BYTES[dtype]
         / (device.memory_bandwidth * device.memory_efficiency)

@@ -45,7 +45,9 @@ class Device:
     fp8_efficiency: float = (
         fitted.FP8_MATMUL_EFFICIENCY
     )  # fp8 GEMMs: this times matmul_efficiency of the fp8 peak
-    attention_efficiency: float = fitted.ATTENTION_EFFICIENCY  # fused attention's speed relative to a GEMM's
+    attention_efficiency: float = fitted.ATTENTION_EFFICIENCY[
+        "a100"
+    ]  # fused attention's speed relative to a GEMM's
     memory_efficiency: float = fitted.MEMORY_EFFICIENCY
     kernel_overhead_s: float = 0.0
     reserved_gib: float = 2.0  # runtime context, allocator slack and workspace, never usable by the model
@@ -162,6 +164,7 @@ PROFILES: dict[str, Cluster] = {
             memory_gib=80,
             memory_bandwidth=3.35e12,
             matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
+            attention_efficiency=fitted.ATTENTION_EFFICIENCY["h100"],
         ),  # fmt: skip
         _NVLINK4,
         _NDR,
@@ -174,6 +177,7 @@ PROFILES: dict[str, Cluster] = {
             memory_gib=141,
             memory_bandwidth=4.8e12,
             matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
+            attention_efficiency=fitted.ATTENTION_EFFICIENCY["h100"],
         ),  # fmt: skip
         _NVLINK4,
         _NDR,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
-from loom.cost.compute import DTYPE_BYTES, matmul_time, memory_time
+from loom.cost.compute import DTYPE_BYTES, fused_attention_time, matmul_time, memory_time
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
@@ -97,11 +97,12 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
     dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
     s, b, d = plan.seq, plan.micro_batch, model.head_dim
     heads = b * model.heads / (plan.tp * plan.cp)  # Ulysses: whole sequences, the rank's share of the heads
-    matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     if plan.flash_attention:
         # a fused causal kernel computes only the score blocks on and below the diagonal, at its own
         # fraction of the GEMMs' speed (softmax and masking inside the kernel)
-        return {"matmul": CAUSAL_SHARE * matmul / dev.attention_efficiency, "elementwise": 0.0}
+        fused = fused_attention_time(dev, s, d, s, dtype=dt, batch=heads, share=CAUSAL_SHARE)
+        return {"matmul": fused, "elementwise": 0.0}
+    matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     scores = heads * s * s
     # scale+mask+softmax reads and writes the scores; dropout reads, writes and stores a byte mask
     moved = 2 * e * scores + ((2 * e + 1) * scores if model.dropout else 0.0)
@@ -116,9 +117,12 @@ def _ring_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     over the block's scores (no dropout)."""
     dev, dt, e, cp = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype], plan.cp
     block, heads = plan.seq / cp, plan.micro_batch * model.heads / plan.tp
-    matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
     if plan.flash_attention:
-        return {"matmul": matmul / dev.attention_efficiency, "elementwise": 0.0}
+        fused = fused_attention_time(
+            dev, block, model.head_dim, block, dtype=dt, batch=heads, share=CAUSAL_SHARE
+        )
+        return {"matmul": cp * fused, "elementwise": 0.0}
+    matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
     scores = cp * CAUSAL_SHARE * heads * block * block
     return {"matmul": matmul, "elementwise": memory_time(dev, 2 * e * scores, kernels=2 * cp)}
 
@@ -130,14 +134,16 @@ def _layer_gemms(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[flo
     q, kv, f = model.heads * model.head_dim, model.kv * model.head_dim, model.ffn
     mats = 2 if model.gated_mlp else 1
     experts_here = model.experts / plan.ep if model.is_moe else 1
-    per_expert = tokens * model.top_k / experts_here if model.is_moe else tokens
+    # with etp < tp each rank routes only its tp / etp share of the tokens, to experts cut etp ways
+    et = plan.etp if model.is_moe else t
+    per_expert = tokens * model.top_k * et / t / experts_here if model.is_moe else tokens
     gemms = [
         (tokens, h, (q + 2 * kv) / t, 1),
         (tokens, q / t, h, 1),
-        (per_expert, h, mats * f / t, experts_here),
-        (per_expert, f / t, h, experts_here),
+        (per_expert, h, mats * f / et, experts_here),
+        (per_expert, f / et, h, experts_here),
     ]
-    return gemms + ([(tokens, h, model.experts, 1)] if model.is_moe else [])
+    return gemms + ([(tokens * et / t, h, model.experts, 1)] if model.is_moe else [])
 
 
 def gemm_shapes(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[int, int, int]]:
@@ -161,13 +167,15 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     h, f, tokens = model.hidden, model.ffn, plan.seq * plan.micro_batch
     replicated = tokens / t if plan.sequence_parallel else tokens
     routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
+    # with etp < tp each rank routes and permutes only its own tp / etp share of them
+    own = routed * plan.etp / t if model.is_moe else routed
     matmul = sum(
         matmul_time(dev, m, k, n, dtype=dt, batch=batch) for m, k, n, batch in _layer_gemms(model, plan)
     )
     residual = (3 * e + (1 if model.dropout else 0)) * replicated * h * 2  # (dropout +) residual add, twice
     norms = 2 * e * replicated * h * 2
     activation = (3 if model.gated_mlp else 2) * e * routed * f / t
-    permute = 4 * e * routed * h if model.is_moe else 0.0
+    permute = 4 * e * own * h if model.is_moe else 0.0
     elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
     costs = {
         "matmul": matmul + core["matmul"],
@@ -189,8 +197,8 @@ def _cp_comm(
 
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
-    two token exchanges forward, their reverses backward), over ep groups of consecutive dp ranks."""
-    span = group_span(plan.ep, plan.tp, cluster.gpus_per_node)
+    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart."""
+    span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
     return sum(
         c.count * collective_time(c.kind, c.nbytes, span, cluster)
         for c in layer_moe_collectives(model, plan)

@@ -21,6 +21,7 @@ from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, check_choice, check_size
 from loom.cost.transformer import TransformerConfig
 
 __all__ = [
+    "GRAD_BYTES",
     "OPTIMIZER_BYTES",
     "korthikanti_activation_bytes",
     "layer_activation_bytes",

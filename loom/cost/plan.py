@@ -25,6 +25,9 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
+    "GRAD_ACCUMULATIONS",
+    "GRAD_DTYPES",
+    "GRAD_REDUCES",
     "FieldError",
     "ParallelPlan",
     "check_choice",
@@ -51,6 +54,9 @@ LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 """The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
+GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
+GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
+GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate")
 
 
 class FieldError(ValueError):
@@ -117,6 +123,15 @@ class ParallelPlan:
     "interleaved" when it is above 1 and "1f1b" otherwise. `optimizer_level` is 0-3 (MindSpore / ZeRO).
     `stage_layers`: the layers of each of the `pp * interleave` virtual stages in model order (virtual
     stage v runs on pipeline rank v % pp), when they are uneven; empty: equal stages.
+
+    How gradients travel, as training systems differ in it: `grad_dtype` is the dtype they are accumulated
+    over micro-batches and reduced in ("": `dtype`; "fp32": Megatron-LM's `--accumulate-allreduce-grads-
+    in-fp32`, FSDP2's `reduce_dtype`, DeepSpeed's bf16 optimizer); `grad_reduce` the collective that
+    synchronises them at optimizer levels 0-2 ("": all-reduce at level 0, reduce-scatter of each replica's
+    shard from level 1; "all_reduce" at level 1: every replica receives the whole sum, as DeepSpeed's bf16
+    optimizer does before updating its shard); `grad_accumulation` whether the backward's weight-gradient
+    GEMMs add into the accumulation buffer ("fused") or a memory-bound pass after each micro-batch's
+    backward adds the `dtype` gradients into the `grad_dtype` buffer ("separate": DeepSpeed's bf16 optimizer).
     """
 
     dp: int = 1
@@ -140,6 +155,10 @@ class ParallelPlan:
     stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (no pipelines: `loom.sim.simulator`)
     attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
+    expert_tp: int = 0  # the experts' own tensor parallelism (Megatron-Core's ETP), a divisor of tp; 0: tp
+    grad_dtype: str = ""  # see the class docstring: one of GRAD_DTYPES
+    grad_reduce: str = ""  # one of GRAD_REDUCES
+    grad_accumulation: str = "fused"  # one of GRAD_ACCUMULATIONS
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -149,6 +168,18 @@ class ParallelPlan:
         check_choice(owner, "recompute", self.recompute, RECOMPUTE)
         check_choice(owner, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
         check_choice(owner, "dtype", self.dtype, PRECISIONS)
+        check_choice(owner, "grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        check_choice(owner, "grad_reduce", self.grad_reduce, GRAD_REDUCES)
+        check_choice(owner, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
+            self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
+        ):
+            raise FieldError(
+                owner, "grad_reduce", self.grad_reduce,
+                f"optimizer level {self.optimizer_level} "
+                + ("keeps whole gradients: use all_reduce" if self.optimizer_level == 0
+                   else "shards gradients: use reduce_scatter"),
+            )  # fmt: skip
         if self.schedule is None:
             object.__setattr__(self, "schedule", default_schedule(self.interleave))
         check_schedule(owner, self.schedule, self.interleave, key="interleave")
@@ -158,10 +189,17 @@ class ParallelPlan:
                 f"ParallelPlan: global batch {self.global_batch} is not a multiple of dp*micro_batch "
                 f"= {self.dp}*{self.micro_batch}; change --global-batch or --micro-batch"
             )
-        if self.dp % self.ep:
+        if self.expert_tp and (self.expert_tp > self.tp or self.tp % self.expert_tp):
+            raise FieldError(owner, "expert_tp", self.expert_tp, f"use a divisor of tp={self.tp} (0: tp)")
+        if self.expert_tp in (0, self.tp) and self.dp % self.ep:
             raise ValueError(
                 f"ParallelPlan: ep={self.ep} must divide dp={self.dp} (experts shard the data-parallel axis)"
             )
+        if (self.tp * self.dp) % (self.etp * self.ep):
+            raise FieldError(
+                owner, "ep", self.ep,
+                f"expert_tp*ep = {self.etp}*{self.ep} must divide the tp*dp = {self.tp * self.dp} ranks of a stage",
+            )  # fmt: skip
         if self.stage_layers:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
             check_sizes(owner, {f"stage_layers[{i}]": n for i, n in enumerate(self.stage_layers)})
@@ -170,6 +208,29 @@ class ParallelPlan:
                     owner, "stage_layers", self.stage_layers,
                     f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
                 )  # fmt: skip
+
+    @property
+    def etp(self) -> int:
+        """Tensor parallelism inside each expert (`expert_tp`, else `tp`). A stage's tp * dp ranks are folded
+        for the experts as etp * ep * edp, etp innermost, then ep (Megatron-Core's expert layout): with
+        etp = tp the ep groups are ep consecutive data-parallel replicas (loom's own layout); with etp < tp
+        each rank routes its own sequence-parallel tokens and an ep group spans tensor-parallel ranks."""
+        return self.expert_tp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the ranks that hold the same experts' shard (tp * dp / (etp * ep))."""
+        return self.tp * self.dp // (self.etp * self.ep)
+
+    @property
+    def grad_collective(self) -> str:
+        """The collective that synchronises gradients at levels 0-2 (`grad_reduce`, or the level's own)."""
+        return self.grad_reduce or ("all_reduce" if self.optimizer_level == 0 else "reduce_scatter")
+
+    @property
+    def grad_precision(self) -> str:
+        """The dtype gradients are accumulated and reduced in (`grad_dtype`, else `dtype`)."""
+        return self.grad_dtype or self.dtype
 
     def chunk_layers(self, layers: int) -> list[int]:
         """Layers of each virtual stage in model order (`stage_layers`, else `layers` split equally)."""

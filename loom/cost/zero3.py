@@ -5,7 +5,7 @@ device. Before the unit's forward its parameters are all-gathered over the data-
 its backward (they were freed after forward), and after its backward its gradients are reduce-scattered.
 Sizes are nccl-tests' (the gathered, full buffer), in the training dtype, of what one device of a
 tensor-parallel group holds: a layer's attention and dense MLP split over tp, its norms replicated; its
-experts split over tp and ep, gathered over the expert-data-parallel group (dp / ep) instead.
+experts split over etp and ep, gathered over the expert-data-parallel group (tp * dp / (etp * ep)) instead.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class UnitBytes:
     dense: float
     expert: float = 0.0
 
+    def scaled(self, factor: float) -> UnitBytes:
+        """The same unit's buffers in another precision (`factor` = new bytes per element / old)."""
+        return UnitBytes(dense=self.dense * factor, expert=self.expert * factor)
+
 
 def layer_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     """One transformer layer's gathered parameters on one device (see the module's docstring)."""
@@ -34,7 +38,7 @@ def layer_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     norms = 2 * model.norm_parameters()
     experts = model.experts * model.mlp_parameters() if model.is_moe else 0
     sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
-    return UnitBytes(dense=e * (sharded / t + norms), expert=e * experts / (t * plan.ep))
+    return UnitBytes(dense=e * (sharded / t + norms), expert=e * experts / (plan.etp * plan.ep))
 
 
 def embedding_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:

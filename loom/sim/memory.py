@@ -8,30 +8,36 @@ from __future__ import annotations
 
 from loom.cost.compute import DTYPE_BYTES
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.memory import layer_activation_bytes, model_state_bytes
+from loom.cost.memory import GRAD_BYTES, layer_activation_bytes, model_state_bytes
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["stage_memory", "stage_parameters"]
+__all__ = ["chunk_parameters", "stage_memory", "stage_parameters"]
 
 
-def stage_parameters(model: TransformerConfig, plan: ParallelPlan, rank: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one device of pipeline rank `rank`."""
-    t, layers = plan.tp, plan.rank_layers(model.layers, rank)
+def chunk_parameters(model: TransformerConfig, plan: ParallelPlan, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters one device holds of virtual stage `stage` (model order)."""
+    t, layers = plan.tp, plan.chunk_layers(model.layers)[stage]
     norms = 2 * model.norm_parameters()
     experts = model.experts * model.mlp_parameters() if model.is_moe else 0
     sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
     dense = layers * (sharded / t + norms)
-    expert = layers * experts / (t * plan.ep)
-    embedding = model.embedding_parameters() / t
-    if rank == 0:
-        dense += embedding
-    if rank == plan.pp - 1:
+    expert = layers * experts / (plan.etp * plan.ep)
+    if stage == 0:
+        dense += model.embedding_parameters() / t
+    if stage == plan.virtual_stages - 1:
         dense += model.output_parameters() - model.norm_parameters() * (1 - 1 / t)
         if model.tied_embeddings and plan.pp > 1:
             dense += model.vocab * model.hidden / t  # the last stage keeps its own copy of the tied embedding
     return dense, expert
+
+
+def stage_parameters(model: TransformerConfig, plan: ParallelPlan, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of pipeline rank `rank` (its chunks v = rank, rank +
+    pp, ...)."""
+    chunks = [chunk_parameters(model, plan, v) for v in range(rank, plan.virtual_stages, plan.pp)]
+    return sum(d for d, _ in chunks), sum(x for _, x in chunks)
 
 
 def stage_memory(
@@ -40,8 +46,12 @@ def stage_memory(
     """Bytes per device on pipeline rank `rank` by kind; `in_flight` is its peak count of live chunk forwards."""
     dense, expert = stage_parameters(model, plan, rank)
     rows = shards_as_rows(plan)  # the gradients' and optimizer states' group: dp x cp
-    states = model_state_bytes(dense, plan.optimizer_level, rows.dp)
-    states += model_state_bytes(expert, plan.optimizer_level, rows.dp // plan.ep)
+    # gradients in their accumulation precision; a separate accumulation pass also keeps the backward's own
+    grad_bytes = DTYPE_BYTES[plan.grad_precision] if plan.grad_dtype else GRAD_BYTES
+    grad_bytes += GRAD_BYTES if plan.grad_accumulation == "separate" else 0
+    level = plan.optimizer_level
+    states = model_state_bytes(dense, level, rows.dp, grad_bytes=grad_bytes)
+    states += model_state_bytes(expert, level, rows.edp, grad_bytes=grad_bytes)
     s, b, t, e = plan.seq, plan.micro_batch, plan.tp, DTYPE_BYTES[plan.dtype]
     options = {
         "sequence_parallel": plan.sequence_parallel,

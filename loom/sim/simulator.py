@@ -29,7 +29,7 @@ from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import UnitBytes, embedding_unit_bytes, head_unit_bytes, layer_unit_bytes
 from loom.sim.engine import Playback, play
-from loom.sim.memory import stage_memory, stage_parameters
+from loom.sim.memory import chunk_parameters, stage_memory, stage_parameters
 from loom.sim.overlap import sharded_pass
 from loom.sim.schedule import device_orders, peak_in_flight
 
@@ -158,7 +158,22 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
     backward[0] += _total(pieces.embed_bwd)
     forward[-1] += _total(pieces.head_fwd)
     backward[-1] += _total(pieces.head_bwd)
+    for v, seconds in enumerate(_grad_accumulation(model, plan, cluster)):
+        backward[v] += seconds
     return forward, backward
+
+
+def _grad_accumulation(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
+    """Seconds per micro-batch each virtual stage's backward spends adding its gradients into the
+    accumulation buffer when that is a pass of its own (`grad_accumulation = "separate"`): it reads the
+    fresh `dtype` gradients and reads and writes the `grad_dtype` buffer, memory-bound; 0 when fused."""
+    if plan.grad_accumulation == "fused":
+        return [0.0] * plan.virtual_stages
+    e, g = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
+    return [
+        memory_time(cluster.device, sum(chunk_parameters(model, plan, v)) * (e + 2 * g))
+        for v in range(plan.virtual_stages)
+    ]
 
 
 def _fsdp_exposed(
@@ -175,7 +190,7 @@ def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cl
     """Seconds of one unit's all-gather or reduce-scatter: dense parameters over the data-parallel group,
     experts over the expert-data-parallel group, one after the other on the communication stream."""
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
-    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
+    edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     return collective_time(kind, unit.dense, dp_span, cluster) + collective_time(
         kind, unit.expert, edp_span, cluster
     )
@@ -198,7 +213,9 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         if stage == len(chunks) - 1:
             units.append((head, head_unit_bytes(model, plan)))
         gather = [_unit_collective("all_gather", b, plan, cluster) for _, b in units]
-        scatter = [_unit_collective("reduce_scatter", b, plan, cluster) for _, b in units]
+        # gradients are reduce-scattered in their own precision (FSDP2's reduce_dtype)
+        scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.dtype]
+        scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for _, b in units]
         forward.append(sharded_pass([c[0] for c, _ in units], gather).end)
         backward.append(sharded_pass([c[1] for c, _ in units][::-1], gather[::-1], scatter[::-1]).end)
     return forward, backward
@@ -206,22 +223,22 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
 
 def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple[float, float]:
     """(end of gradient synchronisation, end of the optimizer step) on pipeline rank `rank`."""
-    e, end = DTYPE_BYTES[plan.dtype], playback.end[rank]
+    e, g, end = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision], playback.end[rank]
     dense, expert = stage_parameters(model, plan, rank)
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
-    edp_span = group_span(plan.dp // plan.ep, plan.tp * plan.ep, cluster.gpus_per_node)
-    kind = "all_reduce" if plan.optimizer_level == 0 else "reduce_scatter"
+    edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     comm_free = 0.0
     if plan.optimizer_level < 3:
+        kind = plan.grad_collective
         for chunk in sorted(range(plan.interleave), key=lambda c: playback.chunk_done[rank][c]):
             ready = playback.chunk_done[rank][chunk] if plan.overlap_grad_sync else end
-            cost = collective_time(kind, e * dense / plan.interleave, dp_span, cluster)
-            cost += collective_time(kind, e * expert / plan.interleave, edp_span, cluster)
+            cost = collective_time(kind, g * dense / plan.interleave, dp_span, cluster)
+            cost += collective_time(kind, g * expert / plan.interleave, edp_span, cluster)
             comm_free = max(comm_free, ready) + cost
     synced = max(end, comm_free)
     if model.tied_embeddings and plan.pp > 1 and rank in (0, plan.pp - 1):
         span = group_span(2, plan.tp * plan.dp * (plan.pp - 1), cluster.gpus_per_node)
-        synced += collective_time("all_reduce", e * model.vocab * model.hidden / plan.tp, span, cluster)
+        synced += collective_time("all_reduce", g * model.vocab * model.hidden / plan.tp, span, cluster)
     shard = plan.dp if plan.optimizer_level >= 1 else 1
     # Adam reads gradients, reads and writes fp32 master weights and both moments, writes the parameters
     step_bytes = (dense + expert) * (2 * e + 2 * OPTIMIZER_BYTES / shard)
@@ -233,7 +250,12 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
 
 
 def _breakdown(
-    plan: ParallelPlan, pieces: PieceCosts, rank_layers: int, rank: int, times: tuple
+    plan: ParallelPlan,
+    pieces: PieceCosts,
+    rank_layers: int,
+    rank: int,
+    times: tuple,
+    accumulation: list[float],
 ) -> dict[str, float]:
     tasks = plan.micro_batches * rank_layers  # layer-passes of one kind on this device
     parts: dict[str, float] = {}
@@ -249,6 +271,7 @@ def _breakdown(
         for name, value in costs.items():
             parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
     parts["recompute"] = tasks * _total(pieces.layer_recompute)
+    parts["grad_accumulation"] = plan.micro_batches * sum(accumulation[rank :: plan.pp])
     end, busy, synced, done = times
     parts["pipeline_bubble"] = max(0.0, end - busy)
     parts["dp_comm"] = synced - end
@@ -313,7 +336,10 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    breakdown = _breakdown(plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times)
+    accumulation = _grad_accumulation(model, plan, cluster)
+    breakdown = _breakdown(
+        plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation
+    )
     # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
     breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))
     return SimResult(

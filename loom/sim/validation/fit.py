@@ -25,7 +25,8 @@ CURRENT = {
     "matmul_a100": efficiency.MATMUL_EFFICIENCY["a100"],
     "matmul_h100": efficiency.MATMUL_EFFICIENCY["h100"],
     "fp8_matmul": efficiency.FP8_MATMUL_EFFICIENCY,
-    "attention": efficiency.ATTENTION_EFFICIENCY,
+    "attention_a100": efficiency.ATTENTION_EFFICIENCY["a100"],
+    "attention_h100": efficiency.ATTENTION_EFFICIENCY["h100"],
     "memory": efficiency.MEMORY_EFFICIENCY,
     "link": efficiency.LINK_EFFICIENCY,
 }
@@ -39,7 +40,7 @@ def apply(cluster: Cluster, constants: dict[str, float]) -> Cluster:
         cluster.device,
         matmul_efficiency=constants[f"matmul_{generation}"],
         fp8_efficiency=constants["fp8_matmul"],
-        attention_efficiency=constants["attention"],
+        attention_efficiency=constants[f"attention_{generation}"],
         memory_efficiency=constants["memory"],
     )
     intra = dataclasses.replace(cluster.intra, efficiency=constants["link"])

@@ -16,6 +16,11 @@ origin. Rules applied to every row of a source, never per row:
 - FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`).
 - Throughput rows are compared as tokens/s over all devices (tokens/s per GPU times the GPUs); rows that
   publish only a time per iteration are compared on it.
+- BigScience BLOOM: the cluster its README describes (`jean_zay`: 4 Omni-Path links per node) and DeepSpeed's
+  bf16 optimizer (fp32 gradients accumulated in a pass of their own and all-reduced whole).
+- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); rows
+  whose DeepEP dispatch crosses nodes are left out (DeepEP sends a token once per node, loom prices a flat
+  all-to-all).
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ import csv
 import dataclasses
 from dataclasses import dataclass
 
-from loom.cost.hardware import PROFILES
+from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
 from loom.sim.validation import HERE, Case, cases, fsdp_cases
 
-__all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "published_cases", "source_halves"]
+__all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "jean_zay", "published_cases", "source_halves"]
 
 KINDS = ("dp", "fsdp", "3d", "interleaved", "moe", "long-context")
 LONG_CONTEXT = 32768  # sequences from this length count as long-context runs
@@ -45,6 +50,15 @@ ARCHITECTURES: dict[str, dict[str, int]] = {
     # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
     "bloom": {"vocab": 250880},
 }
+
+
+def jean_zay() -> Cluster:
+    """BigScience's BLOOM cluster as its training README describes it ('Hardware'): nodes of 8 A100 80GB
+    over NVLink, nodes linked by 4 Omni-Path links each (Omni-Path 100 series: 100 Gb/s a link), so 50 GB/s
+    per node, 6.25 GB/s per GPU, a quarter of the DGX A100 profile's one 200 Gb/s HDR NIC per GPU."""
+    dgx = PROFILES["a100-80gb"]
+    inter = dataclasses.replace(dgx.inter, name="omni-path-100g-x4-per-node", bandwidth=4 * 100e9 / 8 / 8)
+    return dataclasses.replace(dgx, inter=inter, notes="Jean Zay A100 80GB: 8 GPUs, NVLink, 4 x 100 Gb/s OPA")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,9 +136,11 @@ def _unsupported(row: dict[str, str]) -> str:
     """Why a row's parallel layout cannot be simulated (empty: it can)."""
     if _int(row, "cp", 1) > 1:
         return f"context parallelism (cp={row['cp']}) is not simulated"
-    ep, dp = _int(row, "ep", 1), int(row["dp"])
-    if dp % ep:
-        return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}); loom's ep lives inside dp"
+    ep, dp, tp, etp = _int(row, "ep", 1), int(row["dp"]), int(row["tp"]), _int(row, "etp")
+    if etp is None and dp % ep:
+        return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}) and the row gives no expert tp"
+    if etp is not None and (tp * dp) % (etp * ep):
+        return f"expert tp * ep = {etp}*{ep} does not divide tp * dp = {tp * dp}"
     return ""
 
 
@@ -194,7 +210,12 @@ def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
 
 
 def _bloom() -> tuple[list[Case], list[Skipped]]:
-    """BigScience BLOOM-176B shapes on 384 A100 80GB, Megatron-DeepSpeed (ZeRO-1, 1F1B, full recompute)."""
+    """BigScience BLOOM-176B shapes on 384 A100 80GB of Jean Zay (`jean_zay`), Megatron-DeepSpeed (1F1B, full
+    recompute). Its bf16 optimizer (the prequel's 'Rebalancing layers': "BF16 optimizer that was just written
+    to accumulate gradients in fp32"; the README: it "doesn't shard the static fp32 buffer") adds each
+    micro-batch's bf16 gradients into an fp32 buffer after its backward, all-reduces the whole fp32 buffer
+    over dp, updates its ZeRO-1 shard and all-gathers the bf16 parameters (DeepSpeed's pipeline engine:
+    `update_hp_grads` after every backward, `buffered_allreduce_fallback` of the fp32 gradients)."""
     stem, out = "bigscience2022_bloom176b", []
     for row in _rows(stem):
         model = TransformerConfig(
@@ -208,12 +229,12 @@ def _bloom() -> tuple[list[Case], list[Skipped]]:
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute="full", optimizer_level=1,
-            dtype="bf16", overlap_grad_sync=False,
+            dtype="bf16", overlap_grad_sync=False, grad_dtype="fp32", grad_reduce="all_reduce",
+            grad_accumulation="separate",
         )  # fmt: skip
         label = f"{row['model']} h{row['heads']} tp{row['tp']} pp{row['pp']} mb{row['micro_batch']}"
-        out.append(
-            _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
-        )
+        case = _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
+        out.append(dataclasses.replace(case, cluster=jean_zay().with_size(int(row["gpus"]))))
     return out, []
 
 
@@ -229,6 +250,16 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             reason = "architecture not recorded"
         elif not row["micro_batch"] or not row["iteration_s"]:
             reason = "micro-batch size and time per iteration not recorded"
+        elif (virtual := int(row["pp"]) * _int(row, "interleave", 1)) >= int(row["layers"]) + 2:
+            reason = (
+                f"{virtual} virtual stages for {row['layers']} layers leave the first and last without layers"
+            )
+        elif row["dispatcher"] == "DeepEP" and int(row["ep"]) * int(row["etp"] or row["tp"]) > 8:
+            # DeepEP sends a token once per destination node over RDMA and forwards it inside the node over
+            # NVLink; loom prices a flat all-to-all, which sends it once per routed expert
+            reason = (
+                "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
+            )
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
@@ -236,9 +267,10 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
         recompute = "full" if row["recompute"] == "full" else "selective" if row["recompute"] else "none"
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
-            ep=int(row["ep"]), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
-            seq=int(row["seq"]), recompute=recompute, optimizer_level=int(row["zero_stage"]),
-            sequence_parallel=int(row["tp"]) > 1, flash_attention=True, dtype="bf16",
+            ep=int(row["ep"]), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
+            global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
+            optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
+            dtype="bf16",
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped

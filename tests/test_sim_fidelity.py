@@ -1,0 +1,135 @@
+"""Tier 1: the cost model's terms that the published runs called for, checked with exact numbers: fused
+attention's roofline, how gradients are accumulated and reduced, experts' own tensor parallelism, and the
+BLOOM cluster's fabric."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loom.cost.collectives import group_span
+from loom.cost.compute import fused_attention_time
+from loom.cost.hardware import Device, get_cluster
+from loom.cost.layer import gemm_shapes
+from loom.cost.plan import FieldError, ParallelPlan
+from loom.cost.transformer import TransformerConfig
+from loom.cost.zero3 import UnitBytes, layer_unit_bytes
+from loom.sim import simulate
+from loom.sim.memory import chunk_parameters, stage_parameters
+from loom.sim.validation.published import jean_zay
+
+# round numbers: 100 TFLOP/s, half of it for GEMMs, half of that for fused attention, 1 TB/s, no knee
+DEVICE = Device(
+    name="round", peak_flops={"bf16": 100e12}, memory_gib=80, memory_bandwidth=1e12, matmul_efficiency=0.5,
+    matmul_knee=0.0, attention_efficiency=0.5, memory_efficiency=1.0,
+)  # fmt: skip
+# one layer: attention 64*192 + 64*64 + 256 biases = 16640, MLP 2*64*256 + 320 = 33088, two LayerNorms 256
+GPT = TransformerConfig(layers=4, hidden=64, heads=4, vocab=128, dropout=False)
+LAYER = 16640 + 33088 + 256
+
+
+def test_fused_attention_counts_flops_and_tiles_not_scores():
+    # 4 * 1024 * 64 * 1024 * 8 heads, half the blocks (causal), at 100e12 * 0.5 * 0.5 FLOP/s
+    seconds = fused_attention_time(DEVICE, 1024, 64, 1024, batch=8, share=0.5)
+    assert seconds == pytest.approx(4 * 1024 * 64 * 1024 * 8 * 0.5 / 25e12, rel=1e-12)
+    # its speed does not depend on the head size: twice the head size, exactly twice the time
+    assert fused_attention_time(DEVICE, 1024, 128, 1024, batch=8, share=0.5) == pytest.approx(2 * seconds)
+    # memory-bound only when the peak is huge: then Q, K, V and O tiles, 2 * (q + k) * d * batch * 2 bytes
+    fast = dataclasses.replace(DEVICE, peak_flops={"bf16": 1e30})
+    assert fused_attention_time(fast, 1024, 64, 1024, batch=8) == pytest.approx(2 * 2048 * 64 * 8 * 2 / 1e12)
+
+
+def test_fused_attention_knee_applies_to_queries_and_keys_only():
+    knee = dataclasses.replace(DEVICE, matmul_knee=32.0)
+    expected = 4 * 96 * 64 * 160 / (25e12 * (96 / 128) * (160 / 192))
+    assert fused_attention_time(knee, 96, 64, 160) == pytest.approx(expected, rel=1e-12)
+
+
+def test_grad_fields_are_validated():
+    base = {"dp": 2, "global_batch": 2, "seq": 8}
+    with pytest.raises(FieldError, match="grad_reduce.*keeps whole gradients"):
+        ParallelPlan(**base, grad_reduce="reduce_scatter")
+    with pytest.raises(FieldError, match="grad_reduce.*shards gradients"):
+        ParallelPlan(**base, optimizer_level=2, grad_reduce="all_reduce")
+    with pytest.raises(FieldError, match="grad_dtype"):
+        ParallelPlan(**base, grad_dtype="fp8")
+    with pytest.raises(FieldError, match="expert_tp"):
+        ParallelPlan(**base, tp=4, expert_tp=3)
+    plan = ParallelPlan(**base, optimizer_level=1, grad_reduce="all_reduce", grad_dtype="fp32")
+    assert plan.grad_collective == "all_reduce" and plan.grad_precision == "fp32"
+    assert ParallelPlan(**base, optimizer_level=1).grad_collective == "reduce_scatter"
+
+
+def test_chunk_parameters_add_up_to_the_stage():
+    plan = ParallelPlan(pp=2, interleave=2, global_batch=4, seq=8)
+    # chunk 0: a layer and the embedding; chunk 3: a layer, the final norm and the tied embedding's copy
+    assert chunk_parameters(GPT, plan, 0) == (LAYER + 128 * 64, 0)
+    assert chunk_parameters(GPT, plan, 3) == (LAYER + 128 + 128 * 64, 0)
+    assert stage_parameters(GPT, plan, 1)[0] == chunk_parameters(GPT, plan, 1)[0] + LAYER + 128 + 128 * 64
+
+
+def test_separate_fp32_accumulation_is_a_memory_pass_per_micro_batch():
+    cluster = get_cluster("a100-80gb", gpus=1)
+    cluster = dataclasses.replace(cluster, device=DEVICE)
+    fused = ParallelPlan(micro_batch=1, global_batch=4, seq=64, grad_dtype="fp32")
+    separate = fused.replace(grad_accumulation="separate")
+    a, b = simulate(GPT, fused, cluster), simulate(GPT, separate, cluster)
+    # 4 layers, the embedding and the final norm; read bf16 gradients, read and write fp32: 10 bytes each
+    params = 4 * LAYER + 128 * 64 + 128
+    assert b.breakdown["grad_accumulation"] == pytest.approx(4 * params * 10 / 1e12, rel=1e-12)
+    assert a.breakdown["grad_accumulation"] == 0.0
+    assert b.iteration_s - a.iteration_s == pytest.approx(4 * params * 10 / 1e12, rel=1e-9)
+    assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
+    # the fp32 buffer and the bf16 gradients live side by side: 2 more bytes per parameter than fp32 alone
+    extra = b.memory_breakdown_gib["model_states"] - a.memory_breakdown_gib["model_states"]
+    assert extra * 1024**3 == pytest.approx(2 * params)
+
+
+def test_fp32_all_reduce_of_the_whole_gradient():
+    cluster = get_cluster("a100-80gb", gpus=8)
+    link = cluster.intra
+    plan = ParallelPlan(
+        dp=8, micro_batch=1, global_batch=8, seq=64, optimizer_level=1, overlap_grad_sync=False
+    )
+    params = 4 * LAYER + 128 * 64 + 128
+
+    def dp_comm(**changes) -> float:
+        return simulate(GPT, plan.replace(**changes), cluster).breakdown["dp_comm"]
+
+    # ring all-reduce over 8 GPUs of one node: bus factor 2 * 7/8, 6 latency steps (tree-like log2 n, x2)
+    all_reduce_fp32 = 6 * link.latency_s + 4 * params * 2 * 7 / 8 / link.bus_bandwidth
+    reduce_scatter_bf16 = 3 * link.latency_s + 2 * params * 7 / 8 / link.bus_bandwidth
+    assert dp_comm(grad_dtype="fp32", grad_reduce="all_reduce") == pytest.approx(all_reduce_fp32, rel=1e-12)
+    assert dp_comm() == pytest.approx(reduce_scatter_bf16, rel=1e-12)
+
+
+def test_zero3_reduce_scatter_in_the_gradient_precision():
+    assert UnitBytes(dense=10.0, expert=4.0).scaled(2.0) == UnitBytes(dense=20.0, expert=8.0)
+    plan = ParallelPlan(dp=8, global_batch=8, seq=64, optimizer_level=3)
+    cluster = get_cluster("a100-80gb", gpus=8)
+    bf16, fp32 = simulate(GPT, plan, cluster), simulate(GPT, plan.replace(grad_dtype="fp32"), cluster)
+    assert fp32.iteration_s >= bf16.iteration_s  # twice the bytes reduce-scattered, same gathers
+
+
+def test_expert_tensor_parallelism_folds_tp_and_dp():
+    moe = TransformerConfig(layers=2, hidden=64, heads=4, vocab=128, experts=8, top_k=2, dropout=False)
+    plan = ParallelPlan(
+        dp=4, tp=2, ep=8, expert_tp=1, micro_batch=1, global_batch=4, seq=64, sequence_parallel=True
+    )  # ep 8 spans the 2 x 4 ranks of the stage: one expert per rank, whole
+    assert (plan.etp, plan.edp) == (1, 1)
+    # each rank routes its 64 / 2 tokens, top-2: 64 rows to its one expert, whose 256 are not cut
+    assert {(64, 64, 256), (64, 256, 64)} <= set(gemm_shapes(moe, plan))
+    # with expert_tp = tp (loom's own layout) ep must divide dp
+    with pytest.raises(ValueError, match="ep=8 must divide dp=4"):
+        plan.replace(expert_tp=0)
+    # the expert unit's gathered bytes: all 8 experts' MLPs (2 * 64 * 256 + 320 each) over etp * ep = 8
+    sharded = plan.replace(dp=8, ep=8, global_batch=8, optimizer_level=3)
+    assert layer_unit_bytes(moe, sharded).expert == 2 * 8 * 33088 / 8
+    assert group_span(8, sharded.etp, 8).nodes == 1  # the ep group: 8 consecutive ranks, one node
+
+
+def test_jean_zay_has_four_omni_path_links_per_node():
+    cluster = jean_zay()
+    assert cluster.inter.bandwidth == 4 * 12.5e9 / 8 == 6.25e9  # bytes/s per GPU
+    assert cluster.device.name == "a100-80gb" and cluster.gpus_per_node == 8
