@@ -178,12 +178,31 @@ def test_plans_loom_cannot_run_give_reasons():
     odd = check_plan(MODEL, _plan(4, "ring", seq=8196), H100)
     assert any("2*cp = 8 chunks, but seq 8196" in r for r in odd), odd
     assert any("does not cut into cp=8" in r for r in check_plan(MODEL, _plan(8, seq=8196), H100))
-    piped = ParallelPlan(dp=2, pp=2, cp=2, global_batch=8, seq=8192)
-    assert any("pipelines do not cut the sequence over cp" in r for r in check_plan(MODEL, piped, H100))
-    moe = MODEL.replace(experts=8, top_k=2)
-    assert any("mixture of experts" in r for r in check_plan(moe, _plan(2), H100))
     sp = check_plan(MODEL, _plan(2, tp=4, seq=8196, sequence_parallel=True), H100)
     assert any("multiple of tp*cp = 8" in r for r in sp), sp
+
+
+def test_cp_inside_pipeline_stages_is_priced_per_stage():
+    # each stage's ranks exchange for the stage's layers only: per device, half the layers' cp traffic at pp=2
+    piped = ParallelPlan(dp=2, pp=2, cp=2, attention="ring", global_batch=8, micro_batch=1, seq=8192)
+    whole = simulate(MODEL, piped.replace(pp=1), H100.with_size(4))  # the same micro-batches per device
+    assert check_plan(MODEL, piped, H100.with_size(8)) == []
+    staged = simulate(MODEL, piped, H100.with_size(8))
+    assert staged.breakdown["cp_comm"] == pytest.approx(whole.breakdown["cp_comm"] / 2, rel=1e-9)
+    # what a stage sends on is each rank's piece of the sequence: seq / cp tokens of its rows
+    rank_piece = piece_costs(MODEL, piped, H100).p2p_bytes
+    assert rank_piece == piped.micro_batch * 8192 // 2 * MODEL.hidden * 2  # bf16 stream
+
+
+def test_experts_under_cp_are_priced():
+    moe = MODEL.replace(experts=8, top_k=2)
+    one, two = (_plan(1, "ring", ep=4), _plan(2, "ring", ep=4))
+    assert check_plan(moe, two, H100) == []
+    alone, cut = simulate(moe, one, H100), simulate(moe, two, H100)
+    assert cut.breakdown["cp_comm"] > 0 and alone.breakdown.get("cp_comm", 0) == 0
+    # a rank routes its own tokens: half of them at cp = 2 (dp halves, the global batch with it); the
+    # exchanges' latency does not halve
+    assert alone.breakdown["ep_comm"] / 2 < cut.breakdown["ep_comm"] < alone.breakdown["ep_comm"]
 
 
 SIM = ["simulate", "--layers", "4", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--vocab", "32000",
@@ -208,13 +227,12 @@ def test_loom_simulate_prices_cp(capsys):
     [
         (["--cp", "8", "--tp", "8"], "tp*cp = 8*8 must divide the 32 heads; use --attention ring"),
         (["--cp", "4", "--attention", "ring", "--seq", "8196"], "2*cp = 8 chunks, but seq 8196"),
-        (["--cp", "2", "--pp", "2"], "pipelines do not cut the sequence over cp yet"),
         (["--attention", "ring"], "give --cp N too"),
         (["--cp", "3"], "not a multiple of tp*pp*cp = 3"),
     ],
 )
 def test_loom_simulate_explains_cp_it_cannot_price(capsys, flags, message):
-    argv = [*SIM[:-2], "--gpus", "64" if "--tp" in flags else "16" if "--pp" in flags else "8", *flags]
+    argv = [*SIM[:-2], "--gpus", "64" if "--tp" in flags else "8", *flags]
     assert main(argv) == 1
     assert message in capsys.readouterr().err
 
@@ -240,6 +258,15 @@ def test_the_planner_cuts_a_long_sequence_that_fits_no_other_way():
     assert (plan.cp, plan.attention) == (best.plan.cp, best.plan.attention)
     again = simulate(MODEL, plan.parallel_plan(global_batch=8, seq=65536), H100)
     assert again.iteration_s == pytest.approx(best.result.iteration_s)
+
+
+def test_the_search_tries_cp_inside_pipeline_stages():
+    """cp meshes come with every pipeline depth the devices allow, each priced by the simulator as is."""
+    found = search_plans(MODEL, H100, 16, 16, 65536, memory_limit=10 * GIB)
+    piped = [c for c in found.candidates if c.plan.cp > 1 and c.plan.pp > 1]
+    assert piped and all(c.result.memory_per_device_gib <= 10 for c in found.candidates)
+    again = simulate(MODEL, to_plan(piped[0]).parallel_plan(global_batch=16, seq=65536), H100.with_size(16))
+    assert again.iteration_s == pytest.approx(piped[0].result.iteration_s)
 
 
 def test_memory_forces_cp_on_a_shorter_sequence():

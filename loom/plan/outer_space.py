@@ -5,8 +5,8 @@ micro-batch sizes that can run a model on a cluster, and the regions that cannot
 What can run is decided by the simulator's own checks (`loom.sim.simulator.check_plan`) on probe plans,
 so the search never disagrees with `loom simulate` about a plan being possible.
 
-Context parallelism (cp, each sequence cut over cp ranks) is tried at powers of two, without pipelines (loom
-runs cp only with pp = 1), with each attention that can cut the model (Ulysses: tp * cp divides the heads;
+Context parallelism (cp, each sequence cut over cp ranks) is tried at powers of two, with every pipeline
+depth and ep the rest allows, with each attention that can cut the model (Ulysses: tp * cp divides the heads;
 ring: the sequence a multiple of 2 * cp). One choice is pruned as dominated: a cp mesh's micro-batch of m
 sequences, m a multiple of cp, holds per rank the tokens, the activations and the attention work of the
 mesh with dp * cp replicas at micro-batch m / cp, which has no cp exchanges to pay for; so when that mesh
@@ -93,54 +93,61 @@ def meshes(
 ) -> tuple[list[Mesh], list[Infeasible]]:  # fmt: skip
     """Every mesh shape of `gpus` devices that can run `model` at `global_batch`, and the regions that
     cannot. ep (experts over the data-parallel axis) is tried at every degree dividing dp and the experts;
-    each cp of `cps` (`context_degrees`) above 1 without pipelines, with every attention that fits it."""
+    each cp of `cps` (`context_degrees`) above 1 with every pp, and every attention that fits it."""
     found, infeasible = [], []
     for tp in divisors(gpus):
         reasons = _tp_reasons(model, cluster, tp, seq)
         if reasons:
             infeasible.append(Infeasible(f"tp={tp}", "; ".join(reasons)))
             continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            where = f"dp={dp} tp={tp} pp={pp}"
-            if pp > model.layers:
-                infeasible.append(Infeasible(where, f"pp={pp} exceeds the model's {model.layers} layers"))
-            elif global_batch % dp:
-                infeasible.append(
-                    Infeasible(where, f"dp={dp} does not divide the global batch {global_batch}")
-                )
-            elif global_batch // dp < pp:
-                infeasible.append(Infeasible(where, f"{global_batch // dp} micro-batches per replica "
-                                  f"cannot fill pp={pp} stages (needs >= pp)"))  # fmt: skip
-            else:
-                eps = [e for e in divisors(dp) if model.experts % e == 0] if model.is_moe else [1]
-                found += [Mesh(dp, tp, pp, ep) for ep in eps]
-        for cp in (c for c in cps if c > 1 and (gpus // tp) % c == 0):
-            _context_meshes(model, cluster, Mesh(gpus // (tp * cp), tp, 1, cp=cp), global_batch, seq,
-                            found, infeasible)  # fmt: skip
+        for cp in (c for c in cps if (gpus // tp) % c == 0):
+            for pp in divisors(gpus // (tp * cp)):
+                mesh = Mesh(gpus // (tp * pp * cp), tp, pp, cp=cp)
+                reason = _batch_reason(model, mesh, global_batch)
+                if reason is not None:
+                    infeasible.append(Infeasible(mesh.region.replace(" ulysses", ""), reason))
+                elif cp == 1:
+                    found += [Mesh(mesh.dp, tp, pp, ep) for ep in _expert_degrees(model, mesh.dp)]
+                else:
+                    _context_meshes(model, cluster, mesh, seq, found, infeasible)
     return found, infeasible
 
 
-def _context_meshes(
-    model: TransformerConfig, cluster: Cluster, mesh: Mesh, global_batch: int, seq: int,
-    found: list[Mesh], infeasible: list[Infeasible],
-) -> None:  # fmt: skip
-    """`mesh` (cp > 1, pp = 1) with each attention the simulator accepts, into `found`; else why not."""
+def _batch_reason(model: TransformerConfig, mesh: Mesh, global_batch: int) -> str | None:
+    """Why `mesh` cannot take the model's layers or the global batch, or None."""
+    if mesh.pp > model.layers:
+        return f"pp={mesh.pp} exceeds the model's {model.layers} layers"
     if global_batch % mesh.dp:
-        where = f"dp={mesh.dp} tp={mesh.tp} cp={mesh.cp}"
-        infeasible.append(Infeasible(where, f"dp={mesh.dp} does not divide the global batch {global_batch}"))
-        return
+        return f"dp={mesh.dp} does not divide the global batch {global_batch}"
+    if global_batch // mesh.dp < mesh.pp:
+        return f"{global_batch // mesh.dp} micro-batches per replica cannot fill pp={mesh.pp} stages (needs >= pp)"
+    return None
+
+
+def _expert_degrees(model: TransformerConfig, dp: int) -> list[int]:
+    """ep degrees to try: every divisor of dp that divides the experts (1 for a dense model)."""
+    return [e for e in divisors(dp) if model.experts % e == 0] if model.is_moe else [1]
+
+
+def _context_meshes(
+    model: TransformerConfig, cluster: Cluster, mesh: Mesh, seq: int, found: list[Mesh],
+    infeasible: list[Infeasible],
+) -> None:  # fmt: skip
+    """`mesh` (cp > 1) with each attention the simulator accepts and each ep, into `found`; else why not."""
     why = []
     for attention in ATTENTIONS:
-        probe = ParallelPlan(dp=mesh.dp, tp=mesh.tp, cp=mesh.cp, attention=attention, global_batch=mesh.dp,
-                             seq=seq)  # fmt: skip
+        probe = ParallelPlan(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, attention=attention,
+                             global_batch=mesh.dp * mesh.pp, seq=seq)  # fmt: skip
         reasons = check_plan(model, probe, cluster.with_size(probe.devices))
         if reasons:
             why.append(f"{attention}: " + "; ".join(reasons))
         else:
-            found.append(Mesh(mesh.dp, mesh.tp, 1, cp=mesh.cp, attention=attention))
+            found += [
+                Mesh(mesh.dp, mesh.tp, mesh.pp, ep, cp=mesh.cp, attention=attention)
+                for ep in _expert_degrees(model, mesh.dp)
+            ]
     if len(why) == len(ATTENTIONS):
-        infeasible.append(Infeasible(f"dp={mesh.dp} tp={mesh.tp} cp={mesh.cp}", " | ".join(why)))
+        infeasible.append(Infeasible(mesh.region.replace(" ulysses", ""), " | ".join(why)))
 
 
 def micro_batch_sizes(mesh: Mesh, global_batch: int, *, flash_attention: bool = False) -> list[int]:

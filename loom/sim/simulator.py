@@ -122,10 +122,6 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
 def _cp_reasons(model: TransformerConfig, plan: ParallelPlan) -> list[str]:
     """Why loom cannot cut `plan`'s sequences over cp (the rules `loom train` applies to `[parallel]`)."""
     reasons, cp = [], plan.cp
-    if plan.pp > 1:
-        reasons.append(f"cp={cp} with pp={plan.pp}: pipelines do not cut the sequence over cp yet; use pp=1")
-    if model.is_moe:
-        reasons.append(f"cp={cp}: a mixture of experts does not run with context parallelism yet; use cp=1")
     if plan.attention == "ring" and plan.seq % (2 * cp):
         reasons.append(
             f"ring attention cuts each sequence head-tail into 2*cp = {2 * cp} chunks, but seq {plan.seq} is "
