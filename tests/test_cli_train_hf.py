@@ -18,6 +18,7 @@ from loom.train.config import ModelConfig, TrainConfig
 from loom.train.job import run
 
 PARALLEL = {"llama": {"dp": 2}, "gpt2": {"dp": 1, "tp": 2}}
+SGD = {"optimizer": "sgd", "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": None, "weight_decay": 0.0}
 
 
 def _plain_losses(config: TrainConfig, steps: int) -> list[float]:
@@ -44,13 +45,41 @@ def _plain_losses(config: TrainConfig, steps: int) -> list[float]:
 def test_one_device_matches_a_plain_pytorch_loop(dist_run, tmp_path):
     config = hf_job(
         tmp_path, "llama", parallel={"dp": 1},
-        train={"workers": 1, "steps": 3, "optimizer": "sgd", "schedule": "constant", "warmup_steps": 0,
-               "clip_grad_norm": None, "weight_decay": 0.0},
+        train={"workers": 1, "steps": 3, **SGD},
     )  # fmt: skip
     losses = dist_run(1, run, config)[0]["losses"]
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(_plain_losses(config, 3)), rtol=RTOL, atol=0
     )
+
+
+def _run_counting_ring_calls(config: TrainConfig) -> tuple[dict, int]:
+    """The job's summary and how many times this rank's attention ran ring attention over the cp group."""
+    from loom.parallel import hf_context
+
+    calls, ring = [], hf_context.ATTENTION_FUNCTIONS["ring"]
+    hf_context.ATTENTION_FUNCTIONS["ring"] = lambda *args, **kwargs: calls.append(1) or ring(*args, **kwargs)
+    try:
+        return run(config), len(calls)
+    finally:
+        hf_context.ATTENTION_FUNCTIONS["ring"] = ring
+
+
+def test_cp_cuts_the_sequences_and_follows_a_plain_loop(dist_run, tmp_path):
+    """`[parallel] dp = 2, cp = 2` (ring attention) on 4 ranks: each replica's ranks bring its whole rows, the
+    model cuts them; the losses of one device's plain loop, and samples decoded by a whole copy on rank 0."""
+    config = hf_job(
+        tmp_path, "llama", parallel={"dp": 2, "cp": 2, "attention": "ring"},
+        train={"workers": 4, "steps": 2, **SGD},
+    )  # fmt: skip
+    summaries, ring_calls = zip(*dist_run(4, _run_counting_ring_calls, config), strict=True)
+    assert set(ring_calls) == {2 * 2}, ring_calls  # every rank: 2 layers x 2 steps
+    torch.testing.assert_close(
+        torch.tensor(summaries[0]["losses"]), torch.tensor(_plain_losses(config, 2)), rtol=RTOL, atol=0
+    )
+    samples = summaries[0]["text_samples"]
+    assert len(samples) == 3 and samples[0][0].startswith("the cat sat") and samples[0][1], samples
+    assert all(summary["text_samples"] == samples for summary in summaries)  # rank 0's, sent to every rank
 
 
 def _checkpointed(root, family, steps):

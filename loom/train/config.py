@@ -968,10 +968,7 @@ class TrainConfig:
         the data-parallel size: checked once `world_size` is known, or `parallel.dp` set)."""
         par, model = self.parallel, self.model
         if par.cp > 1:
-            raise ValueError(
-                f"parallel.cp = {par.cp}: loom train cuts the sequences of loom's GPT only, not yet of Hugging "
-                "Face models; set parallel.cp = 1 (in Python: loom.parallelize(model, plan=Plan(cp=...)))"
-            )
+            self._check_hf_context()
         if par.tp > 1 and par.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel: the tensor-parallel plans of Hugging Face models do not cut the "
@@ -989,6 +986,42 @@ class TrainConfig:
             self._check_hf_experts(world_size)
         if par.pp > 1:
             self._check_hf_pipeline()
+
+    def _check_hf_context(self) -> None:
+        """`parallel.cp > 1` on a Hugging Face model: no pipeline (its stages do not cut sequences), its
+        family's recipe names its attention modules, and its config asks for nothing that a sequence cut
+        over cp cannot run (a sliding window, attention dropout); `loom.parallel.hf_context` refuses the
+        same at run time."""
+        from loom.models.hf import causal_lm_class
+        from loom.models.recipes import RECIPES
+
+        par, model = self.parallel, self.model
+        source = model.hf_config or str(Path(model.hf_pretrained or "") / "config.json")
+        if par.pp > 1:
+            raise ValueError(
+                f"parallel.cp = {par.cp} with parallel.pp = {par.pp}: the pipeline stages of a Hugging Face "
+                "model do not cut its sequences (loom's GPT only); set parallel.cp = 1 or parallel.pp = 1"
+            )
+        hf_config = model.hf_model_config()
+        name = causal_lm_class(hf_config)
+        if getattr(RECIPES.get(name), "attention", None) is None:
+            known = sorted(n for n, r in RECIPES.items() if getattr(r, "attention", None) is not None)
+            raise ValueError(
+                f"parallel.cp = {par.cp}: loom knows no attention modules of {name} (families it can cut: "
+                f"{known}); set parallel.cp = 1"
+            )
+        if getattr(hf_config, "sliding_window", None) is not None:
+            raise ValueError(
+                f"parallel.cp = {par.cp}: {source} sets sliding_window = {hf_config.sliding_window}, which "
+                'loom\'s context-parallel attention does not apply; set "sliding_window": null there, or '
+                "parallel.cp = 1"
+            )
+        for key in ("attention_dropout", "attn_pdrop"):
+            if getattr(hf_config, key, 0.0):
+                raise ValueError(
+                    f"parallel.cp = {par.cp}: {source} sets {key} = {getattr(hf_config, key)}, and loom's "
+                    f'context-parallel attention has no dropout; set "{key}": 0.0 there, or parallel.cp = 1'
+                )
 
     def _check_hf_experts(self, world_size: int | None) -> None:
         """`parallel.ep > 1` on a Hugging Face model: its family's recipe names its experts (Mixtral), `ep`

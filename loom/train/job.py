@@ -112,11 +112,11 @@ def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
     par = config.parallel
     if config.model.hf_pretrained is not None and (par.tp > 1 or par.ep > 1):
         # laid out on the meta device: each rank allocates and reads its shards alone
-        model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par.tp, par.ep)
+        model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par)
         model.loom.materialize(model, "cpu")
         hf.load_weights(model, config.model.hf_pretrained)
     else:  # every rank holds the whole model, then replicates it (or lays it out)
-        model = _parallelize_hf(whole_hf_model(config), par.tp, par.ep)
+        model = _parallelize_hf(whole_hf_model(config), par)
     if par.recompute != "none":
         for block in find_blocks(model)[1]:
             recompute(block, par.recompute)
@@ -135,13 +135,19 @@ def whole_hf_model(config: TrainConfig) -> nn.Module:
     return model
 
 
-def _parallelize_hf(model: nn.Module, tp: int, ep: int) -> nn.Module:
-    if tp == 1 and ep == 1:
+def _parallelize_hf(model: nn.Module, par: object) -> nn.Module:
+    """`model` made parallel as `[parallel]` says (`par`): data parallel, its recipe's tensor plan, or a Plan
+    whose ep cuts the experts and whose cp cuts the sequences, as its family's recipe says."""
+    tp, ep, cp = par.tp, par.ep, par.cp
+    if tp == 1 and ep == 1 and cp == 1:
         return loom.parallelize(model, mode="data_parallel")
-    if ep == 1:
+    if ep == 1 and cp == 1:
         return loom.parallelize(model, mode="semi_auto", module_plan=tensor_plan(model))
-    # the plan's ep cuts the experts as the family's recipe says; its tensor plan lays out the rest
-    return loom.parallelize(model, plan=Plan(tp=tp, ep=ep, strategies=tensor_plan(model)))
+    # each rank of a replica brings its whole sequences: the plan's cp cuts them in a pre-hook
+    # (`loom.parallel.hf_context`); its tensor plan lays out the rest
+    strategies = tensor_plan(model) if tp > 1 or ep > 1 else {}
+    plan = Plan(tp=tp, ep=ep, cp=cp, attention=par.attention, strategies=strategies)
+    return loom.parallelize(model, plan=plan)
 
 
 def check_pipeline(config: TrainConfig) -> None:
@@ -478,7 +484,7 @@ def _train(
         summary["joined_at"] = joined_at
     if pipeline is not None:
         summary.update(_pipeline_report(config, dataset, model, model_mesh, pipeline))
-    elif isinstance(model, GPT) and model.strategies.cp > 1:
+    elif config.parallel.cp > 1:
         summary.update(_context_parallel_report(config, dataset, model))
     else:
         summary.update(_report(config, dataset, model))
@@ -493,24 +499,35 @@ def _report(config: TrainConfig, dataset: object, model: nn.Module) -> dict:
 
 
 def _sequence_shards(model: nn.Module, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """This rank's piece of a local batch's sequences: cut over cp for loom's GPT (whole with cp = 1)."""
+    """This rank's piece of a local batch's sequences: cut over cp for loom's GPT (whole with cp = 1); a
+    Hugging Face model takes its replica's whole sequences and cuts them itself (`loom.parallel.hf_context`)."""
     return tuple(model.shard_inputs(*batch)) if isinstance(model, GPT) else tuple(batch)
 
 
-def _context_parallel_report(config: TrainConfig, dataset: object, model: GPT) -> dict:
+def _context_parallel_report(config: TrainConfig, dataset: object, model: nn.Module) -> dict:
     """The report of a context-parallel run (`_report`): sampling grows whole sequences one token at a
     time, which the cp cut of fixed shards cannot, so a one-device copy of the model (its parameters
-    gathered whole) decodes on rank 0, which sends its report to the others."""
+    gathered whole; a Hugging Face model's tied tables under each of their names) decodes on rank 0, which
+    sends its report to the others."""
     with model.loom.full_parameters():
-        state = {name: loom.full(p).detach() for name, p in model.named_parameters()}
+        tensors = model.named_parameters() if isinstance(model, GPT) else model.state_dict(keep_vars=True).items()
+        state = {name: loom.full(t).detach() for name, t in tensors}
     report: list[dict | None] = [None]
     if loom.rank() == 0:
         with unsharded():  # the whole model computes on this process alone
-            whole = GPT(model.config)
+            whole = GPT(model.config) if isinstance(model, GPT) else _empty_hf_model(config)
             whole.load_state_dict(state)
             report = [_report(config, dataset, whole)]
     dist.broadcast_object_list(report, src=0)
     return report[0]
+
+
+def _empty_hf_model(config: TrainConfig) -> nn.Module:
+    """The Hugging Face causal LM of `[model]` whole on this process, its parameters allocated but not
+    initialised (to load a state into)."""
+    model = hf.empty_model(config.model.hf_model_config())
+    materialize(model, "cpu")
+    return model
 
 
 def _eval_batches(config: TrainConfig, mesh: loom.Mesh) -> list[tuple]:
