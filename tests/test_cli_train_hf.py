@@ -3,6 +3,7 @@ a config.json, on a text file with a local tokenizer: one device computes what a
 loss falls on dp=2 and on tp=2; a checkpoint resumes bitwise; the export is a directory that `from_pretrained`
 loads with the same logits; `hf_pretrained` starts from saved weights (each rank reading its slices)."""
 
+import json
 import shutil
 import sys
 
@@ -202,6 +203,30 @@ def test_hf_config_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
     assert "change it there" in _error(tmp_path, data={"eos_id": 40})  # an id past the model's vocabulary
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert "pip install 'loom[hf]'" in _error(tmp_path)
+
+
+def test_cp_refusals_name_the_key_and_the_fix(tmp_path):
+    """What `[parallel] cp > 1` cannot run with a Hugging Face model, refused before any worker starts."""
+    cp = {"dp": 1, "cp": 2}
+    message = _error(tmp_path, parallel={**cp, "pp": 2, "microbatches": 2})
+    assert "parallel.cp = 2 with parallel.pp = 2" in message and "set parallel.cp = 1 or parallel.pp = 1" in message
+    for key, value, fix in [
+        ("sliding_window", 8, '"sliding_window": null'),
+        ("attention_dropout", 0.1, '"attention_dropout": 0.0'),
+    ]:
+        path = tmp_path / f"llama_{key}.json"
+        hf_config("llama").to_json_file(path)
+        path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+        message = _error(tmp_path, model={"hf_config": str(path)}, parallel=cp)
+        assert f"sets {key} = {value}" in message and fix in message, message
+    from transformers import MistralConfig
+
+    mistral = tmp_path / "mistral.json"
+    MistralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32, sliding_window=None).to_json_file(mistral)  # fmt: skip
+    message = _error(tmp_path, model={"hf_config": str(mistral)}, parallel=cp)
+    assert "no attention modules of MistralForCausalLM" in message and "set parallel.cp = 1" in message, message
+    assert "'LlamaForCausalLM'" in message
 
 
 def test_export_errors(trained, tmp_path):
