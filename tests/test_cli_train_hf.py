@@ -1,6 +1,6 @@
 """Tier 3: `loom train` on Hugging Face causal LMs (GPT-2 and Llama, 2 layers, hidden 64) built offline from
-a config.json, on a text file with a local tokenizer: one device computes what a plain PyTorch loop does; the
-loss falls on dp=2 and on tp=2; a checkpoint resumes bitwise; the export is a directory that `from_pretrained`
+a config.json, on a text file with a local tokenizer: one device, and dp=2 x cp=2 (ring attention), compute what
+a plain PyTorch loop does; the loss falls on dp=2 and on tp=2; a checkpoint resumes bitwise; the export is a directory that `from_pretrained`
 loads with the same logits; `hf_pretrained` starts from saved weights (each rank reading its slices)."""
 
 import json
@@ -19,7 +19,13 @@ from loom.train.config import ModelConfig, TrainConfig
 from loom.train.job import run
 
 PARALLEL = {"llama": {"dp": 2}, "gpt2": {"dp": 1, "tp": 2}}
-SGD = {"optimizer": "sgd", "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": None, "weight_decay": 0.0}
+SGD = {
+    "optimizer": "sgd",
+    "schedule": "constant",
+    "warmup_steps": 0,
+    "clip_grad_norm": None,
+    "weight_decay": 0.0,
+}
 
 
 def _plain_losses(config: TrainConfig, steps: int) -> list[float]:
@@ -54,27 +60,35 @@ def test_one_device_matches_a_plain_pytorch_loop(dist_run, tmp_path):
     )
 
 
-def _run_counting_ring_calls(config: TrainConfig) -> tuple[dict, int]:
-    """The job's summary and how many times this rank's attention ran ring attention over the cp group."""
+def _run_counting_attention_calls(config: TrainConfig) -> tuple[dict, int]:
+    """The job's summary and how many times this rank's attention attended over the cp group."""
     from loom.parallel import hf_context
 
-    calls, ring = [], hf_context.ATTENTION_FUNCTIONS["ring"]
-    hf_context.ATTENTION_FUNCTIONS["ring"] = lambda *args, **kwargs: calls.append(1) or ring(*args, **kwargs)
+    functions, attention = hf_context.ATTENTION_FUNCTIONS, config.parallel.attention
+    calls, original = [], functions[attention]
+    functions[attention] = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
     try:
         return run(config), len(calls)
     finally:
-        hf_context.ATTENTION_FUNCTIONS["ring"] = ring
+        functions[attention] = original
 
 
-def test_cp_cuts_the_sequences_and_follows_a_plain_loop(dist_run, tmp_path):
-    """`[parallel] dp = 2, cp = 2` (ring attention) on 4 ranks: each replica's ranks bring its whole rows, the
-    model cuts them; the losses of one device's plain loop, and samples decoded by a whole copy on rank 0."""
-    config = hf_job(
-        tmp_path, "llama", parallel={"dp": 2, "cp": 2, "attention": "ring"},
-        train={"workers": 4, "steps": 2, **SGD},
-    )  # fmt: skip
-    summaries, ring_calls = zip(*dist_run(4, _run_counting_ring_calls, config), strict=True)
-    assert set(ring_calls) == {2 * 2}, ring_calls  # every rank: 2 layers x 2 steps
+CP_CASES = [
+    ("llama", {"dp": 2, "cp": 2, "attention": "ring"}),
+    # a head tied to the token table, laid out over tp: the sampling copy gathers it under both names
+    pytest.param("gpt2", {"dp": 1, "tp": 2, "cp": 2, "attention": "ulysses"}, marks=pytest.mark.slow),
+    # experts cut over ep = 2 of the dp ranks: the sampling copy gathers them whole
+    pytest.param("mixtral", {"dp": 2, "ep": 2, "cp": 2, "attention": "ring"}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("family", "parallel"), CP_CASES)
+def test_cp_cuts_the_sequences_and_follows_a_plain_loop(dist_run, tmp_path, family, parallel):
+    """`[parallel] cp = 2` on 4 ranks: each replica's ranks bring its whole rows, the model cuts them; the
+    losses of one device's plain loop, and samples decoded by a whole copy on rank 0."""
+    config = hf_job(tmp_path, family, parallel=parallel, train={"workers": 4, "steps": 2, **SGD})
+    summaries, calls = zip(*dist_run(4, _run_counting_attention_calls, config), strict=True)
+    assert set(calls) == {2 * 2}, calls  # every rank: 2 layers x 2 steps
     torch.testing.assert_close(
         torch.tensor(summaries[0]["losses"]), torch.tensor(_plain_losses(config, 2)), rtol=RTOL, atol=0
     )
@@ -209,7 +223,10 @@ def test_cp_refusals_name_the_key_and_the_fix(tmp_path):
     """What `[parallel] cp > 1` cannot run with a Hugging Face model, refused before any worker starts."""
     cp = {"dp": 1, "cp": 2}
     message = _error(tmp_path, parallel={**cp, "pp": 2, "microbatches": 2})
-    assert "parallel.cp = 2 with parallel.pp = 2" in message and "set parallel.cp = 1 or parallel.pp = 1" in message
+    assert (
+        "parallel.cp = 2 with parallel.pp = 2" in message
+        and "set parallel.cp = 1 or parallel.pp = 1" in message
+    )
     for key, value, fix in [
         ("sliding_window", 8, '"sliding_window": null'),
         ("attention_dropout", 0.1, '"attention_dropout": 0.0'),
@@ -225,7 +242,9 @@ def test_cp_refusals_name_the_key_and_the_fix(tmp_path):
     MistralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=32, sliding_window=None).to_json_file(mistral)  # fmt: skip
     message = _error(tmp_path, model={"hf_config": str(mistral)}, parallel=cp)
-    assert "no attention modules of MistralForCausalLM" in message and "set parallel.cp = 1" in message, message
+    assert "no attention modules of MistralForCausalLM" in message and "set parallel.cp = 1" in message, (
+        message
+    )
     assert "'LlamaForCausalLM'" in message
 
 

@@ -10,8 +10,9 @@ blocks, each rank materialises only its own stages, and the `Trainer` runs the s
 checkpoints hold the whole model's parameter names, so they load on any other split or on one device; the
 samples come from the whole model gathered once training ends (see `check_pipeline` for what pipelines
 still reject). With `[model] hf_config` or `hf_pretrained` the model is a Hugging Face causal LM instead
-(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1; with pp > 1 built
-whole on every rank and cut into stages by its family's recipe, `build_pipeline`); on any data but the
+(`build_hf_model`: data parallel at tp = 1, its family's Megatron module plan at tp > 1, its sequences cut
+over cp by a Plan, the samples then decoded by a one-device copy; with pp > 1 built whole on every rank and
+cut into stages by its family's recipe, `build_pipeline`); on any data but the
 arithmetic task the job ends by continuing a few training prompts greedily, decoded by `data.tokenizer`.
 `loom train` runs `run` under `loom.fault.supervise`, which restarts it after a failure; each start-up phase
 (`STARTUP_PHASES`) and each step sends a heartbeat, so that a rank that hangs, before its first step as well
@@ -106,9 +107,11 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
 def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
     """The Hugging Face causal LM of `[model]`, made parallel on `mesh`: tensor parallel with its family's
     Megatron module plan when `parallel.tp > 1`, its experts cut over `parallel.ep` data-parallel ranks when
-    `ep > 1` (Mixtral: `loom.parallel.experts`), else data parallel. `hf_config`: random weights seeded by
-    `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads its own slices. The
-    model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
+    `ep > 1` (Mixtral: `loom.parallel.experts`), each replica's sequences cut over `parallel.cp` ranks by
+    `parallel.attention` when `cp > 1` (`loom.parallel.hf_context`), else data parallel. `hf_config`: random
+    weights seeded by `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads
+    its own slices. The model is then trained as `model(inputs, targets) -> loss`
+    (`loom.models.hf.train_on_token_pairs`)."""
     par = config.parallel
     if config.model.hf_pretrained is not None and (par.tp > 1 or par.ep > 1):
         # laid out on the meta device: each rank allocates and reads its shards alone
@@ -510,7 +513,9 @@ def _context_parallel_report(config: TrainConfig, dataset: object, model: nn.Mod
     gathered whole; a Hugging Face model's tied tables under each of their names) decodes on rank 0, which
     sends its report to the others."""
     with model.loom.full_parameters():
-        tensors = model.named_parameters() if isinstance(model, GPT) else model.state_dict(keep_vars=True).items()
+        tensors = (
+            model.named_parameters() if isinstance(model, GPT) else model.state_dict(keep_vars=True).items()
+        )
         state = {name: loom.full(t).detach() for name, t in tensors}
     report: list[dict | None] = [None]
     if loom.rank() == 0:
