@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from loom.dist.collectives import all_gather_flat
+from loom.dist.local import local_tensor
 from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.zero3 import ParameterSharding, model_units
@@ -29,10 +29,6 @@ from loom.plan import OPTIMIZER_LEVELS as LEVELS
 
 if TYPE_CHECKING:
     from loom.parallel.pipeline.schedule import Pipeline
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +61,7 @@ class BucketShard:
         for param, lo, hi, at in self.pieces:
             value = values(param)
             if value is not None:
-                chunk[at : at + hi - lo].copy_(_local(value).reshape(-1)[lo:hi])
+                chunk[at : at + hi - lo].copy_(local_tensor(value).reshape(-1)[lo:hi])
         return chunk
 
     def gather(self, chunk: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -92,7 +88,7 @@ class BucketShard:
     def publish(self) -> None:
         """All-gather the updated chunks and write the parameters of the bucket."""
         for param, flat in self.gather(self.master):
-            local = _local(param)
+            local = local_tensor(param)
             _alias(local).copy_(flat.view_as(local))
 
 
@@ -186,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return None
             self._build()
         pieces = [shard.master[at : at + hi - lo] for shard in self.shards for _, lo, hi, at in shard.pieces]
-        return pieces + [_local(p) for p in self.whole]
+        return pieces + [local_tensor(p) for p in self.whole]
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager:
         """The parameters whole on this rank inside the block (level 3, once they live in the chunks: gathered
