@@ -254,8 +254,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket.shard_grad = None
 
     def state_dict(self) -> dict:
-        """This rank's sharded states (rank-local; `loom.checkpoint` saves and restores them with the plan)."""
-        return {"level": self.level, "inner": [optimizer.state_dict() for optimizer in self.inner]}
+        """This rank's sharded states (rank-local; `loom.checkpoint` saves and restores them with the plan),
+        with the cut of its chunks (`chunks`: per bucket its chunk size, this rank's place and the group size)."""
+        return {
+            "level": self.level,
+            "chunks": self._chunk_layout(),
+            "inner": [optimizer.state_dict() for optimizer in self.inner],
+        }
+
+    def _chunk_layout(self) -> list[list[int]]:
+        return [[s.bucket.chunk, s.bucket.group_rank, s.bucket.group_size] for s in self.shards]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """This rank's `state_dict()` back, once the chunks are built (`held_tensors`) and cut as they were
@@ -267,6 +275,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             and state_dict.get("level") == self.level
             and len(state_dict["inner"]) == len(self.inner)
         ):
+            saved = state_dict.get("chunks")
+            if saved != self._chunk_layout():
+                raise ValueError(
+                    f"ZeroOptimizer.load_state_dict: the state's chunks (size, rank, group size per bucket) "
+                    f"{saved} are not this rank's {self._chunk_layout()}: it was saved by another rank or with "
+                    "other buckets (bucket_mb, mesh); load it on the rank and layout that saved it, or use "
+                    "loom.checkpoint.load_checkpoint, which reshards"
+                )
             for optimizer, state in zip(self.inner, state_dict["inner"], strict=True):
                 optimizer.load_state_dict(state)
             return
