@@ -21,6 +21,7 @@ import torch.distributed as dist
 from equivalence import GRAD_ATOL, RTOL, assert_params_close
 from hf_models import batches, build
 from torch import nn
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 import loom
 from loom.cost.context import ring_collectives, ulysses_collectives
@@ -121,6 +122,11 @@ def refusal_case():
     refusals.append(_refusal(lambda: model(input_ids=ids, labels=ids)))  # 14 tokens: not 4 head-tail chunks
     ids = ids[:, :12]
     refusals.append(_refusal(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids))))
+    other_rows = (ids + loom.current_mesh().axis_rank("cp")) % 128  # each cp rank its own rows: refused
+    refusals.append(_refusal(lambda: model(input_ids=other_rows, labels=other_rows)))
+    whole = distribute_tensor(ids, loom.current_mesh().device_mesh, [Replicate()] * 2)
+    refusals.append(_refusal(lambda: model(input_ids=whole)))
+    refusals.append(_refusal(lambda: copy.deepcopy(model)))  # a copy shares the cp group
     plan = Plan(dp=2, cp=2)
     refusals.append(_refusal(lambda: loom.parallelize(nn.Sequential(nn.Linear(4, 4)), plan=plan)))
     gpt = GPT(GPTConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
@@ -149,9 +155,12 @@ def test_llama_with_its_sequences_cut_over_cp_by_ring_attention_matches_one_devi
         assert "input_ids: a sequence of 14 tokens does not cut over cp = 2" in refusals[1], refusals[1]
         assert "pad the sequences to a multiple of 4" in refusals[1]
         assert "drop attention_mask" in refusals[2], refusals[2]
-        assert "loom knows no attention modules of Sequential" in refusals[3], refusals[3]
-        assert "'LlamaForCausalLM'" in refusals[3]
-        assert "built with Strategies(cp=1, attention='ulysses')" in refusals[4], refusals[4]
+        assert "loom knows no attention modules of Sequential" in refusals[6], refusals[6]
+        assert "'LlamaForCausalLM'" in refusals[6]
+        assert "built with Strategies(cp=1, attention='ulysses')" in refusals[7], refusals[7]
+        assert "input_ids, labels differ across the cp ranks of one replica" in refusals[3], refusals[3]
+        assert "input_ids is a DTensor: with cp > 1 pass plain tensors" in refusals[4], refusals[4]
+        assert refusals[5] == "no error"
 
 
 SLOW_CASES = [

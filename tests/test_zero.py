@@ -90,3 +90,26 @@ def test_numpy_view_of_a_level_3_parameter_is_a_clear_error(dist_run):
     assert ".detach().clone()" in message and "full_parameters()" in message
     assert result["shapes"] == [(CONFIG.d_model, 4 * CONFIG.d_model)] * 2
     assert result["gathered"] and result["others"] == 0
+
+
+def state_exchange_case():
+    """Each rank's own state loads back; another rank's (other chunks) is refused, naming them."""
+    loom.init({"dp": 2})
+    model = GPT(CONFIG, Strategies(2, 1))
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = (ids[:, :-1], ids[:, 1:])
+    loom.parallelize(model, mode="semi_auto", example_inputs=batch)
+    optimizer = make_optimizer(model, torch.optim.AdamW, 1, lr=1e-3)
+    Trainer(model, optimizer).train_step([batch])
+    states = [None, None]
+    torch.distributed.all_gather_object(states, optimizer.state_dict())
+    optimizer.load_state_dict(states[loom.rank()])
+    with pytest.raises(ValueError) as caught:
+        optimizer.load_state_dict(states[1 - loom.rank()])
+    return str(caught.value)
+
+
+def test_a_zero_state_loads_only_on_the_chunks_that_saved_it(dist_run):
+    for message in dist_run(2, state_exchange_case):
+        assert "the state's chunks (size, rank, group size per bucket)" in message, message
+        assert "saved by another rank or with other buckets" in message

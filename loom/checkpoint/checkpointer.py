@@ -49,7 +49,7 @@ from loom.checkpoint.safe import METADATA, SafeLoadPlanner, SafeReader, load_tor
 from loom.checkpoint.state import Trainable as Trainer
 from loom.checkpoint.storage import DirectReader, HashingWriter, Written, archives_without_crc, write_hashed
 from loom.dist import env
-from loom.parallel.local_sgd import Replicated
+from loom.parallel.local_sgd import stepping_optimizer
 from loom.parallel.zero import ZeroOptimizer
 from loom.plan import Plan
 
@@ -116,8 +116,7 @@ def _full_parameters(model: nn.Module) -> Iterator[None]:
 
 def _level(optimizer: torch.optim.Optimizer) -> int:
     """The optimizer level of `optimizer`, or of the inner optimizer of replicas stepping alone."""
-    if isinstance(optimizer, Replicated):  # LocalSGD / DiLoCo around the optimizer each replica steps
-        optimizer = optimizer.inner
+    optimizer = stepping_optimizer(optimizer)  # replicas stepping alone: their inner optimizer's level
     return optimizer.level if isinstance(optimizer, ZeroOptimizer) else 0
 
 

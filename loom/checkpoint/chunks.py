@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from loom.checkpoint.safe import SafeLoadPlanner
 from loom.checkpoint.storage import memory_of
 from loom.dist._torch_private import local_offset
+from loom.dist.local import local_tensor
 
 # A box of a tensor: (offsets, sizes), one entry per dim.
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -118,7 +119,7 @@ def pieces_of(tensor: torch.Tensor, flat: torch.Tensor, lo: int, hi: int, dtype:
     """Elements [lo, hi) of `tensor`'s local shard (a parameter, or a tensor laid out like it), whose values
     are `flat` (hi - lo elements, e.g. a slice of a chunk), as boxes of the global tensor. The values are
     views of `flat`, cast to `dtype` when it differs."""
-    shape = tuple(_local(tensor).shape)
+    shape = tuple(local_tensor(tensor).shape)
     shift = local_offset(tensor) if isinstance(tensor, DTensor) else (0,) * len(shape)
     if flat.dtype != dtype:
         flat = flat.to(dtype)
@@ -129,10 +130,6 @@ def pieces_of(tensor: torch.Tensor, flat: torch.Tensor, lo: int, hi: int, dtype:
         pieces.append(Piece(tuple(o + s for o, s in zip(offsets, shift, strict=True)), values))
         start += count
     return Pieces(tuple(tensor.shape), dtype, tuple(pieces))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _exact_storage(values: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ from loom.checkpoint.chunks import Pieces, pieces_of
 from loom.checkpoint.manifest import CheckpointError
 from loom.checkpoint.memory import Arena
 from loom.dist import env
-from loom.parallel.local_sgd import Replicated
+from loom.dist.local import local_tensor
+from loom.parallel.local_sgd import Replicated, stepping_optimizer
 from loom.parallel.zero import BucketShard, ZeroOptimizer
 
 # One parameter's optimizer state: {"exp_avg": tensor, "step": tensor, ...}.
@@ -105,8 +106,9 @@ def chunked_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> Ch
     """Level 3 once the optimizer holds the parameters (after its first step), where the bucketed
     parameters hold no memory between uses: their pieces from the chunks this rank updates. None otherwise
     (the parameters themselves are current)."""
-    if isinstance(optimizer, Replicated):  # replicas stepping alone: their inner optimizer holds the chunks
-        optimizer = optimizer.inner
+    optimizer = stepping_optimizer(
+        optimizer
+    )  # replicas stepping alone: their inner optimizer holds the chunks
     sharding = optimizer.sharding if isinstance(optimizer, ZeroOptimizer) else None
     if sharding is None or not sharding.active:
         return None
@@ -117,7 +119,7 @@ def chunked_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> Ch
     pieces: dict[str, Pieces] = {}
     for shard in optimizer.shards:
         for param, lo, hi, at in shard.pieces:
-            held = pieces_of(param, shard.master[at : at + hi - lo], lo, hi, _local(param).dtype)
+            held = pieces_of(param, shard.master[at : at + hi - lo], lo, hi, local_tensor(param).dtype)
             pieces.update((key, held) for key in keys[param])
     return ChunkedParameters(bucketed, pieces)
 
@@ -525,7 +527,7 @@ def _empty_state(name: str, key: str, param: nn.Parameter, meta: Any, arena: Are
     if len(meta.size) == 0:
         return torch.empty((), dtype=dtype)
     _require_elementwise(name, key, param, meta)
-    local = _local(param)
+    local = local_tensor(param)
     if arena is not None and _in_arena(param, meta):
         return _laid_out_like(arena.empty(local.numel(), dtype), param)
     return _laid_out_like(torch.empty(local.numel(), dtype=dtype, device=local.device), param)
@@ -536,7 +538,7 @@ def _state_arena_bytes(states: Iterable[tuple[nn.Parameter, Any]]) -> int:
     that `_empty_state` lays out like their parameters on the CPU: their memory is written whole by the
     read, and an arena's pages are made present at once rather than one fault each (see memory.py)."""
     return sum(
-        Arena.size(_local(param).numel(), meta.properties.dtype)
+        Arena.size(local_tensor(param).numel(), meta.properties.dtype)
         for param, meta in states
         if _in_arena(param, meta)
     )
@@ -547,7 +549,7 @@ def _in_arena(param: nn.Parameter, meta: Any) -> bool:
         isinstance(meta, TensorStorageMetadata)
         and len(meta.size) > 0
         and tuple(meta.size) == tuple(param.shape)
-        and _local(param).device.type == "cpu"
+        and local_tensor(param).device.type == "cpu"
     )
 
 
@@ -557,10 +559,6 @@ def _require_elementwise(name: str, key: str, param: nn.Parameter, meta: TensorS
             f"the checkpoint's optimizer state {key!r} of {name} has shape {tuple(meta.size)}, the parameter "
             f"{tuple(param.shape)}: levels 1-3 load elementwise optimizer states only (Adam, AdamW, SGD, ...)"
         )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # ---- random number generators ------------------------------------------------------------------------------

@@ -286,11 +286,11 @@ def _config_plan(config: TrainConfig) -> tuple[ParallelPlan, int]:
     """What `loom train CONFIG` runs, as the simulator prices it: the whole run, or one replica's share of it
     when the replicas step alone (`[parallel] sync`), on that replica's devices."""
     workers = config.train.workers
-    run = config.cost_model(workers)[1]
     if not config.parallel.replicas_step_alone:
-        return run, workers
-    replicas = replica_count(config)
+        return config.cost_model(workers)[1], workers
+    config.validate(workers)
     plan = config.plan(workers)
+    replicas = config.parallel.replica_count(plan.dp)
     one = plan.replace(dp=plan.dp // replicas).parallel_plan(
         global_batch=config.train.global_batch // replicas,
         seq=config.data.seq_len,
@@ -440,12 +440,6 @@ class Sync:
     outer_dtype: str = "fp32"
 
 
-def replica_count(config: TrainConfig) -> int:
-    """The replicas of a run whose replicas step alone (`[parallel] replicas`; one per dp index by default)."""
-    par = config.parallel
-    return par.replica_count(par.to_plan(config.train.workers).dp)
-
-
 def _sync(args: argparse.Namespace, config: TrainConfig | None) -> Sync | None:
     """The replicas to price over the slow link, or None (no --replicas, a config that syncs every step)."""
     if config is not None:
@@ -453,7 +447,8 @@ def _sync(args: argparse.Namespace, config: TrainConfig | None) -> Sync | None:
         if not par.replicas_step_alone:
             return None
         method = "DiLoCo" if par.sync == "diloco" else "local SGD"
-        return Sync(method, replica_count(config), par.sync_every, par.fragments, par.fragment_delay,
+        replicas = par.replica_count(config.plan(config.train.workers).dp)
+        return Sync(method, replicas, par.sync_every, par.fragments, par.fragment_delay,
                     par.outer_dtype)  # fmt: skip
     if args.replicas is None:
         return None

@@ -24,6 +24,7 @@ axes), so the parameters' gradients are reduced over dp x cp by the usual gradie
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,11 @@ class ContextAttention:
 
     group: dist.ProcessGroup
     attention: str
+
+    def __deepcopy__(self, memo: dict) -> ContextAttention:
+        # a handle on a process group every rank built together: copies of the model (the dry run's meta
+        # copy, a user's deepcopy) share it, as they share the mesh
+        return self
 
     @property
     def layout(self) -> str:
@@ -164,25 +170,41 @@ def apply_context_parallel(
             f"plan.cp = {cp}: {name}'s config has sliding_window = {config.sliding_window}, which loom's "
             "context-parallel attention does not apply; set sliding_window to None or use cp = 1"
         )
+    loss = getattr(model, "loss_function", None)
+    if loss is not None and "shift_labels" not in inspect.signature(loss).parameters:
+        raise ValueError(
+            f"plan.cp = {cp}: {name}'s loss ({getattr(loss, '__name__', loss)}) takes no shift_labels, so labels "
+            "cut over cp would be shifted inside each piece and lose a token at every cut; use a transformers "
+            "version whose causal-LM loss takes shift_labels, or cp = 1"
+        )
     _register()
     context = ContextAttention(group=mesh.axis_group("cp"), attention=attention)
     names = [path for path, _ in model.named_modules()]
     for path in matching(modules, names, "the recipe's attention modules", model):
         model.get_submodule(path).loom_context = context
     model.set_attn_implementation(ATTENTION)
-    model.register_forward_pre_hook(
-        lambda _, args, kwargs: ((), shard_causal_lm_inputs(args, kwargs, context.group, context.layout)),
-        with_kwargs=True,
-    )
+    checked: set[tuple] = set()
+
+    def cut_inputs(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        kwargs = shard_causal_lm_inputs(args, kwargs, context.group, context.layout, checked)
+        return (), kwargs
+
+    model.register_forward_pre_hook(cut_inputs, with_kwargs=True)
 
 
 def shard_causal_lm_inputs(
-    args: tuple, kwargs: dict[str, Any], group: dist.ProcessGroup, layout: str
+    args: tuple,
+    kwargs: dict[str, Any],
+    group: dist.ProcessGroup,
+    layout: str,
+    checked: set[tuple] | None = None,
 ) -> dict[str, Any]:
     """A causal LM's forward arguments (each replica's whole sequences) as this rank's keyword arguments:
     every per-token input cut along the sequence as `layout` cuts it over `group`, position ids global, the
     labels shifted on the whole sequence before the cut (`shift_labels`, which the model's loss takes as
-    they are). Refuses what a cut sequence cannot take: a padding mask, a cache, unnamed extra arguments."""
+    they are). Refuses what a cut sequence cannot take: a padding mask, a cache, unnamed extra arguments,
+    DTensors; and, on the first call with each input shape (recorded in `checked`), inputs that differ
+    between the ranks of `group` (one all-reduce: they must all bring the replica's same sequences)."""
     if len(args) > 1:
         raise ValueError(
             f"with cp > 1 pass the model's inputs by name (input_ids=..., labels=...); got {len(args)} "
@@ -209,17 +231,26 @@ def shard_causal_lm_inputs(
             f"with cp > 1 loom cuts the per-token inputs {list(_PER_TOKEN)} over the sequence, but not "
             f"{others}; leave them out or use cp = 1"
         )
-    tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    given = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    tokens = kwargs.get(given)
     if tokens is None:
         raise ValueError("with cp > 1 the model needs input_ids (or inputs_embeds): the sequences to cut")
+    for key in _PER_TOKEN:
+        if isinstance(kwargs.get(key), DTensor):
+            raise ValueError(
+                f"{key} is a DTensor: with cp > 1 pass plain tensors, each replica's whole sequences (loom cuts "
+                "them over cp itself)"
+            )
     batch, seq = tokens.shape[:2]
     cp = dist.get_world_size(group)
     chunks = chunk_count(cp, layout)
     if seq % chunks:
         raise ValueError(
-            f"input_ids: a sequence of {seq} tokens does not cut over cp = {cp} ({layout!r} layout: {chunks} "
+            f"{given}: a sequence of {seq} tokens does not cut over cp = {cp} ({layout!r} layout: {chunks} "
             f"equal chunks); pad the sequences to a multiple of {chunks}"
         )
+    if checked is not None:
+        _check_same_sequences(kwargs, group, checked)
     if kwargs.get("position_ids") is None:  # the global positions, cut below like the tokens
         kwargs["position_ids"] = torch.arange(seq, device=tokens.device).expand(batch, seq)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -232,3 +263,38 @@ def shard_causal_lm_inputs(
             x = kwargs[key].expand(batch, *kwargs[key].shape[1:]) if key == "position_ids" else kwargs[key]
             kwargs[key] = shard_sequence(x, 1, group, layout=layout).contiguous()
     return kwargs
+
+
+def _check_same_sequences(kwargs: dict[str, Any], group: dist.ProcessGroup, checked: set[tuple]) -> None:
+    """On the first call with these input shapes: every rank of the cp `group` brings the same per-token
+    inputs (each replica's whole sequences), else a ValueError. Ranks that each brought other rows would
+    attend across unrelated sequences and train on a wrong loss without any other sign."""
+    present = [key for key in _PER_TOKEN if kwargs.get(key) is not None]
+    shapes = tuple((key, tuple(kwargs[key].shape)) for key in present)
+    if shapes in checked:
+        return
+    prints = torch.stack([_fingerprint(kwargs[key]) for key in present])
+    extremes = torch.cat([prints, -prints])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    differ = [
+        key
+        for key, high, low in zip(present, extremes[: len(present)], extremes[len(present) :], strict=True)
+        if high != -low
+    ]
+    if differ:
+        raise ValueError(
+            f"{', '.join(differ)} differ across the cp ranks of one replica: with cp > 1 every cp rank passes the "
+            "replica's same whole sequences (loom cuts them); split the rows over the data-parallel ranks only"
+        )
+    checked.add(shapes)
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """An int64 digest of `x`'s values and their order (equal tensors give equal digests on any machine:
+    floating values are taken by their bits)."""
+    flat = x.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    flat = flat.long()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+    return (flat * weights).sum() + flat.sum()

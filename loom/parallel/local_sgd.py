@@ -55,23 +55,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from loom.dist.elastic import Membership
+from loom.dist.local import local_tensor
 
-__all__ = ["DiLoCo", "LocalSGD", "Replicated", "fragments_of"]
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of `param` (its shard, for a DTensor)."""
-    return param.to_local() if isinstance(param, DTensor) else param
+__all__ = ["DiLoCo", "LocalSGD", "Replicated", "fragments_of", "stepping_optimizer"]
 
 
 def _held(params: list[torch.Tensor], inner: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     """The tensors the syncs work on: the inner optimizer's own chunks when it holds them (`held_tensors`,
     optimizer levels 1-3; None until they exist), else this rank's shard of each parameter."""
     held = getattr(inner, "held_tensors", None)
-    return held() if held is not None else [_local(p) for p in params]
+    return held() if held is not None else [local_tensor(p) for p in params]
 
 
 def fragments_of(params: list[torch.Tensor], count: int) -> list[list[int]]:
@@ -80,7 +75,7 @@ def fragments_of(params: list[torch.Tensor], count: int) -> list[list[int]]:
         raise ValueError(
             f"fragments = {count} must be between 1 and the number of parameters ({len(params)})"
         )
-    sizes = [_local(p).numel() * _local(p).element_size() for p in params]
+    sizes = [local_tensor(p).numel() * local_tensor(p).element_size() for p in params]
     total, out, start, done = sum(sizes), [], 0, 0
     for f in range(count):
         target = total * (f + 1) / count
@@ -128,6 +123,11 @@ def _replicas(group: dist.ProcessGroup | None) -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def stepping_optimizer(optimizer: Any) -> Any:
+    """The optimizer that steps a replica: the inner one of a `LocalSGD` / `DiLoCo`, else `optimizer`."""
+    return optimizer.inner if isinstance(optimizer, Replicated) else optimizer
 
 
 class Replicated:
@@ -303,7 +303,7 @@ class Replicated:
             optimizer = self.state_dict()
         gathered = getattr(self.inner, "gathered_parameters", contextlib.nullcontext)
         with gathered():  # optimizer level 3: the parameters whole on this rank while they are read
-            params = [_local(p).detach().clone() for p in self.params]
+            params = [local_tensor(p).detach().clone() for p in self.params]
         return {
             "optimizer": optimizer,
             "params": params,
@@ -326,7 +326,7 @@ class Replicated:
                 "differs from the saved run's"
             )
         for param, value in zip(self.params, saved, strict=True):
-            local = _local(param)
+            local = local_tensor(param)
             if local.shape != value.shape:
                 raise ValueError(
                     f"a saved parameter of shape {tuple(value.shape)} does not fit {tuple(local.shape)}: the "

@@ -237,13 +237,15 @@ def plan_for_mesh(plan: Plan | str | Path, mesh: Mesh) -> Plan:
     return plan
 
 
-def pattern_layouts(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """A Plan's `parameter_layouts` (parameter-path pattern -> tensor spec) as a parameter plan by name;
-    a pattern that matches no parameter is an error."""
+def pattern_layouts(
+    model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh, what: str = "plan.parameter_layouts"
+) -> dict[str, Any]:
+    """A Plan's `parameter_layouts` (or `compute_layouts`, named by `what` in errors: parameter-path pattern
+    -> tensor spec) as a parameter plan by name; a pattern that matches no parameter is an error."""
     names = [name for name, _ in model.named_parameters()]
     result: dict[str, Any] = {}
     for pattern, spec in layouts.items():
-        matched = matching(pattern, names, "plan.parameter_layouts", model)
+        matched = matching(pattern, names, what, model)
         result.update({name: _tuples(spec) for name in matched})  # parallelize reads axis names
     return result
 

@@ -202,8 +202,8 @@ def parallelize(
     )  # fmt: skip
     if plan is not None:
         # the planner's parameters read in another layout than kept (gathered over dp to compute)
-        computed = pattern_layouts(model, plan.compute_layouts, mesh)
-        read_in_compute_layouts(model, _planned(model, computed, mesh, ep), mesh)
+        computed = pattern_layouts(model, plan.compute_layouts, mesh, "plan.compute_layouts")
+        read_in_compute_layouts(model, _planned(model, computed, mesh, ep, "plan.compute_layouts"), mesh)
         recompute_modules(model, plan.recompute_modules)
         model.loom.plan = plan
     return model
@@ -393,10 +393,12 @@ def _parameter_layouts(
     return layouts, consumers
 
 
-def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh, ep: int = 1) -> dict[str, TensorLayout]:
+def _planned(
+    model: nn.Module, plan: dict[str, Any], mesh: Mesh, ep: int = 1, what: str = "parameter_plan"
+) -> dict[str, TensorLayout]:
     """`parameter_plan` (name -> cuts, axis names or a Layout map; "ep": the innermost `ep` ranks of "dp")
     compiled, keyed by each parameter's first name (a tied parameter is laid out once, under the name
-    `lay_out_parameters` sees first)."""
+    `lay_out_parameters` sees first); `what` names the plan in errors."""
     first: dict[int, str] = {}
     shapes: dict[str, torch.Size] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -406,9 +408,7 @@ def _planned(model: nn.Module, plan: dict[str, Any], mesh: Mesh, ep: int = 1) ->
     layouts = {}
     for name, entry in plan.items():
         if name not in shapes:
-            raise ValueError(
-                f"parameter_plan names unknown parameter {name!r}; the parameters are {sorted(shapes)}"
-            )
+            raise ValueError(f"{what} names unknown parameter {name!r}; the parameters are {sorted(shapes)}")
         entry = on_mesh_axes(entry, mesh.axis_sizes(), ep)
         (layout,) = compile_inputs(
             f"parameter {name}", [name], (entry,), [shapes[name]], mesh.canonical_shape

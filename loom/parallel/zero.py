@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from loom.dist.collectives import all_gather_flat
+from loom.dist.local import local_tensor
 from loom.parallel.grad_sync import Bucket, GradSync
 from loom.parallel.grads import GradView, grad_views
 from loom.parallel.zero3 import ParameterSharding, model_units
@@ -29,10 +29,6 @@ from loom.plan import OPTIMIZER_LEVELS as LEVELS
 
 if TYPE_CHECKING:
     from loom.parallel.pipeline.schedule import Pipeline
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +61,7 @@ class BucketShard:
         for param, lo, hi, at in self.pieces:
             value = values(param)
             if value is not None:
-                chunk[at : at + hi - lo].copy_(_local(value).reshape(-1)[lo:hi])
+                chunk[at : at + hi - lo].copy_(local_tensor(value).reshape(-1)[lo:hi])
         return chunk
 
     def gather(self, chunk: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -92,7 +88,7 @@ class BucketShard:
     def publish(self) -> None:
         """All-gather the updated chunks and write the parameters of the bucket."""
         for param, flat in self.gather(self.master):
-            local = _local(param)
+            local = local_tensor(param)
             _alias(local).copy_(flat.view_as(local))
 
 
@@ -186,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return None
             self._build()
         pieces = [shard.master[at : at + hi - lo] for shard in self.shards for _, lo, hi, at in shard.pieces]
-        return pieces + [_local(p) for p in self.whole]
+        return pieces + [local_tensor(p) for p in self.whole]
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager:
         """The parameters whole on this rank inside the block (level 3, once they live in the chunks: gathered
@@ -258,8 +254,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket.shard_grad = None
 
     def state_dict(self) -> dict:
-        """This rank's sharded states (rank-local; `loom.checkpoint` saves and restores them with the plan)."""
-        return {"level": self.level, "inner": [optimizer.state_dict() for optimizer in self.inner]}
+        """This rank's sharded states (rank-local; `loom.checkpoint` saves and restores them with the plan),
+        with the cut of its chunks (`chunks`: per bucket its chunk size, this rank's place and the group size)."""
+        return {
+            "level": self.level,
+            "chunks": self._chunk_layout(),
+            "inner": [optimizer.state_dict() for optimizer in self.inner],
+        }
+
+    def _chunk_layout(self) -> list[list[int]]:
+        return [[s.bucket.chunk, s.bucket.group_rank, s.bucket.group_size] for s in self.shards]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """This rank's `state_dict()` back, once the chunks are built (`held_tensors`) and cut as they were
@@ -271,6 +275,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             and state_dict.get("level") == self.level
             and len(state_dict["inner"]) == len(self.inner)
         ):
+            saved = state_dict.get("chunks")
+            if saved != self._chunk_layout():
+                raise ValueError(
+                    f"ZeroOptimizer.load_state_dict: the state's chunks (size, rank, group size per bucket) "
+                    f"{saved} are not this rank's {self._chunk_layout()}: it was saved by another rank or with "
+                    "other buckets (bucket_mb, mesh); load it on the rank and layout that saved it, or use "
+                    "loom.checkpoint.load_checkpoint, which reshards"
+                )
             for optimizer, state in zip(self.inner, state_dict["inner"], strict=True):
                 optimizer.load_state_dict(state)
             return

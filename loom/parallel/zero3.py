@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from loom.dist.local import local_tensor
 from loom.models.recipes import Recipe, known_recipe, piece, submodule
 from loom.parallel.grad_sync import GradSync
 
@@ -109,7 +110,7 @@ class ParameterSharding:
         self._require_resizable(index, "gather")
         for shard in self.shards.get(index, []):
             for param in shard.bucket.params:
-                _storage(param).resize_(_local(param).numel() * _local(param).element_size())
+                _storage(param).resize_(local_tensor(param).numel() * local_tensor(param).element_size())
             shard.publish()
         self.gathered[index] = True
 
@@ -193,9 +194,5 @@ class ParameterSharding:
             self.free(index)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 def _storage(param: torch.Tensor) -> torch.UntypedStorage:
-    return _local(param).untyped_storage()
+    return local_tensor(param).untyped_storage()

@@ -1123,7 +1123,8 @@ class TrainConfig:
         refused = (
             ("parallel.tp", par.tp, 1, several),
             ("parallel.pp", par.pp, 1, several),
-            ("parallel.replicas", par.replicas, -1, several),
+            # replicas = dp is one process per replica, as -1 is
+            ("parallel.replicas", -1 if par.replicas == replicas else par.replicas, -1, several),
             ("parallel.optimizer_level", par.optimizer_level, 0, "replicas of one process shard nothing"),
             ("parallel.fragments", par.fragments, 1, "fragments do not meet elastically yet"),
             ("parallel.fragment_delay", par.fragment_delay, 0, "delays do not meet elastically yet"),

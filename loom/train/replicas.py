@@ -25,10 +25,10 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import loom
 from loom.dist.elastic import Membership
+from loom.dist.local import local_tensor
 from loom.models.gpt import GPT
 from loom.parallel.local_sgd import DiLoCo, LocalSGD, Replicated
 from loom.parallel.pipeline import Pipeline
@@ -91,10 +91,6 @@ def data_position(mesh: loom.Mesh) -> tuple[int, int]:
     return mesh.axis_rank(REPLICA_AXIS) * inside[1] + inside[0], mesh.axis_size(REPLICA_AXIS) * inside[1]
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def whole_replica_model(config: TrainConfig) -> GPT:
     """The GPT of `[model]` whole on this process, for a replica of one process (every replica starts from
     the same weights, seeded by `train.seed`)."""
@@ -148,7 +144,7 @@ def replica_plan_text(
     else:
         mesh_text, replicas = str(mesh), f"{mesh.axis_size(REPLICA_AXIS)} replicas"
         each = _replica_text(config, mesh)
-    count = sum(_local(p).numel() for p in dict.fromkeys(parts.parameters()))  # this rank's shards
+    count = sum(local_tensor(p).numel() for p in dict.fromkeys(parts.parameters()))  # this rank's shards
     return "\n".join(
         [
             f"plan: {mesh_text}, {replicas} of {each} stepping alone, meeting by {meets}; precision "

@@ -27,7 +27,7 @@ from loom.dist import env
 from loom.dist.context import unsharded
 from loom.models.moe import aux_losses
 from loom.parallel.grads import GradView, grad_views
-from loom.parallel.local_sgd import Replicated
+from loom.parallel.local_sgd import stepping_optimizer
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.zero import ZeroOptimizer
 from loom.train.precision import autocast
@@ -44,11 +44,6 @@ def steps_for(
     """The step engine of `parts`: a module (one part) or a `Pipeline` (this rank's stages), trained by the
     ranks of `group` (default: every rank)."""
     return PipelineSteps(parts, group) if isinstance(parts, Pipeline) else ModuleSteps(parts)
-
-
-def _sharding(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds the step's gradients: the inner one of replicas stepping alone."""
-    return optimizer.inner if isinstance(optimizer, Replicated) else optimizer
 
 
 class ModuleSteps:
@@ -86,7 +81,7 @@ class ModuleSteps:
 
     def grad_views(self, trainer: Trainer) -> list[GradView]:
         """The step's gradients as this rank holds them (a sharding optimizer knows its own pieces)."""
-        own = getattr(_sharding(trainer.optimizer), "grad_views", None)
+        own = getattr(stepping_optimizer(trainer.optimizer), "grad_views", None)
         return own() if own is not None else grad_views(trainer.params, trainer.group)
 
     def balance_group(self) -> dist.ProcessGroup | None:
@@ -157,7 +152,7 @@ class PipelineSteps:
         world-wide sum of the norm counts every element once. At optimizer level 2 the gradients are the
         chunks of the stages' buckets (a tied parameter's bucket spans every rank holding a copy, so each of
         its chunks sits on one rank of it)."""
-        optimizer = _sharding(trainer.optimizer)
+        optimizer = stepping_optimizer(trainer.optimizer)
         if isinstance(optimizer, ZeroOptimizer) and optimizer.level >= 2:
             chunks = [
                 GradView(bucket.shard_grad, bucket.route.copies)
