@@ -349,7 +349,9 @@ def test_bad_sync_settings_name_the_key_and_the_fix(parallel, match):
 
 def test_replicas_of_one_process_each_may_say_so_under_elastic_replicas():
     parallel = {"sync": "local_sgd", "dp": 4, "replicas": 4}  # one process per replica, as replicas = -1
-    TrainConfig.from_dict({"parallel": parallel, "data": {"seq_len": 32}, "fault": {"elastic_replicas": True}})
+    TrainConfig.from_dict(
+        {"parallel": parallel, "data": {"seq_len": 32}, "fault": {"elastic_replicas": True}}
+    )
 
 
 def _metadata(*paths: tuple) -> Metadata:
