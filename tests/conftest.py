@@ -87,13 +87,19 @@ def pytest_configure(config: pytest.Config) -> None:
 # for the cores. xdist hands the larger group to one process and the smaller to the other; the rest
 # (one-process tests, and the launcher, fault and command-line tests, which start their own workers and
 # spend much of their time waiting on them: restarts, heartbeat timeouts) fill in around them, wherever a
-# process is free. The second group holds about an eighth of the pool's work, in files whose tests all run on
+# process is free. The second group holds about a sixth of the pool's work, in files whose tests all run on
 # 4 ranks and never import transformers (another group size, or a Hugging Face import, would cost each of its
 # workers seconds of CPU). With one group, the process running it finished last by about 90 s (351 s against
-# 264 s, fresh clone, idle).
+# 264 s, fresh clone, idle); with the second group of two files, by 23 s (373 s against 350 s of test time,
+# avx2), so two context-parallel files joined it.
 POOL_GROUP = "worker_pool"
 SECOND_POOL_GROUP = "worker_pool_2"
-SECOND_POOL_FILES = {"test_train_equivalence.py", "test_pipeline_overlap.py"}
+SECOND_POOL_FILES = {
+    "test_train_equivalence.py",
+    "test_pipeline_overlap.py",
+    "test_context_parallel_training.py",
+    "test_context_parallel_experts.py",
+}
 
 
 # tryfirst: xdist's own hook turns the marker into the test's group when it runs, so the marker must be
