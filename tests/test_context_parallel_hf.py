@@ -126,7 +126,7 @@ def refusal_case():
     refusals.append(_refusal(lambda: model(input_ids=other_rows, labels=other_rows)))
     whole = distribute_tensor(ids, loom.current_mesh().device_mesh, [Replicate()] * 2)
     refusals.append(_refusal(lambda: model(input_ids=whole)))
-    refusals.append(_refusal(lambda: copy.deepcopy(model)))  # a copy shares the cp group
+    refusals.append(_refusal(lambda: copy.deepcopy(model)(input_ids=ids)))  # a copy runs on the cp group
     plan = Plan(dp=2, cp=2)
     refusals.append(_refusal(lambda: loom.parallelize(nn.Sequential(nn.Linear(4, 4)), plan=plan)))
     gpt = GPT(GPTConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))

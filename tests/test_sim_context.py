@@ -267,6 +267,9 @@ def test_the_search_tries_cp_inside_pipeline_stages():
     assert piped and all(c.result.memory_per_device_gib <= 10 for c in found.candidates)
     again = simulate(MODEL, to_plan(piped[0]).parallel_plan(global_batch=16, seq=65536), H100.with_size(16))
     assert again.iteration_s == pytest.approx(piped[0].result.iteration_s)
+    flat = search_plans(MODEL, H100, 16, 16, 65536, memory_limit=10 * GIB, context_pipelines=False)
+    assert any(c.plan.cp > 1 for c in flat.candidates)
+    assert not any(c.plan.cp > 1 and c.plan.pp > 1 for c in flat.candidates)
 
 
 def test_memory_forces_cp_on_a_shorter_sequence():

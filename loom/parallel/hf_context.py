@@ -171,7 +171,12 @@ def apply_context_parallel(
             "context-parallel attention does not apply; set sliding_window to None or use cp = 1"
         )
     loss = getattr(model, "loss_function", None)
-    if loss is not None and "shift_labels" not in inspect.signature(loss).parameters:
+    if loss is None:
+        raise ValueError(
+            f"plan.cp = {cp}: {name} has no loss_function taking shift_labels, so loom cannot give it labels "
+            "shifted on the whole sequence; use a transformers causal LM, or cp = 1"
+        )
+    if "shift_labels" not in inspect.signature(loss).parameters:
         raise ValueError(
             f"plan.cp = {cp}: {name}'s loss ({getattr(loss, '__name__', loss)}) takes no shift_labels, so labels "
             "cut over cp would be shifted inside each piece and lose a token at every cut; use a transformers "
@@ -183,10 +188,11 @@ def apply_context_parallel(
     for path in matching(modules, names, "the recipe's attention modules", model):
         model.get_submodule(path).loom_context = context
     model.set_attn_implementation(ATTENTION)
-    checked: set[tuple] = set()
+    calls = [0]  # forwards so far: every rank checks its inputs against its cp peers' on the first
 
     def cut_inputs(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        kwargs = shard_causal_lm_inputs(args, kwargs, context.group, context.layout, checked)
+        kwargs = shard_causal_lm_inputs(args, kwargs, context.group, context.layout, check=calls[0] == 0)
+        calls[0] += 1
         return (), kwargs
 
     model.register_forward_pre_hook(cut_inputs, with_kwargs=True)
@@ -197,14 +203,14 @@ def shard_causal_lm_inputs(
     kwargs: dict[str, Any],
     group: dist.ProcessGroup,
     layout: str,
-    checked: set[tuple] | None = None,
+    check: bool = False,
 ) -> dict[str, Any]:
     """A causal LM's forward arguments (each replica's whole sequences) as this rank's keyword arguments:
     every per-token input cut along the sequence as `layout` cuts it over `group`, position ids global, the
     labels shifted on the whole sequence before the cut (`shift_labels`, which the model's loss takes as
     they are). Refuses what a cut sequence cannot take: a padding mask, a cache, unnamed extra arguments,
-    DTensors; and, on the first call with each input shape (recorded in `checked`), inputs that differ
-    between the ranks of `group` (one all-reduce: they must all bring the replica's same sequences)."""
+    DTensors; and, with `check` (every rank of `group` passes the same), inputs that differ between the ranks
+    of `group` (one all-gather: they must all bring the replica's same sequences)."""
     if len(args) > 1:
         raise ValueError(
             f"with cp > 1 pass the model's inputs by name (input_ids=..., labels=...); got {len(args)} "
@@ -241,6 +247,8 @@ def shard_causal_lm_inputs(
                 f"{key} is a DTensor: with cp > 1 pass plain tensors, each replica's whole sequences (loom cuts "
                 "them over cp itself)"
             )
+    if check:  # before any refusal that depends on this rank's inputs: every rank reaches the gather
+        _check_same_sequences(kwargs, group)
     batch, seq = tokens.shape[:2]
     cp = dist.get_world_size(group)
     chunks = chunk_count(cp, layout)
@@ -249,8 +257,6 @@ def shard_causal_lm_inputs(
             f"{given}: a sequence of {seq} tokens does not cut over cp = {cp} ({layout!r} layout: {chunks} "
             f"equal chunks); pad the sequences to a multiple of {chunks}"
         )
-    if checked is not None:
-        _check_same_sequences(kwargs, group, checked)
     if kwargs.get("position_ids") is None:  # the global positions, cut below like the tokens
         kwargs["position_ids"] = torch.arange(seq, device=tokens.device).expand(batch, seq)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -265,36 +271,47 @@ def shard_causal_lm_inputs(
     return kwargs
 
 
-def _check_same_sequences(kwargs: dict[str, Any], group: dist.ProcessGroup, checked: set[tuple]) -> None:
-    """On the first call with these input shapes: every rank of the cp `group` brings the same per-token
-    inputs (each replica's whole sequences), else a ValueError. Ranks that each brought other rows would
-    attend across unrelated sequences and train on a wrong loss without any other sign."""
-    present = [key for key in _PER_TOKEN if kwargs.get(key) is not None]
-    shapes = tuple((key, tuple(kwargs[key].shape)) for key in present)
-    if shapes in checked:
-        return
-    prints = torch.stack([_fingerprint(kwargs[key]) for key in present])
-    extremes = torch.cat([prints, -prints])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+def _check_same_sequences(kwargs: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """Every rank of the cp `group` brings the same per-token inputs (each replica's whole sequences), else a
+    ValueError on every rank. Ranks that each brought other rows would attend across unrelated sequences and
+    train on a wrong loss without any other sign. One all-gather of a fixed-size summary per rank (for each
+    per-token key: given or not, its shape, a digest of its values), so ranks whose inputs differ in any way,
+    even in which keys they pass, still meet in it."""
+    summary = torch.zeros(len(_PER_TOKEN), 4, dtype=torch.int64)
+    for row, key in enumerate(_PER_TOKEN):
+        x = kwargs.get(key)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.device.type != "meta":
+            shape = list(x.shape[:2]) + [1] * (2 - min(x.ndim, 2))
+            summary[row] = torch.tensor([1, *shape, int(_fingerprint(x))])
+    tensors = [x for x in kwargs.values() if isinstance(x, torch.Tensor) and x.device.type != "meta"]
+    summary = summary.to(tensors[0].device if tensors else "cpu")  # where the group's backend gathers
+    gathered = [torch.empty_like(summary) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, summary, group=group)
     differ = [
         key
-        for key, high, low in zip(present, extremes[: len(present)], extremes[len(present) :], strict=True)
-        if high != -low
+        for row, key in enumerate(_PER_TOKEN)
+        if any(not torch.equal(g[row], summary[row]) for g in gathered)
     ]
     if differ:
         raise ValueError(
             f"{', '.join(differ)} differ across the cp ranks of one replica: with cp > 1 every cp rank passes the "
             "replica's same whole sequences (loom cuts them); split the rows over the data-parallel ranks only"
         )
-    checked.add(shapes)
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: weights that spread every position
+_DIGEST_CHUNK = 1 << 20  # elements digested at a time (bounded memory for large embeddings)
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """An int64 digest of `x`'s values and their order (equal tensors give equal digests on any machine:
-    floating values are taken by their bits)."""
+    """An int64 digest of `x`'s values and their positions (equal tensors give equal digests on any machine:
+    floating values are taken by their bits; products wrap, as int64 arithmetic does)."""
     flat = x.detach().reshape(-1)
     if flat.is_floating_point():
-        flat = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    flat = flat.long()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
-    return (flat * weights).sum() + flat.sum()
+        flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    digest = torch.zeros((), dtype=torch.int64)
+    for start in range(0, flat.numel(), _DIGEST_CHUNK):
+        part = flat[start : start + _DIGEST_CHUNK].long()
+        weights = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=part.device)
+        digest += (part * (weights * _GOLDEN)).sum().cpu()
+    return digest

@@ -276,7 +276,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             and len(state_dict["inner"]) == len(self.inner)
         ):
             saved = state_dict.get("chunks")
-            if saved != self._chunk_layout():
+            if saved is not None and saved != self._chunk_layout():  # None: saved before states said
                 raise ValueError(
                     f"ZeroOptimizer.load_state_dict: the state's chunks (size, rank, group size per bucket) "
                     f"{saved} are not this rank's {self._chunk_layout()}: it was saved by another rank or with "

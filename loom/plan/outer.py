@@ -153,6 +153,7 @@ def search_plans(
     overlap_grad_sync: bool = True,
     flash_attention: bool = False,
     context: tuple[int, ...] | None = None,
+    context_pipelines: bool = True,
 ) -> SearchResult:
     """Search mesh shapes, stages, micro-batches, optimizer levels and recompute policies for `model` on
     `gpus` devices of `cluster`'s kind at `global_batch` sequences of `seq` tokens.
@@ -162,7 +163,9 @@ def search_plans(
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
     tried, cheapest first; `dtype`, `overlap_grad_sync` and `flash_attention` are held fixed. `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
-    least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits.
+    least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
+    with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
+    `loom train`, passes False).
     """
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
@@ -173,11 +176,13 @@ def search_plans(
     )  # fmt: skip
     choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))
-    options, infeasible = _options(choices, meshes(model, cluster, gpus, global_batch, seq, degrees))
+    options, infeasible = _options(
+        choices, meshes(model, cluster, gpus, global_batch, seq, degrees, context_pipelines)
+    )
     notes = []
     if not options and context is None and degrees == (1,) and len(context_degrees(gpus, seq)) > 1:
         # memory forces it: cut the sequences over cp ranks (the meshes without cp, already refused, again)
-        more = meshes(model, cluster, gpus, global_batch, seq, context_degrees(gpus, seq))
+        more = meshes(model, cluster, gpus, global_batch, seq, context_degrees(gpus, seq), context_pipelines)
         found, why = _options(choices, ([m for m in more[0] if m.cp > 1], more[1]))
         options, infeasible = found, infeasible + [i for i in why if i not in infeasible]
         notes.append("no plan fits without context parallelism: cp was searched too")

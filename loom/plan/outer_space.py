@@ -89,19 +89,20 @@ def context_degrees(gpus: int, seq: int) -> tuple[int, ...]:
 
 def meshes(
     model: TransformerConfig, cluster: Cluster, gpus: int, global_batch: int, seq: int,
-    cps: tuple[int, ...] = (1,),
+    cps: tuple[int, ...] = (1,), context_pipelines: bool = True,
 ) -> tuple[list[Mesh], list[Infeasible]]:  # fmt: skip
     """Every mesh shape of `gpus` devices that can run `model` at `global_batch`, and the regions that
     cannot. ep (experts over the data-parallel axis) is tried at every degree dividing dp and the experts;
-    each cp of `cps` (`context_degrees`) above 1 with every pp, and every attention that fits it."""
+    each cp of `cps` (`context_degrees`) above 1 with every pp (pp = 1 only without `context_pipelines`),
+    and every attention that fits it."""
     found, infeasible = [], []
     for tp in divisors(gpus):
         reasons = _tp_reasons(model, cluster, tp, seq)
         if reasons:
             infeasible.append(Infeasible(f"tp={tp}", "; ".join(reasons)))
             continue
-        for cp in (c for c in cps if (gpus // tp) % c == 0):
-            for pp in divisors(gpus // (tp * cp)):
+        for cp in (c for c in sorted({1, *cps}) if (gpus // tp) % c == 0):
+            for pp in divisors(gpus // (tp * cp)) if cp == 1 or context_pipelines else [1]:
                 mesh = Mesh(gpus // (tp * pp * cp), tp, pp, cp=cp)
                 reason = _batch_reason(model, mesh, global_batch)
                 if reason is not None:

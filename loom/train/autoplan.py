@@ -62,6 +62,7 @@ def choose(config: TrainConfig, world_size: int) -> AutoPlan:
     found = search_plans(
         model, cluster, world_size, train.global_batch // train.grad_accum, config.data.seq_len,
         memory_limit=par.memory_limit_bytes(), dtype=train.precision,
+        context_pipelines=not config.model.is_hf,  # loom train cuts no HF model's sequences in pipelines
     )  # fmt: skip
     skipped = []
     for candidate in found.candidates:
