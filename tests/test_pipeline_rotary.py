@@ -16,7 +16,12 @@ ACCUM = 2
 
 CASES = [
     dict(schedule="zero_bubble", pp=2, virtual=2),
-    dict(schedule="interleaved", pp=2, dp=2, tp=2, virtual=2, sequence_parallel=True),
+    # 8 ranks: make test-all (make test samples rotary pipelines on 2 ranks, and with cp on 4)
+    pytest.param(
+        dict(schedule="interleaved", pp=2, dp=2, tp=2, virtual=2, sequence_parallel=True),
+        marks=pytest.mark.slow,
+        id="interleaved-dp2-tp2-pp2",
+    ),
 ]
 
 
