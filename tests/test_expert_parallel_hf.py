@@ -136,15 +136,16 @@ def test_hugging_face_mixtral_with_expert_parallel_experts_matches_one_device(di
 
 
 @pytest.mark.slow  # make test keeps loom train with ep on loom's GPT (test_expert_parallel_training.py)
-def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_device(dist_run, tmp_path):
-    """`loom train` on a Mixtral config.json with `[parallel] dp = 4, ep = 2` at optimizer level 1 gives
-    the one-device losses; its checkpoint, its experts cut over ep, resumes on one device (every expert
-    whole, optimizer level 0) with the one-device loss of the next step."""
+@pytest.mark.parametrize("level", [1, 3])
+def test_loom_train_with_parallel_ep_on_a_hugging_face_mixtral_follows_one_device(dist_run, tmp_path, level):
+    """`loom train` on a Mixtral config.json with `[parallel] dp = 4, ep = 2` at optimizer level 1 or 3
+    gives the one-device losses; its checkpoint, its experts cut over ep, resumes on one device (every
+    expert whole, optimizer level 0) with the one-device loss of the next step."""
     checkpoint = {"dir": str(tmp_path / "ckpt"), "every_steps": 3}
     train = {"workers": 1, "steps": 4, "schedule": "constant"}  # the 3-step run's rates are the 4-step run's
     one = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train=train)
     four = hf_job(
-        tmp_path, "mixtral", parallel={"dp": 4, "ep": 2, "optimizer_level": 1},
+        tmp_path, "mixtral", parallel={"dp": 4, "ep": 2, "optimizer_level": level},
         train=train | {"workers": 4, "steps": 3}, checkpoint=checkpoint,
     )  # fmt: skip
     again = hf_job(tmp_path, "mixtral", parallel={"dp": 1}, train=train, checkpoint=checkpoint)
