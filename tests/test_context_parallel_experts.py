@@ -16,10 +16,10 @@ import pytest
 import torch
 from equivalence import ADAMW, RTOL, assert_params_close
 from job_cases import job_config
+from test_expert_parallel_training import _biases
 
 import loom
 from loom.models.gpt import GPT, GPTConfig, Strategies
-from loom.models.moe import moe_layers
 from loom.parallel import make_optimizer
 from loom.train import Trainer
 from loom.train.job import run
@@ -43,10 +43,6 @@ def _train(model, inputs):
     trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, 0, **ADAMW), clip_grad_norm=0.5)
     results = [trainer.train_step([inputs(ids, targets)]) for ids, targets in _batches()]
     return [r.loss for r in results], [r.grad_norm for r in results]
-
-
-def _biases(model):
-    return torch.stack([moe.expert_bias for moe in moe_layers(model)])
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from equivalence import GRAD_ATOL, RTOL, assert_params_close
 from hf_models import batches, build
+from test_context_parallel_training import _refusal
 from torch import nn
 from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -94,14 +95,6 @@ def _assert_equivalent(expected, actual):
             grads[name], grad, rtol=RTOL, atol=GRAD_ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
     assert_params_close(params, ref_params, lr=LR, steps=len(losses), eps=1.0)
-
-
-def _refusal(make) -> str:
-    try:
-        make()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def refusal_case():

@@ -54,9 +54,10 @@ def _config(tmp_path, name: str, parallel: dict, train: dict | None = None, **se
     )  # fmt: skip
 
 
-def _counted_run(config: TrainConfig) -> tuple[dict, dict[int, list[int]]]:
+def _counted_run(config: TrainConfig, replica_ranks: int | None = None) -> tuple[dict, dict[int, list[int]]]:
     """`run(config)` on this rank, with the bytes of each `dist.all_reduce` by the training step issuing it
-    (0: before the first step; the heartbeat after step s is the end of step s)."""
+    (0: before the first step; the heartbeat after step s is the end of step s). With `replica_ranks`, only
+    those between replicas: over a group whose ranks lie in several replicas of that many consecutive ranks."""
     calls: dict[int, list[int]] = {}
     last = [0]
     original = dist.all_reduce
@@ -65,8 +66,14 @@ def _counted_run(config: TrainConfig) -> tuple[dict, dict[int, list[int]]]:
         if step is not None:
             last[0] = step
 
+    def between_replicas(group) -> bool:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        return len({rank // replica_ranks for rank in ranks}) > 1
+
     def record(tensor, *args, **kwargs):
-        calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)  # all_reduce(tensor, op, group, ...)
+        if replica_ranks is None or between_replicas(group):
+            calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
         return original(tensor, *args, **kwargs)
 
     launch.BEAT_HOOKS.append(beat)
@@ -282,38 +289,12 @@ def test_replicas_of_several_ranks_with_identity_outer_step_are_data_parallelism
         torch.testing.assert_close(replica_params[name], value, rtol=TOL, atol=TOL, msg=name)
 
 
-def _outer_counted_run(config: TrainConfig, replica_ranks: int) -> tuple[dict, dict[int, list[int]]]:
-    """`run(config)` with the bytes of each `dist.all_reduce` between replicas (over a group whose ranks lie
-    in several replicas of `replica_ranks` consecutive ranks) by training step (as `_counted_run`)."""
-    calls: dict[int, list[int]] = {}
-    last = [0]
-    original = dist.all_reduce
-
-    def beat(step, phase) -> None:
-        if step is not None:
-            last[0] = step
-
-    def record(tensor, *args, group=None, **kwargs):
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        if len({rank // replica_ranks for rank in ranks}) > 1:
-            calls.setdefault(last[0] + 1, []).append(tensor.numel() * tensor.element_size())
-        return original(tensor, *args, group=group, **kwargs)
-
-    launch.BEAT_HOOKS.append(beat)
-    dist.all_reduce = record
-    try:
-        return run(config), calls
-    finally:
-        dist.all_reduce = original
-        launch.BEAT_HOOKS.remove(beat)
-
-
 @pytest.mark.slow  # 4 ranks
 def test_pipelined_replicas_meet_only_at_syncs_with_their_stage_bytes(dist_run, tmp_path):
     steps, every = 7, 3
     parallel = {"sync": "diloco", "sync_every": every, "dp": 2, "pp": 2, "microbatches": 2}
     config = _config(tmp_path, "count", parallel, {"steps": steps, "workers": 4})
-    done = dist_run(4, _outer_counted_run, config, 2)
+    done = dist_run(4, _counted_run, config, 2)
     stages = all_stages(config, GPT(config.model.gpt_config()))  # pipeline rank k runs stage k (1f1b)
     for rank, (summary, calls) in enumerate(done):  # rank = replica * 2 + pipeline rank
         stage_bytes = 4 * sum(p.numel() for p in stages[rank % 2].parameters())  # fp32
