@@ -68,7 +68,7 @@ hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out 
 dp defaults to gpus / (tp * pp * cp); the global batch defaults to dp * micro-batch * (4 * pp when pipelined),
 with --plan to dp * the plan's micro-batches * micro-batch. --cp cuts each sequence over cp ranks (inside a
 node after tp, as the mesh orders its axes): Ulysses (tp * cp must divide the heads) or ring attention
-(the sequence a multiple of 2 * cp); not with pipelines. A CONFIG.toml sets the model, the plan, the batch
+(the sequence a multiple of 2 * cp), with pipelines too. A CONFIG.toml sets the model, the plan, the batch
 and the devices itself: only the hardware, output and link options go with it, and after CONFIG.toml the
 `--section.key value` overrides that `loom train` takes. A config whose replicas step alone ([parallel] sync
 = "local_sgd" or "diloco") is priced as one replica, then against synchronous data parallelism over a link of
