@@ -44,6 +44,7 @@ __all__ = [
     "ATTENTION",
     "ContextAttention",
     "apply_context_parallel",
+    "check_context_config",
     "context_attention",
     "shard_causal_lm_inputs",
 ]
@@ -131,6 +132,34 @@ def context_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def check_context_config(
+    config: Any, name: str, modules: str | None, *, cp: int, key: str, source: str
+) -> None:
+    """The rules a Hugging Face model's config must meet for its sequences to be cut over `cp`, checked
+    once for both surfaces (`loom train`'s config, `apply_context_parallel`): its family's recipe names its
+    attention modules (`modules`, None when it does not), and the config asks for nothing a cut sequence
+    cannot run (a sliding window, attention dropout). `key` names the cp setting ("parallel.cp",
+    "plan.cp") and `source` where the config comes from, in the errors."""
+    if modules is None:
+        known = sorted(n for n, r in RECIPES.items() if getattr(r, "attention", None) is not None)
+        raise ValueError(
+            f"{key} = {cp}: loom knows no attention modules of {name}, so it cannot cut its sequences "
+            f"(models it can: {known}, and loom's GPT built with Strategies(cp=...)); set {key} = 1"
+        )
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            f"{key} = {cp}: {source} sets sliding_window = {config.sliding_window}, which loom's "
+            f'context-parallel attention does not apply; set sliding_window to None ("sliding_window": null '
+            f"in a config.json), or {key} = 1"
+        )
+    for dropout in ("attention_dropout", "attn_pdrop"):
+        if getattr(config, dropout, 0.0):
+            raise ValueError(
+                f"{key} = {cp}: {source} sets {dropout} = {getattr(config, dropout)}, and loom's "
+                f'context-parallel attention has no dropout; set "{dropout}": 0.0 there, or {key} = 1'
+            )
+
+
 @functools.cache
 def _register() -> None:
     """Register `context_attention` with transformers (once per process)."""
@@ -150,13 +179,8 @@ def apply_context_parallel(
     first."""
     cp = mesh.axis_size("cp")
     name = type(model).__name__
-    if modules is None:
-        known = sorted(n for n, r in RECIPES.items() if getattr(r, "attention", None) is not None)
-        raise ValueError(
-            f"plan.cp = {cp}: loom knows no attention modules of {name}, so it cannot cut its sequences "
-            f"(models it can: {known}, and loom's GPT built with Strategies(cp=...)); use cp = 1"
-        )
     config = getattr(model, "config", None)
+    check_context_config(config, name, modules, cp=cp, key="plan.cp", source=f"{name}'s config")
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"plan.cp = {cp}: {name} is not a Hugging Face model (no config); use cp = 1")
     heads = config.num_attention_heads
@@ -164,11 +188,6 @@ def apply_context_parallel(
         raise ValueError(
             f"plan.attention = 'ulysses' cuts each tp rank's heads over cp: tp x cp = {tp * cp} must divide "
             f"num_attention_heads = {heads} of {name}; use attention = 'ring' (any head count) or a smaller cp"
-        )
-    if getattr(config, "sliding_window", None) is not None:
-        raise ValueError(
-            f"plan.cp = {cp}: {name}'s config has sliding_window = {config.sliding_window}, which loom's "
-            "context-parallel attention does not apply; set sliding_window to None or use cp = 1"
         )
     loss = getattr(model, "loss_function", None)
     if loss is None:

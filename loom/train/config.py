@@ -994,6 +994,7 @@ class TrainConfig:
         same at run time."""
         from loom.models.hf import causal_lm_class
         from loom.models.recipes import RECIPES
+        from loom.parallel.hf_context import check_context_config
 
         par, model = self.parallel, self.model
         source = model.hf_config or str(Path(model.hf_pretrained or "") / "config.json")
@@ -1004,24 +1005,8 @@ class TrainConfig:
             )
         hf_config = model.hf_model_config()
         name = causal_lm_class(hf_config)
-        if getattr(RECIPES.get(name), "attention", None) is None:
-            known = sorted(n for n, r in RECIPES.items() if getattr(r, "attention", None) is not None)
-            raise ValueError(
-                f"parallel.cp = {par.cp}: loom knows no attention modules of {name} (families it can cut: "
-                f"{known}); set parallel.cp = 1"
-            )
-        if getattr(hf_config, "sliding_window", None) is not None:
-            raise ValueError(
-                f"parallel.cp = {par.cp}: {source} sets sliding_window = {hf_config.sliding_window}, which "
-                'loom\'s context-parallel attention does not apply; set "sliding_window": null there, or '
-                "parallel.cp = 1"
-            )
-        for key in ("attention_dropout", "attn_pdrop"):
-            if getattr(hf_config, key, 0.0):
-                raise ValueError(
-                    f"parallel.cp = {par.cp}: {source} sets {key} = {getattr(hf_config, key)}, and loom's "
-                    f'context-parallel attention has no dropout; set "{key}": 0.0 there, or parallel.cp = 1'
-                )
+        modules = getattr(RECIPES.get(name), "attention", None)
+        check_context_config(hf_config, name, modules, cp=par.cp, key="parallel.cp", source=source)
 
     def _check_hf_experts(self, world_size: int | None) -> None:
         """`parallel.ep > 1` on a Hugging Face model: its family's recipe names its experts (Mixtral), `ep`
