@@ -151,3 +151,25 @@ def test_counts_below_one_are_refused_not_taken_for_the_default(capsys, flag, va
     assert main(["simulate", "--model", "llama3-8b", flag, value]) == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: expected a whole number >= 1, got {value}" in err
+
+
+def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(capsys):
+    """The flags of another training system's ways set the `ParallelPlan` fields the simulator prices: fp32
+    gradient buffers take memory, fp8 GEMMs take less time; a value the plan cannot take names the field."""
+
+    def priced(*flags: str) -> dict:
+        assert main(["simulate", *GPT3, *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain, fp32 = priced(), priced("--grad-dtype", "fp32", "--grad-accumulation", "separate")
+    assert (fp32["plan"]["grad_dtype"], fp32["plan"]["grad_accumulation"]) == ("fp32", "separate")
+    assert fp32["memory_per_device_gib"] > plain["memory_per_device_gib"]
+    assert fp32["iteration_s"] > plain["iteration_s"]
+    h100 = ("--hardware", "h100-sxm")
+    assert priced(*h100, "--fp8-matmuls")["iteration_s"] < priced(*h100)["iteration_s"]
+    assert main(["simulate", *GPT3, "--fp8-matmuls"]) == 2
+    assert "no fp8 peak" in capsys.readouterr().err
+    assert main(["simulate", *GPT3, "--grad-reduce", "reduce_scatter"]) == 1
+    assert "grad_reduce = 'reduce_scatter'" in capsys.readouterr().err
+    assert main(["simulate", *GPT3, "--expert-tp", "3"]) == 1
+    assert "divisor of tp=8" in capsys.readouterr().err

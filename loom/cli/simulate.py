@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Link, get_cluster
-from loom.cost.plan import ParallelPlan, light_ends
+from loom.cost.plan import GRAD_ACCUMULATIONS, GRAD_DTYPES, GRAD_REDUCES, ParallelPlan, light_ends
 from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import (
@@ -104,6 +104,8 @@ SYNC_FLAGS = ("replicas", "sync_every", "fragments", "fragment_delay", "outer_dt
 MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts")
 MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
+# how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
+SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +161,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--no-overlap-grad-sync", action="store_true", help="reduce gradients after backward")
     plan.add_argument("--flash-attention", action="store_true", help="fused attention (no s x s tensors)")
     plan.add_argument("--dtype", choices=PRECISIONS, help="default bf16")
+    system = parser.add_argument_group(
+        "how another training system runs the plan (to price its published runs; loom train does none of it)"
+    )
+    system.add_argument("--fp8-matmuls", action="store_true", help="the layers' linear GEMMs in fp8")
+    system.add_argument(
+        "--expert-tp", type=positive_int, metavar="N", help="experts' own tensor parallelism, a divisor of tp"
+    )
+    system.add_argument(
+        "--grad-dtype", choices=[d for d in GRAD_DTYPES if d], help="gradients accumulated and reduced in it"
+    )
+    system.add_argument(
+        "--grad-reduce",
+        choices=[r for r in GRAD_REDUCES if r],
+        help="their collective (default: the level's)",
+    )
+    system.add_argument(
+        "--grad-accumulation",
+        choices=GRAD_ACCUMULATIONS,
+        help="fused into the weight-gradient GEMMs (default), or a separate pass after each micro-batch",
+    )
     slow = parser.add_argument_group(
         "replicas over a slow link (the plan above is one replica): synchronous data parallelism vs DiLoCo"
     )
@@ -204,7 +226,8 @@ def _check_sources(args: argparse.Namespace) -> None:
     if args.config and args.plan:
         raise ValueError("give CONFIG.toml or --plan, not both")
     if args.config:
-        taken = [*MODEL_FLAGS, *PLAN_FLAGS, *SYNC_FLAGS, "gpus", "flash_attention", "no_overlap_grad_sync"]
+        taken = [*MODEL_FLAGS, *PLAN_FLAGS, *SYNC_FLAGS, *SYSTEM_FLAGS, "gpus", "flash_attention"]
+        taken.append("no_overlap_grad_sync")
         why = (
             "CONFIG.toml sets the model, the plan, the batch, the devices and how replicas meet ([parallel] "
             "sync), priced as loom train runs them"
@@ -321,10 +344,15 @@ def _plan(
             seq=args.seq or DEFAULT_SEQ,
             flash_attention=args.flash_attention,
             overlap_grad_sync=not args.no_overlap_grad_sync,
-        )
+        ).replace(**_system(args))
     except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
         raise PlanError([str(exc)]) from exc
     return priced, args.gpus or priced.devices
+
+
+def _system(args: argparse.Namespace) -> dict:
+    """The `ParallelPlan` fields of the flags that describe another training system (`SYSTEM_FLAGS`)."""
+    return {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
 
 
 def _json(
