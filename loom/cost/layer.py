@@ -289,7 +289,7 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
 def _p2p_time(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, span: GroupSpan) -> float:
     """Seconds from a stage's send of one micro-batch's stream to the next stage holding it whole: the send
     over `span` and, when the stream travels in 1/tp shares (`scatter_gather_p2p`), the all-gather over tp
-    that rebuilds it (inside a node when tp fits in one: Megatron-LM sends 1/tp over InfiniBand for that)."""
+    that rebuilds it (over NVLink when tp fits in a node: the point of sending only 1/tp between nodes)."""
     send = collective_time("send_recv", stage_stream_bytes(model, plan), span, cluster)
     tp_span = group_span(plan.tp, 1, cluster.gpus_per_node)
     return send + collective_time("all_gather", stage_gather_bytes(model, plan), tp_span, cluster)

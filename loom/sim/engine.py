@@ -4,8 +4,9 @@ Forward of (micro-batch m, virtual stage v) needs the forward of (m, v-1), plus 
 transfer when they run on different devices; backward of (m, v) needs the backward of (m, v+1). Every
 device runs its tasks in its given order. With blocking sends a task that sends its output to another
 device holds that device for the transfer too (its next task starts when the send ends); otherwise the
-send runs beside the device's next task and only the receiver waits for it. This is a longest-path computation on the schedule's DAG, done by
-sweeping the devices until every task is placed: no heap needed, linear in the number of tasks.
+send runs beside the device's next task and only the receiver waits for it. This is a longest-path
+computation on the schedule's DAG, done by sweeping the devices until every task is placed: no heap
+needed, linear in the number of tasks.
 """
 
 from __future__ import annotations
