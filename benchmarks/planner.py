@@ -19,6 +19,7 @@ its gap to the best.
 
     .venv/bin/python benchmarks/planner.py --outer    # the outer search only (a few minutes on 2 cores)
     .venv/bin/python benchmarks/planner.py --quality  # the quality table only
+    .venv/bin/python benchmarks/planner.py --quality --rows 7.5B,18.4B  # only the rows of these labels
 
 Operator-level search timings (`loom.plan.solve`): a 24-layer GPT (GPT-2 medium's shapes, vocabulary padded to 50304, 355M
 parameters, built on the meta device) on a 2D mesh, priced on `h100-sxm`.
@@ -130,7 +131,8 @@ def _quality_row(case, mode: str) -> tuple[str, bool]:
 
     p = case.plan
     found = search_plans(case.model, case.cluster, case.cluster.gpus, p.global_batch, p.seq, dtype=p.dtype,
-                         overlap_grad_sync=p.overlap_grad_sync, **_limits(case, mode))  # fmt: skip
+                         overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p,
+                         scatter_gather_p2p=p.scatter_gather_p2p, **_limits(case, mode))  # fmt: skip
     priced = [simulate(case.model, plan, case.cluster) for plan in published_completions(case)]
     fixed = simulate(case.model, p, case.cluster)  # the case's own completion (its fixed rule)
     published, best = min((r for r in priced if r.fits), key=lambda r: r.iteration_s), found.best
@@ -151,15 +153,27 @@ def _quality_row(case, mode: str) -> tuple[str, bool]:
     return line, ok
 
 
+def _row_filter() -> set[str] | None:
+    """The row labels `--rows a,b` asks for (None: every row)."""
+    if "--rows" not in sys.argv:
+        return None
+    at = sys.argv.index("--rows") + 1
+    if at >= len(sys.argv):
+        raise SystemExit("--rows needs a comma-separated list of row labels, e.g. --rows 7.5B,18.4B")
+    return set(sys.argv[at].split(","))
+
+
 def quality_table() -> None:
     """The plan-quality table over both papers' rows in each of `MODES` (see the module docstring)."""
     from loom.sim.validation import cases
+
+    wanted = _row_filter()
 
     print(f"{'source':10} {'row':18} {'search':12} {'best s':>8} {'best dp/tp/pp':34} {'case s':>8} "
           f"{'pub s':>8} {'rank':>4} {'gap':>6} {'beats':5} {'ok':4} {'time':>5}")  # fmt: skip
     passed: dict[tuple[str, str], list[bool]] = {}
     for case in cases():
-        if case.source in QUALITY_SOURCES:
+        if case.source in QUALITY_SOURCES and (wanted is None or case.label in wanted):
             for mode in MODES:
                 line, ok = _quality_row(case, mode)
                 passed.setdefault((case.source, mode), []).append(ok)

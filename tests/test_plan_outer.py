@@ -37,8 +37,8 @@ def test_search_matches_or_beats_the_published_configuration(source: str, label:
     # the published run's techniques: its recompute policy and sequence parallelism, no sharded optimizer
     found = search_plans(
         case.model, cluster, cluster.gpus, p.global_batch, p.seq, dtype=p.dtype,
-        overlap_grad_sync=p.overlap_grad_sync, recompute=(p.recompute,), optimizer_levels=(0,),
-        sequence_parallel=(p.sequence_parallel,),
+        overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p, scatter_gather_p2p=p.scatter_gather_p2p,
+        recompute=(p.recompute,), optimizer_levels=(0,), sequence_parallel=(p.sequence_parallel,),
     )  # fmt: skip
     best = found.best.result
     assert best.tokens_per_s >= published.tokens_per_s * (1 - 1e-9)
@@ -162,7 +162,8 @@ def test_a_published_row_under_a_limit_below_its_data_parallel_memory() -> None:
     p, cluster = case.plan, case.cluster
     limit = simulate(case.model, p, cluster).memory_per_device_gib * 0.7
     found = search_plans(case.model, cluster, cluster.gpus, p.global_batch, p.seq, limit * GIB, dtype=p.dtype,
-                         overlap_grad_sync=p.overlap_grad_sync, optimizer_levels=(0,))  # fmt: skip
+                         overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p,
+                         scatter_gather_p2p=p.scatter_gather_p2p, optimizer_levels=(0,))  # fmt: skip
     assert found.candidates and all(c.plan.dp < cluster.gpus for c in found.candidates)
     for candidate in found.candidates:
         assert simulate(case.model, candidate.plan, cluster).memory_per_device_gib <= limit

@@ -84,3 +84,16 @@ def test_transfers_between_stages_delay_the_pipeline():
     # at least the fill and drain each cross the link once; at most every micro-batch waits both ways
     assert fast.makespan + 2 * 0.5 <= slow.makespan <= fast.makespan + 2 * 4 * 0.5
     assert len(slow.intervals) == 16
+
+
+def test_blocking_sends_hold_the_sending_device():
+    # 1F1B over 2 devices, 4 micro-batches: device 0 sends each forward's output on, device 1 each backward's
+    # input gradient back; a blocking send (Megatron-LM 2021) holds its device for the transfer as well
+    orders = device_orders("1f1b", 2, 1, 4)
+    overlapped = play(orders, 1, 4, [1.0, 1.0], [2.0, 2.0], 0.5)
+    blocking = play(orders, 1, 4, [1.0, 1.0], [2.0, 2.0], 0.5, blocking=True)
+    assert overlapped.sending == [0.0, 0.0]
+    assert blocking.sending == [4 * 0.5, 4 * 0.5]
+    assert blocking.busy == overlapped.busy
+    # every send now delays its own device's next task, not only the receiver's
+    assert overlapped.makespan < blocking.makespan <= overlapped.makespan + 8 * 0.5

@@ -8,7 +8,9 @@ import statistics
 import pytest
 
 from loom.cost.hardware import get_cluster
+from loom.cost.layer import piece_costs
 from loom.cost.plan import ParallelPlan
+from loom.cost.traffic import stage_gather_bytes, stage_stream_bytes
 from loom.sim import PlanError, check_plan, get_model, load_model_config, simulate
 from loom.sim.validation import cases, narayanan_interleave
 
@@ -100,6 +102,27 @@ def test_overlapped_gradient_sync_is_not_slower():
         simulate(LLAMA, plan, H100).iteration_s
         <= simulate(LLAMA, plan.replace(overlap_grad_sync=False), H100).iteration_s
     )
+
+
+def test_blocking_pipeline_sends_are_priced_and_shown():
+    overlapped = simulate(LLAMA, BASE, H100)
+    blocking = simulate(LLAMA, BASE.replace(overlap_p2p=False), H100)
+    assert overlapped.breakdown["pp_comm"] == 0.0 < blocking.breakdown["pp_comm"]
+    assert blocking.iteration_s > overlapped.iteration_s
+    assert sum(blocking.breakdown.values()) == pytest.approx(blocking.iteration_s, rel=1e-6)
+
+
+def test_scatter_gather_sends_a_tensor_parallel_share_and_gathers_it():
+    model, cluster = get_model("gpt3-175b"), get_cluster("a100-80gb", gpus=16)
+    whole = ParallelPlan(dp=1, tp=8, pp=2, global_batch=8, seq=2048, recompute="full")
+    split = whole.replace(scatter_gather_p2p=True)
+    assert stage_stream_bytes(model, split) * 8 == stage_stream_bytes(model, whole)
+    assert stage_gather_bytes(model, split) == stage_stream_bytes(model, whole)
+    assert stage_gather_bytes(model, whole) == 0
+    # with sequence parallelism the layers take the cut stream as it comes: nothing to gather
+    assert stage_gather_bytes(model, split.replace(recompute="selective", sequence_parallel=True)) == 0
+    # stages on different nodes: an eighth over InfiniBand and a gather over NVLink beat the whole over InfiniBand
+    assert piece_costs(model, split, cluster).p2p_s < piece_costs(model, whole, cluster).p2p_s
 
 
 def test_mixture_of_experts_with_expert_parallelism():

@@ -32,6 +32,7 @@ from loom.cost.traffic import (
     head_collectives,
     layer_collectives,
     shards_as_rows,
+    stage_gather_bytes,
     stage_stream_bytes,
 )
 from loom.cost.transformer import TransformerConfig
@@ -54,7 +55,7 @@ class PieceCosts:
     embed_bwd: Costs
     head_fwd: Costs
     head_bwd: Costs
-    p2p_s: float  # sending one micro-batch's activations to the next stage
+    p2p_s: float  # sending one micro-batch's activations to the next stage (and gathering them, if split)
     p2p_bytes: float
     layer_cp: tuple[StepCollective, ...] = ()  # one layer's attention exchanges over cp, one micro-batch
 
@@ -279,10 +280,19 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         embed_bwd=embed_bwd,
         head_fwd=head_fwd,
         head_bwd=head_bwd,
-        p2p_s=collective_time("send_recv", p2p_bytes, span, cluster) if plan.pp > 1 else 0.0,
+        p2p_s=_p2p_time(model, rows, cluster, span) if plan.pp > 1 else 0.0,
         p2p_bytes=p2p_bytes,
         layer_cp=tuple(layer_cp),
     )
+
+
+def _p2p_time(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, span: GroupSpan) -> float:
+    """Seconds from a stage's send of one micro-batch's stream to the next stage holding it whole: the send
+    over `span` and, when the stream travels in 1/tp shares (`scatter_gather_p2p`), the all-gather over tp
+    that rebuilds it (over NVLink when tp fits in a node: the point of sending only 1/tp between nodes)."""
+    send = collective_time("send_recv", stage_stream_bytes(model, plan), span, cluster)
+    tp_span = group_span(plan.tp, 1, cluster.gpus_per_node)
+    return send + collective_time("all_gather", stage_gather_bytes(model, plan), tp_span, cluster)
 
 
 def _total(costs: Costs) -> float:

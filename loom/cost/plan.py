@@ -132,6 +132,13 @@ class ParallelPlan:
     optimizer does before updating its shard); `grad_accumulation` whether the backward's weight-gradient
     GEMMs add into the accumulation buffer ("fused") or a memory-bound pass after each micro-batch's
     backward adds the `dtype` gradients into the `grad_dtype` buffer ("separate": DeepSpeed's bf16 optimizer).
+
+    How activations travel between pipeline stages: `overlap_p2p` (loom's runtime, torch's pipelining and
+    Megatron-Core's --overlap-p2p-communication) posts each send and goes on computing, so a transfer only
+    delays the stage waiting for it; False: every send holds its device until the transfer ends (Megatron-LM
+    of 2021-22 waited on its batched sends and receives and synchronised the device after each). With
+    `scatter_gather_p2p` (Megatron-LM's --scatter-gather-tensors-in-pipeline) each tensor-parallel rank
+    sends 1/tp of the stream and the receiving stage all-gathers it over tp; loom sends it whole.
     """
 
     dp: int = 1
@@ -159,6 +166,8 @@ class ParallelPlan:
     grad_dtype: str = ""  # see the class docstring: one of GRAD_DTYPES
     grad_reduce: str = ""  # one of GRAD_REDUCES
     grad_accumulation: str = "fused"  # one of GRAD_ACCUMULATIONS
+    overlap_p2p: bool = True  # see the class docstring
+    scatter_gather_p2p: bool = False
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"

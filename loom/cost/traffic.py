@@ -88,6 +88,7 @@ __all__ = [
     "pipeline_collectives",
     "shards_as_rows",
     "stage_layers",
+    "stage_gather_bytes",
     "stage_stream_bytes",
     "step_collectives",
     "summary",
@@ -161,8 +162,16 @@ def stage_stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
     """What one rank sends to the next pipeline stage per micro-batch (and receives back as the gradient):
     its piece of the residual stream, its rows whole over tp (every tp rank sends the same stream: loom
     moves plain tensors between stages and does not split them over tp), with sequence parallelism its cut
-    of the sequence. `loom.cost.layer` prices pipeline sends with it."""
-    return _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel else 1)
+    of the sequence, with `scatter_gather_p2p` its 1/tp share (`stage_gather_bytes` rebuilds the stream).
+    `loom.cost.layer` prices pipeline sends with it."""
+    return _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel or plan.scatter_gather_p2p else 1)
+
+
+def stage_gather_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
+    """The all-gather over tp that rebuilds a received stream sent in 1/tp shares (`scatter_gather_p2p`
+    without sequence parallelism, whose layers take the cut stream as it is); 0 when none runs."""
+    split = plan.scatter_gather_p2p and not plan.sequence_parallel and plan.tp > 1
+    return _stream_bytes(model, plan) if split else 0
 
 
 def _norm_backward(model: TransformerConfig, plan: ParallelPlan, count: int, source: str) -> list:
@@ -596,6 +605,14 @@ def _stage_work(
                        source=source)
         for kind, phase in p2p
     ]  # fmt: skip
+    if stage_gather_bytes(model, plan):
+        gather = "the received 1/tp shares of the stream gathered whole (scatter_gather_p2p)"
+        out += [
+            StepCollective(kind="all_gather", axis=TP, nbytes=stage_gather_bytes(model, plan), count=1,
+                           phase=phase, source=gather)
+            for kind, phase in p2p
+            if kind == "recv"
+        ]  # fmt: skip
     return out
 
 

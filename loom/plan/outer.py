@@ -151,6 +151,8 @@ def search_plans(
     sequence_parallel: tuple[bool, ...] = (True, False),
     dtype: str = "bf16",
     overlap_grad_sync: bool = True,
+    overlap_p2p: bool = True,
+    scatter_gather_p2p: bool = False,
     flash_attention: bool = False,
     context: tuple[int, ...] | None = None,
     context_pipelines: bool = True,
@@ -161,7 +163,9 @@ def search_plans(
     `memory_limit`: bytes per device (default: the device's memory). Returns the fitting plans best
     first, exact for the first `keep` (later ones are those simulated on the way), and the infeasible
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
-    tried, cheapest first; `dtype`, `overlap_grad_sync` and `flash_attention` are held fixed. `context`:
+    tried, cheapest first; `dtype`, `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p` (how the
+    training system moves activations between stages: `ParallelPlan`) and `flash_attention` are held
+    fixed. `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -172,7 +176,7 @@ def search_plans(
     limit = memory_limit / GIB if memory_limit is not None else cluster.device.memory_gib
     base = ParallelPlan(
         global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
-        flash_attention=flash_attention,
+        overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
     )  # fmt: skip
     choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))

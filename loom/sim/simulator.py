@@ -268,8 +268,9 @@ def _breakdown(
             parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
     parts["recompute"] = tasks * _total(pieces.layer_recompute)
     parts["grad_accumulation"] = plan.micro_batches * sum(accumulation[rank :: plan.pp])
-    end, busy, synced, done = times
-    parts["pipeline_bubble"] = max(0.0, end - busy)
+    end, busy, sending, synced, done = times
+    parts["pp_comm"] = sending  # blocking sends between stages (`ParallelPlan.overlap_p2p` False)
+    parts["pipeline_bubble"] = max(0.0, end - busy - sending)
     parts["dp_comm"] = synced - end
     parts["optimizer"] = done - synced
     return parts
@@ -318,12 +319,13 @@ def simulate(
         forward, backward = _sharded_durations(model, rows, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
     playback = play(
-        orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s, record=record
-    )
+        orders, plan.interleave, plan.micro_batches, forward, backward, pieces.p2p_s,
+        blocking=not plan.overlap_p2p, record=record,
+    )  # fmt: skip
     ends = [_grad_sync_end(model, rows, cluster, rank, playback) for rank in range(plan.pp)]
     slowest = max(range(plan.pp), key=lambda r: ends[r][1])
     iteration = ends[slowest][1]
-    times = (playback.end[slowest], playback.busy[slowest], *ends[slowest])
+    times = (playback.end[slowest], playback.busy[slowest], playback.sending[slowest], *ends[slowest])
     memory = stage_memories(model, plan, cluster)
     fullest = max(memory, key=lambda m: sum(m.values()))
     peak_gib, capacity = sum(fullest.values()) / GIB, cluster.device.memory_gib

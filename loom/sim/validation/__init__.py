@@ -3,7 +3,10 @@ the other tables are read by `loom.sim.validation.published`.
 
 Both papers train GPT models (sequence 2048, vocabulary 51200, fp16) with Megatron-LM on DGX A100 80GB
 nodes, so every case runs on the built-in "a100-80gb" profile with no per-row change. Megatron-LM of that
-time reduced gradients after backward, so gradient synchronisation is not overlapped.
+time reduced gradients after backward, so gradient synchronisation is not overlapped; and it moved
+activations between pipeline stages in 1/tp shares gathered over NVLink (--scatter-gather-tensors-in-
+pipeline, Narayanan et al. Section 4.1), waiting on every send before the next micro-batch's work
+(`MEGATRON_2021_P2P`).
 
 Narayanan's Table 1 does not give micro-batch size or chunks per stage; one fixed rule is applied to every
 row: micro-batch 1; with pp > 1, the interleaved schedule with the smallest number of chunks above 1 that
@@ -21,7 +24,7 @@ from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["Case", "cases", "fsdp_cases", "gpt", "narayanan_interleave", "read_rows"]
+__all__ = ["MEGATRON_2021_P2P", "Case", "cases", "fsdp_cases", "gpt", "narayanan_interleave", "read_rows"]
 
 HERE = Path(__file__).parent
 TABLES = {
@@ -29,6 +32,9 @@ TABLES = {
     "narayanan2021": "narayanan2021_table1.csv",
     "mosaicml2024": "mosaicml2024_llmfoundry_benchmarks.csv",
 }
+# how Megatron-LM of 2021-22 sent activations between stages: its `_communicate` waited on the batched
+# sends and receives and synchronised the device, and each tensor-parallel rank sent 1/tp of the stream
+MEGATRON_2021_P2P = {"overlap_p2p": False, "scatter_gather_p2p": True}
 # the GPUs the MosaicML rows name, as loom's hardware profiles
 _PROFILE_OF = {"a100-40gb": "a100-40gb", "a100-80gb": "a100-80gb", "h100-80gb": "h100-sxm"}
 
@@ -77,7 +83,7 @@ def _korthikanti() -> list[Case]:
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=int(row["interleave"]),
             micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             recompute="selective" if selective else "full", sequence_parallel=selective, dtype="fp16",
-            overlap_grad_sync=False,
+            overlap_grad_sync=False, **MEGATRON_2021_P2P,
         )  # fmt: skip
         model = gpt(
             row["model"],
@@ -108,7 +114,7 @@ def _narayanan() -> list[Case]:
         plan = ParallelPlan(
             dp=gpus // (tp * pp), tp=tp, pp=pp, interleave=narayanan_interleave(layers // pp) if pp > 1 else 1,
             micro_batch=1, global_batch=int(row["global_batch"]), seq=2048, recompute="full", dtype="fp16",
-            overlap_grad_sync=False,
+            overlap_grad_sync=False, **MEGATRON_2021_P2P,
         )  # fmt: skip
         model = gpt(f"{row['params_b']}B", layers, int(row["hidden"]), int(row["heads"]))
         out.append(
