@@ -155,7 +155,8 @@ def test_counts_below_one_are_refused_not_taken_for_the_default(capsys, flag, va
 
 def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(capsys):
     """The flags of another training system's ways set the `ParallelPlan` fields the simulator prices: fp32
-    gradient buffers take memory, fp8 GEMMs take less time; a value the plan cannot take names the field."""
+    gradient buffers take memory, fp8 GEMMs take less time, blocking pipeline sends show as pp_comm; a value
+    the plan cannot take names the field."""
 
     def priced(*flags: str) -> dict:
         assert main(["simulate", *GPT3, *flags, "--json"]) == 0
@@ -169,6 +170,9 @@ def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(cap
     assert priced(*h100, "--fp8-matmuls")["iteration_s"] < priced(*h100)["iteration_s"]
     assert main(["simulate", *GPT3, "--fp8-matmuls"]) == 2
     assert "no fp8 peak" in capsys.readouterr().err
+    sends = priced("--blocking-p2p", "--scatter-gather-p2p")
+    assert (sends["plan"]["overlap_p2p"], sends["plan"]["scatter_gather_p2p"]) == (False, True)
+    assert sends["breakdown"]["pp_comm"] > 0 == plain["breakdown"].get("pp_comm", 0)
     assert main(["simulate", *GPT3, "--grad-reduce", "reduce_scatter"]) == 1
     assert "grad_reduce = 'reduce_scatter'" in capsys.readouterr().err
     assert main(["simulate", *GPT3, "--expert-tp", "3"]) == 1

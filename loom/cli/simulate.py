@@ -105,7 +105,8 @@ MODEL_FLAGS = ("model", "model_config", "layers", "hidden", "heads", "kv_heads",
 MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
-SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation")
+SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
+SYSTEM_FLAGS += ("scatter_gather_p2p",)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +181,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--grad-accumulation",
         choices=GRAD_ACCUMULATIONS,
         help="fused into the weight-gradient GEMMs (default), or a separate pass after each micro-batch",
+    )
+    system.add_argument(
+        "--blocking-p2p",
+        action="store_true",
+        help="each pipeline send holds its device until it ends (Megatron-LM 2021-22); loom's are posted",
+    )
+    system.add_argument(
+        "--scatter-gather-p2p",
+        action="store_true",
+        help="each tp rank sends 1/tp of a stage's activations, gathered over tp on arrival",
     )
     slow = parser.add_argument_group(
         "replicas over a slow link (the plan above is one replica): synchronous data parallelism vs DiLoCo"
@@ -352,7 +363,10 @@ def _plan(
 
 def _system(args: argparse.Namespace) -> dict:
     """The `ParallelPlan` fields of the flags that describe another training system (`SYSTEM_FLAGS`)."""
-    return {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
+    given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
+    if given.pop("blocking_p2p", False):
+        given["overlap_p2p"] = False
+    return given
 
 
 def _json(
