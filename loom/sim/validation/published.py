@@ -265,12 +265,15 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             continue
         model = _llama(row, ARCHITECTURES["qwen3"])
         recompute = "full" if row["recompute"] == "full" else "selective" if row["recompute"] else "none"
+        # Megatron-LM's --bf16 turns on --accumulate-allreduce-grads-in-fp32 unless --grad-reduce-in-bf16 is
+        # given (megatron/training/arguments.py; the ModelZoo yaml gives neither): fp32 gradient buffers,
+        # reduce-scattered in fp32 by the distributed optimizer and by Megatron FSDP alike
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
             ep=int(row["ep"]), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
-            dtype="bf16",
+            dtype="bf16", grad_dtype="fp32",
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
