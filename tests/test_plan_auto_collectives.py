@@ -99,3 +99,12 @@ def test_an_automatic_plan_predicts_the_collectives_of_its_step(dist_run, family
     if limited:  # a case where the plan cuts weights over both axes, not only the batch
         layouts = Plan.from_json(results[0][2]).parameter_layouts
         assert any("tp" in str(spec) and "dp" in str(spec) for spec in layouts.values()), layouts
+
+
+def test_an_input_layout_for_an_argument_forward_lacks_names_it():
+    from loom.parallel.auto import read_inputs_in
+
+    with pytest.raises(
+        ValueError, match=r"plan.input_layouts names 'z', which is not an argument of MLP.forward"
+    ):
+        read_inputs_in(MLP(), {"z": ["dp", "None"]}, mesh=None)
