@@ -17,10 +17,10 @@ from test_plan_auto import MESH, STEPS, _case, _loss
 from torch import nn
 
 import loom
+from loom.cost.traffic import summary
 from loom.dist.comm import CollectiveRecorder, mesh_axes
 from loom.plan import Plan
 from loom.plan.problem import OPTIMIZER_COPIES
-from loom.plan.step import tally
 
 
 class MLP(nn.Module):
@@ -71,7 +71,7 @@ def predicted_and_recorded_case(family: str, limited: bool) -> tuple:
             loss.backward()
             optimizer.step()
         recorded.append(recorder.summary(mesh_axes(tuple(MESH), tuple(MESH.values()), dist.get_rank())))
-    return tally(model.loom.predicted_collectives), recorded[-1], model.loom.plan.to_json()
+    return summary(model.loom.predicted_collectives), recorded[-1], model.loom.plan.to_json()
 
 
 # 4 ranks, a capture and a search on rank 0 each; `make test` keeps the MLP cut under a memory limit

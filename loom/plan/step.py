@@ -25,7 +25,6 @@ micro-batches, a parameter read by operators that leave its gradient in differen
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +36,7 @@ from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
 
-__all__ = ["predicted_collectives", "tally"]
+__all__ = ["predicted_collectives"]
 
 DEVICES = ("cuda", "cpu")
 
@@ -73,15 +72,6 @@ def predicted_collectives(
         out.append(StepCollective(kind="all_reduce", axis=world, nbytes=AGREE_BYTES_PER_PARAMETER * round(params),
                                   count=1, phase="grad_sync", source="agreement on which parameters got gradients"))  # fmt: skip
     return [_on_device(c, problem.mesh, device) for c in out if c.count > 0 and c.axis]
-
-
-def tally(collectives: Iterable[StepCollective]) -> Counter:
-    """Counter of (kind, axis, bytes) -> calls, as `loom.dist.comm.CollectiveRecorder.summary` counts what
-    ran (axes named as `mesh_axes` names them)."""
-    counts: Counter = Counter()
-    for c in collectives:
-        counts[(c.kind, c.axis, c.nbytes)] += c.count
-    return counts
 
 
 def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) -> list[StepCollective]:
