@@ -10,6 +10,8 @@ memory is allocated.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from functools import partial
@@ -18,13 +20,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from loom.cost.traffic import StepCollective
 from loom.dist.mesh import Mesh
+from loom.layout.named import on_mesh_axes
 from loom.layout.redistribute import to_layout
 from loom.layout.tensor_layout import TensorLayout
 from loom.plan import Plan
+from loom.shard import lay_out_inputs
 
-__all__ = ["auto_plan", "global_meta", "local_regions", "read_in_compute_layouts"]
+__all__ = ["auto_plan", "global_meta", "local_regions", "read_in_compute_layouts", "read_inputs_in"]
 
 
 def auto_plan(
@@ -36,24 +42,28 @@ def auto_plan(
     full_batch: bool,
     memory_limit: float | None,
     cluster: str,
-) -> Plan:
-    """The Plan the full search picks for `model` on `mesh` (see the module docstring)."""
+    bucket_mb: float = 25.0,
+) -> tuple[Plan, list[StepCollective]]:
+    """The Plan the full search picks for `model` on `mesh` (see the module docstring), and the collectives
+    one training step under it issues on a rank, as its solution predicts them (`Solution.
+    predicted_collectives`, with `bucket_mb` as `loom.parallelize` buckets the gradients)."""
     answer = None
     if dist.get_rank() == 0:
         try:
             answer = ("plan", _solve(model, mesh, example_inputs or (), example_kwargs or {}, full_batch,
-                                     memory_limit, cluster))  # fmt: skip
+                                     memory_limit, cluster, bucket_mb))  # fmt: skip
         except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only rank 0
             answer = ("error", f"{type(error).__name__}: {error}")
     box = [answer]
     dist.broadcast_object_list(box, src=0)
-    kind, text = box[0]
+    kind, found = box[0]
     if kind == "error":
-        raise ValueError(f"parallelize(mode='auto'): the planner failed on rank 0: {text}")
-    return Plan.from_json(text, "the automatic plan")
+        raise ValueError(f"parallelize(mode='auto'): the planner failed on rank 0: {found}")
+    text, predicted = found
+    return Plan.from_json(text, "the automatic plan"), [StepCollective(**entry) for entry in predicted]
 
 
-def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster) -> str:  # noqa: ANN001
+def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster, bucket_mb) -> tuple[str, list]:  # noqa: ANN001
     from loom.plan.capture import capture  # the planner's imports (torch.export, scipy) only when asked
     from loom.plan.problem import build_problem
     from loom.plan.solve import solve
@@ -65,10 +75,13 @@ def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster) -> str:
     problem = build_problem(graph, dict(mesh.axis_sizes()), cluster)
     regions = local_regions(model)
     pinned = pins(problem, _replicated(model, regions)) if regions else None
-    plan = solve(problem, pinned=pinned, memory_limit=memory_limit).plan()
+    solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
+    plan = solution.plan()
     if regions:
         plan = plan.replace(strategies={**plan.strategies, **regions})
-    return plan.to_json()
+    # predicted here, where the solution is: the solver may break ties differently on another run
+    predicted = solution.predicted_collectives(device=mesh.device_mesh.device_type, bucket_mb=bucket_mb)
+    return plan.to_json(), [dataclasses.asdict(c) for c in predicted]
 
 
 def local_regions(model: nn.Module) -> dict[str, Any]:
@@ -149,3 +162,40 @@ def _read_in(
 def _read_done(module: nn.Module, _args: Any, _output: Any, *, names: Sequence[str]) -> None:
     for short in names:
         module.__dict__.pop(short, None)
+
+
+def read_inputs_in(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> None:
+    """A Plan's `input_layouts` applied: each input of `model.forward` named in `layouts` (argument name ->
+    tensor spec), positional or keyword, is moved to that layout when the forward starts, after it became
+    a DTensor of this rank's rows. The planner priced that move on the edges into the input's readers;
+    left to DTensor, a reader would run on the rows as they arrive (data parallel), which was not priced."""
+    if not layouts:
+        return
+    signature = inspect.signature(model.forward)
+    unknown = sorted(set(layouts) - set(signature.parameters))
+    if unknown:
+        raise ValueError(
+            f"plan.input_layouts names {unknown[0]!r}, which is not an argument of "
+            f"{type(model).__name__}.forward {tuple(signature.parameters)}; the plan was made for another model"
+        )
+    entries = {name: on_mesh_axes(spec, mesh.axis_sizes()) for name, spec in layouts.items()}
+    model.register_forward_pre_hook(
+        partial(_inputs_in, signature=signature, entries=entries, mesh=mesh), with_kwargs=True
+    )
+
+
+def _inputs_in(
+    _module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    signature: inspect.Signature,
+    entries: Mapping,
+    mesh: Mesh,
+) -> tuple[tuple, dict]:
+    bound = signature.bind_partial(*args, **kwargs)
+    for name, entry in entries.items():
+        value = bound.arguments.get(name)
+        if isinstance(value, DTensor):  # only inside a parallelized forward (a gathered copy runs as is)
+            (bound.arguments[name],) = lay_out_inputs(f"input {name!r}", (value,), (entry,), mesh)
+    return tuple(bound.args), dict(bound.kwargs)

@@ -39,7 +39,7 @@ from loom.layout.tensor_layout import TensorLayout
 from loom.models.recipes import known_recipe
 from loom.ops.primitive import bind_primitives
 from loom.ops.trace import Recording, record
-from loom.parallel.auto import auto_plan, global_meta, read_in_compute_layouts
+from loom.parallel.auto import auto_plan, global_meta, read_in_compute_layouts, read_inputs_in
 from loom.parallel.batch_check import BatchRows, check_even_batches
 from loom.parallel.experts import connect_experts, expert_module_plan
 from loom.parallel.grad_sync import GradSync
@@ -71,6 +71,9 @@ class ParallelState:
     consumers: dict[str, str] = field(default_factory=dict)  # parameter -> "Op input name"
     parameter_sharding: object | None = None  # set by an optimizer at level 3
     plan: Plan | None = None  # the Plan applied, when parallelize was given one
+    # mode="auto": the collectives one training step issues on this rank, as the planner's solution predicts
+    # them (`loom.plan.solve.Solution.predicted_collectives`)
+    predicted_collectives: list | None = None
     batch_dims: tuple[int, ...] = ()  # semi_auto: the canonical mesh dims that cut the batch
 
     def distribute(self, *tensors: torch.Tensor) -> Any:
@@ -159,20 +162,22 @@ def parallelize(
     `auto`: the planner chooses the parameters' layouts and the modules' output strategies (the full search
     of `loom.plan.solve` on the example batch, priced on `cluster`'s hardware profile, each device keeping
     at most `memory_limit` bytes of parameters, gradients, AdamW states and activations when given), and
-    the chosen Plan is applied as above (`model.loom.plan`, with its predicted step time and memory).
+    the chosen Plan is applied as above (`model.loom.plan`, with its predicted step time and memory;
+    `model.loom.predicted_collectives`, the collectives one training step issues on this rank).
     """
     example_inputs = _check_arguments(
         model, mode or "data_parallel", example_inputs, example_kwargs, bucket_mb
     )
     _check_auto(mode, example_inputs, example_kwargs, memory_limit, plan or module_plan or parameter_plan)
     mesh = require_mesh("loom.parallelize")
+    predicted = None
     if mode == "auto":
         # the planner lays out everything: the model's loom.ops primitives (loom's GPT) set their own
         # strategies aside, in the trace and in training, and DTensor's rules carry the chosen layouts
         bind_primitives(model, mesh, follow_inputs=True)
         try:
-            plan = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
-                             memory_limit=memory_limit, cluster=cluster)  # fmt: skip
+            plan, predicted = auto_plan(model, mesh, example_inputs, example_kwargs, full_batch=full_batch,
+                                        memory_limit=memory_limit, cluster=cluster, bucket_mb=bucket_mb)  # fmt: skip
         except Exception:
             # the error suggests semi_auto on the same model: its primitives lay themselves out again
             bind_primitives(model, mesh, follow_inputs=False)
@@ -204,8 +209,12 @@ def parallelize(
         # the planner's parameters read in another layout than kept (gathered over dp to compute)
         computed = pattern_layouts(model, plan.compute_layouts, mesh, "plan.compute_layouts")
         read_in_compute_layouts(model, _planned(model, computed, mesh, ep, "plan.compute_layouts"), mesh)
+        # after the even-batch check's hook, which makes the inputs DTensors of this rank's rows
+        read_inputs_in(model, plan.input_layouts, mesh)
         recompute_modules(model, plan.recompute_modules)
         model.loom.plan = plan
+    if predicted is not None:
+        model.loom.predicted_collectives = predicted
     return model
 
 

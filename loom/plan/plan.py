@@ -79,6 +79,9 @@ class Plan:
     arguments as JSON lists); `parameter_layouts`: parameter pattern -> tensor spec (see `loom.plan.specs`);
     `compute_layouts`: parameter pattern -> the tensor spec its module's forward reads it in, where that
     differs from where it is kept (an automatic plan's weight kept cut over dp and gathered to compute).
+    `input_layouts`: the name of an argument of the model's `forward` -> the tensor spec the forward reads
+    that input in, where it differs from how a batch arrives (rows cut over dp): an automatic plan's batch
+    gathered where the planner priced gathering it.
     `primitives_follow_inputs`: the model's `loom.ops` primitives set their own strategies aside and compute
     on their inputs as those arrive, by DTensor's rules (an automatic plan's layouts are priced so: its
     parameter layouts and module strategies are the only ones); false, each primitive applies its strategy.
@@ -103,6 +106,7 @@ class Plan:
     strategies: dict[str, dict] = field(default_factory=dict)
     parameter_layouts: dict[str, list] = field(default_factory=dict)
     compute_layouts: dict[str, list] = field(default_factory=dict)
+    input_layouts: dict[str, list] = field(default_factory=dict)
     primitives_follow_inputs: bool = False
     predicted_step_s: float | None = None
     predicted_memory_bytes: int | None = None
@@ -122,6 +126,7 @@ class Plan:
         check_strategies(self.strategies)
         check_layouts(self.parameter_layouts)
         check_layouts(self.compute_layouts, "compute_layouts")
+        check_layouts(self.input_layouts, "input_layouts")
         self._check_predictions()
 
     def _check_mesh(self) -> None:

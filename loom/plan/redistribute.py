@@ -1,8 +1,8 @@
 """What moving a tensor from one layout to another costs on a mesh, priced by `loom.cost.collectives`.
 
 A layout is DTensor placements, one per mesh axis (outermost first). Each axis whose placement changes
-runs one collective over that axis's group, on the tensor as it is cut at that moment (axes are changed in
-order, outermost first, as DTensor's redistribution does):
+runs one collective over that axis's group, on the tensor as it is cut at that moment, axes changed in the
+order DTensor's redistribution changes them (`dtensor_moves`):
 
 | from -> to | collective |
 | --- | --- |
@@ -12,6 +12,11 @@ order, outermost first, as DTensor's redistribution does):
 | `Shard(i)` -> `Shard(j)` | all-to-all |
 | `Shard(i)` -> `Partial` | all-gather (then a local zero-fill) |
 | `Replicate` -> `Shard(i)` or `Partial` | nothing: each device keeps its slice (or its share of the sum) |
+
+Consecutive axes that run the same collective on the same change (`Shard(0)` -> `Replicate` on dp and on
+tp; pending sums made whole on both) run it once, over the flattened group of those axes ("dp+tp"), as
+DTensor merges them over the flattened meshes loom creates for every run of consecutive mesh axes
+(`loom.dist.mesh`); all-to-alls are never merged.
 
 DTensor also prices redistributions (`redistribute_cost`), with its own bandwidth constants; loom prices
 them with its hardware profile (`loom.cost.hardware`), as the simulator prices every other collective.
@@ -33,13 +38,14 @@ from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.hardware import Cluster
 from loom.plan.space import Placements
 
-__all__ = ["Step", "axis_spans", "gradient_layouts", "redistribution"]
+__all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "redistribution"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Step:
-    """One collective of a redistribution: `kind` over mesh `axis`, on a buffer of `nbytes`, taking
-    `seconds` (sizes as `loom.cost.collectives` counts them)."""
+    """One collective of a redistribution: `kind` over mesh `axis` (consecutive axes merged are joined by
+    "+", as `loom.dist.comm.mesh_axes` names their group), on a buffer of `nbytes`, taking `seconds` (sizes
+    as `loom.cost.collectives` counts them)."""
 
     axis: str
     kind: str
@@ -66,27 +72,104 @@ def redistribution(
     spans: Mapping[str, GroupSpan] | None = None,
 ) -> list[Step]:
     """The collectives that move a tensor of `nbytes` (whole) from placements `source` to `target` on
-    `mesh` (empty when nothing moves)."""
+    `mesh` (empty when nothing moves), in DTensor's order (`dtensor_moves`), consecutive axes of one
+    change merged over their flattened group."""
     spans = axis_spans(mesh, cluster) if spans is None else spans
     sizes = list(mesh.values())
     current = list(source)
-    steps = []
-    for a, axis in enumerate(mesh):
-        kind = _kind(current[a], target[a])
+    runs: list[tuple[tuple, list[int], float]] = []  # (change, axis indices, bytes): one collective each
+    for a, have, want in dtensor_moves(source, target, sizes):
+        kind = _kind(have, want)
         if kind is not None:
             # all-gather and reduce-scatter count the gathered buffer, the others the local one.
             local = nbytes / _cuts(current, sizes)
             size = local * sizes[a] if kind == "all_gather" else local
-            steps.append(
-                Step(
-                    axis=axis,
-                    kind=kind,
-                    nbytes=size,
-                    seconds=collective_time(kind, size, spans[axis], cluster),
-                )
-            )
-        current[a] = target[a]
-    return steps
+            change = (kind, _merge_key(have), want)
+            if runs and _merges(runs[-1], change, a):
+                # a merged all-gather's output is the last gather's, a reduce-scatter's input the first's
+                last = runs[-1]
+                runs[-1] = (change, [*last[1], a], max(last[2], size))
+            else:
+                runs.append((change, [a], size))
+        current[a] = want
+    names = list(mesh)
+    return [
+        Step(
+            axis="+".join(names[a] for a in sorted(axes)),
+            kind=change[0],
+            nbytes=size,
+            seconds=collective_time(
+                change[0], size, _span(sorted(axes), sizes, spans, names, cluster), cluster
+            ),
+        )
+        for change, axes, size in runs
+    ]
+
+
+def dtensor_moves(
+    source: Placements, target: Placements, sizes: Sequence[int]
+) -> list[tuple[int, Placement, Placement]]:
+    """The per-axis changes (axis index, from, to) DTensor's greedy redistribution makes, in its order
+    (`torch.distributed.tensor._redistribute`, `generate_greedy_transform_infos`): when the source is cut
+    at all, from the innermost axis out, each axis straight to its target, or whole first where a cut of
+    the same tensor dim on an outer axis must change first (nested cuts); then from the outermost axis in,
+    whatever is left."""
+    current, moves = list(source), []
+    if _cuts(current, sizes) > 1:
+        for a in reversed(range(len(sizes))):
+            want = target[a]
+            if isinstance(want, Shard):
+                before = [i for i in range(a) if _cuts_dim(current[i], want.dim)]
+                after = [i for i in range(a) if _cuts_dim(target[i], want.dim)]
+                if before != after:
+                    want = Replicate()
+            if current[a] != want:
+                moves.append((a, current[a], want))
+                current[a] = want
+    for a in range(len(sizes)):
+        if current[a] != target[a]:
+            moves.append((a, current[a], target[a]))
+            current[a] = target[a]
+    return moves
+
+
+def _cuts_dim(placement: Placement, dim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim == dim
+
+
+# collectives DTensor merges over the flattened group of consecutive mesh axes (never its all-to-alls)
+_MERGED = ("all_gather", "all_reduce", "reduce_scatter")
+
+
+def _merges(run: tuple[tuple, list[int], float], change: tuple, axis: int) -> bool:
+    """Whether DTensor runs `change` on `axis` in one collective with the run before it: the same change,
+    on the next axis in its order (all-gathers inward-out, reduce-scatters outward-in, all-reduces
+    either), over a group loom flattens (consecutive axes)."""
+    kind, (last_change, axes, _) = change[0], run
+    if kind not in _MERGED or last_change != change:
+        return False
+    if kind == "all_gather":
+        return axis == axes[-1] - 1
+    if kind == "reduce_scatter":
+        return axis == axes[-1] + 1
+    return abs(axis - axes[-1]) == 1 and max(axes + [axis]) - min(axes + [axis]) == len(axes)
+
+
+def _merge_key(have: Placement) -> object:
+    """What must agree for two axes' collectives to merge: the source placement, a pending sum or mean
+    alike (DTensor sums both and scales the mean after)."""
+    return "partial" if isinstance(have, Partial) and have.reduce_op in ("sum", "avg") else have
+
+
+def _span(
+    axes: Sequence[int], sizes: Sequence[int], spans: Mapping[str, GroupSpan], names: Sequence[str], cluster
+) -> GroupSpan:
+    """The span of the group over consecutive mesh `axes` (ascending): one axis's own, or the flattened
+    group's (its members spaced like the innermost axis's)."""
+    if len(axes) == 1:
+        return spans[names[axes[0]]]
+    stride = math.prod(sizes[axes[-1] + 1 :])
+    return group_span(math.prod(sizes[a] for a in axes), stride, cluster.gpus_per_node)
 
 
 def _kind(have: Placement, want: Placement) -> str | None:

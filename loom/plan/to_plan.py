@@ -20,7 +20,7 @@ from loom.plan.problem import requirement
 from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
-__all__ = ["compute_layout", "pins", "placements", "solution_plan", "tensor_spec"]
+__all__ = ["compute_layout", "input_layouts", "pins", "placements", "solution_plan", "tensor_spec"]
 
 
 def placements(spec: Any, ndim: int, mesh: Mapping[str, int], where: str) -> Placements:
@@ -191,10 +191,34 @@ def solution_plan(solution: Any) -> Plan:
         strategies=strategies,
         parameter_layouts=layouts,
         compute_layouts=computed,
+        input_layouts=input_layouts(solution),
         primitives_follow_inputs=True,
         predicted_step_s=solution.cost_s if solution.cost_s > 0 else None,
         predicted_memory_bytes=int(solution.memory_bytes) if solution.memory_bytes >= 1 else None,
     )
+
+
+def input_layouts(solution: Any) -> dict[str, list]:
+    """Input name -> the spec the model's inputs are read in, for each input whose readers (the first
+    non-view operators, through views as `compute_layout` reads them) all require one layout other than how
+    it arrives (rows cut over dp): the solver priced moving it on those edges, which DTensor's dispatcher,
+    free to pick, would not do (it runs the readers on the rows as they are)."""
+    problem, graph = solution.problem, solution.problem.graph
+    found = {}
+    for node in graph.nodes:
+        if node.kind != "input" or node.name not in problem.decisions:
+            continue
+        wanted = {_read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
+        if len(wanted) != 1:
+            continue
+        (read,) = wanted
+        if (
+            read is not None
+            and read != solution.option(node.name)
+            and not any(isinstance(p, Partial) for p in read)
+        ):
+            found[node.target] = tensor_spec(read, node.output(0).ndim, problem.mesh)
+    return found
 
 
 def compute_layout(solution: Any, param: Any) -> Placements | None:

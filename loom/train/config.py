@@ -512,6 +512,7 @@ class ParallelConfig(_Section):
             "recompute_modules",
             "primitives_follow_inputs",
             "compute_layouts",
+            "input_layouts",
         )
         if any(getattr(plan, k) for k in operator_keys):
             given = [k for k in operator_keys if getattr(plan, k)]

@@ -1,0 +1,184 @@
+"""The collectives one training step of an automatic plan issues on a rank, predicted from its `Solution`.
+
+What runs, per step (one forward, one backward, optimizer level 0), in `loom.cost.traffic`'s vocabulary
+(`StepCollective`: kind, mesh axes joined by "+", bytes as `loom.dist.comm` counts them, count):
+
+- forward: the even-batch check (one all-reduce over the whole mesh, `CHECK_BYTES_PER_INPUT` per input);
+  every edge's redistribution the solver priced, each edge as often as the model runs it (block 0 stands
+  for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
+  (`loom.plan.redistribute`);
+- backward: each edge's gradient redistribution as priced, but for the parameters' own gradients, which
+  are what `GradSync` makes of them: a parameter read as it is kept gets its gradient in the layout its
+  consumer's backward leaves (`gradient_layouts`); DTensor brings the axes where the parameter is cut to
+  its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
+  buckets; a parameter read in another layout (`compute_layouts`) gets its gradient back to its kept
+  layout inside autograd, where the move is priced;
+- gradient sync: one all-reduce per bucket (`loom.cost.buckets.assign_buckets`, reverse registration
+  order, keyed by group and copies as `dtensor_route` keys them), then the agreement over the whole mesh
+  (`AGREE_BYTES_PER_PARAMETER` per trainable parameter).
+
+On CPU (`device="cpu"`), DTensor runs an all-to-all as an all-gather of each rank's piece (gloo has no
+all-to-all), which is what is predicted there. Not predicted: optimizer levels above 0, several
+micro-batches, a parameter read by operators that leave its gradient in different layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from torch.distributed.tensor import Partial, Replicate
+
+from loom.cost.buckets import assign_buckets, bucket_bytes
+from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
+from loom.plan.problem import carries_gradient, local_bytes, requirement
+from loom.plan.redistribute import Step, gradient_layouts, redistribution
+from loom.plan.space import Placements
+
+__all__ = ["predicted_collectives"]
+
+DEVICES = ("cuda", "cpu")
+
+
+def predicted_collectives(
+    solution: Any, *, device: str = "cuda", bucket_mb: float = 25.0
+) -> list[StepCollective]:
+    """The collectives one training step under `solution`'s plan issues on one rank (module docstring):
+    `device` the ranks compute on ("cpu": all-to-alls run as all-gathers), `bucket_mb` as given to
+    `loom.parallelize`."""
+    if device not in DEVICES:
+        raise ValueError(f"predicted_collectives: device={device!r}; use one of {DEVICES}")
+    problem = solution.problem
+    world = "+".join(axis for axis, size in problem.mesh.items() if size > 1)
+    inputs = sum(1 for node in problem.graph.nodes if node.kind == "input")
+    out = [StepCollective(kind="all_reduce", axis=world, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
+                          phase="forward", source="even-batch check of the inputs' rows")]  # fmt: skip
+    synced = []  # (parameter decision, placements its gradient is bucketed in)
+    for edge in problem.edges:
+        out += _edge_collectives(solution, edge)
+    for name in _parameters_in_registration_order(problem):
+        gradient = _parameter_gradient(solution, name)
+        if gradient is not None:
+            steps, bucketed = gradient
+            out += _collectives(steps, problem.decisions[name].weight, "backward", f"gradient of {name}")
+            if bucketed is not None:
+                synced.append((name, bucketed))
+    out += _buckets(solution, synced, bucket_mb)
+    params = sum(
+        d.weight for d in problem.decisions.values() if d.kind == "parameter" and _trainable(problem, d)
+    )
+    if params:
+        out.append(StepCollective(kind="all_reduce", axis=world, nbytes=AGREE_BYTES_PER_PARAMETER * round(params),
+                                  count=1, phase="grad_sync", source="agreement on which parameters got gradients"))  # fmt: skip
+    return [_on_device(c, problem.mesh, device) for c in out if c.count > 0 and c.axis]
+
+
+def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) -> list[StepCollective]:
+    return [
+        StepCollective(
+            kind=s.kind, axis=s.axis, nbytes=round(s.nbytes), count=round(weight), phase=phase, source=source
+        )  # fmt: skip
+        for s in steps
+    ]
+
+
+def _edge_collectives(solution: Any, edge: Any) -> list[StepCollective]:
+    """An edge's forward redistribution and, unless it is a parameter's own gradient (`_parameter_gradient`),
+    its gradient's way back, as priced."""
+    problem = solution.problem
+    producer, consumer = problem.decisions[edge.ref.node], problem.decisions[edge.target]
+    picked = producer.options[solution.choice[edge.ref.node]]
+    made = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
+    required, split = requirement(consumer, solution.choice[edge.target], edge.index, problem.mesh)
+    where = f"{edge.ref!r} -> {edge.target}"
+    nbytes, mesh, cluster = edge.tensor.nbytes, problem.mesh, problem.cluster
+    out = _collectives(redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where)
+    if producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
+        left, wanted = gradient_layouts(made, required, split)
+        out += _collectives(
+            redistribution(nbytes, left, wanted, mesh, cluster), edge.weight, "backward", where
+        )
+    return out
+
+
+def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placements | None] | None:
+    """The gradient of trainable parameter `name` (a decision): the collectives DTensor runs on it before
+    the sync, and the placements it is bucketed in (None: nothing pending over a whole axis); None when no
+    gradient reaches it."""
+    problem = solution.problem
+    if not _trainable(problem, problem.decisions[name]):
+        return None
+    kept = solution.option(name)
+    edges = [
+        e for e in problem.edges if e.ref.node == name and carries_gradient(problem.graph, e.ref, e.target)
+    ]
+    if not edges:
+        return None
+    edge = edges[0]
+    required, split = requirement(problem.decisions[edge.target], solution.choice[edge.target], edge.index,
+                                  problem.mesh)  # fmt: skip
+    left, wanted = gradient_layouts(kept, required, split)
+    mesh, cluster, nbytes = problem.mesh, problem.cluster, edge.tensor.nbytes
+    if required != kept:
+        # read in another layout (a compute layout, or DTensor's move): autograd brings the gradient back
+        return redistribution(nbytes, left, wanted, mesh, cluster), None
+    # `dtensor_route`: pending sums over axes where the parameter is whole wait for the buckets; every
+    # other axis DTensor brings to the parameter's placement now
+    pending = tuple(
+        g if isinstance(g, Partial) and isinstance(p, Replicate) else p
+        for g, p in zip(left, kept, strict=True)
+    )
+    steps = redistribution(nbytes, left, pending, mesh, cluster)
+    dims = [i for i, p in enumerate(pending) if isinstance(p, Partial)]
+    if not dims:
+        return steps, None
+    if dims != list(range(dims[0], dims[0] + len(dims))):  # no one group: `fix_placements` after the sync
+        return steps + redistribution(nbytes, pending, kept, mesh, cluster), None
+    return steps, pending
+
+
+def _buckets(solution: Any, synced: list[tuple[str, Placements]], bucket_mb: float) -> list[StepCollective]:
+    """One all-reduce per bucket of the pending gradients, cut as `GradSync` cuts them (reverse
+    registration order, one bucket per group and copies until it holds `bucket_mb`)."""
+    problem = solution.problem
+    names, sizes = list(problem.mesh), list(problem.mesh.values())
+    items = []
+    for name, pending in reversed(synced):
+        info = problem.graph[name].output(0)
+        axes = "+".join(names[i] for i, p in enumerate(pending) if isinstance(p, Partial))
+        copies = 1
+        for p, size in zip(pending, sizes, strict=True):
+            copies *= size if isinstance(p, Replicate) else 1
+        nbytes = round(local_bytes(info, pending, problem.mesh))
+        items += [((axes, copies, info.dtype), nbytes)] * round(problem.decisions[name].weight)
+    out = []
+    for indices in assign_buckets(items, bucket_bytes(bucket_mb)):
+        (axes, _, _), _ = items[indices[0]]
+        out.append(StepCollective(kind="all_reduce", axis=axes, nbytes=sum(items[i][1] for i in indices), count=1,
+                                  phase="grad_sync", source="gradient bucket"))  # fmt: skip
+    return out
+
+
+def _parameters_in_registration_order(problem: Any) -> list[str]:
+    """The parameter decisions, in the order the graph lists their parameters (the model's registration
+    order), each once."""
+    seen = dict.fromkeys(
+        problem.canon.get(p.node, p.node) for p in problem.graph.params.values() if p.kind == "parameter"
+    )
+    return [name for name in seen if name in problem.decisions]
+
+
+def _trainable(problem: Any, decision: Any) -> bool:
+    param = problem.graph.params.get(problem.graph[decision.name].target)
+    return param is not None and param.trainable
+
+
+def _on_device(c: StepCollective, mesh: dict[str, int], device: str) -> StepCollective:
+    """What DTensor runs for `c` on `device`: on CPU an all-to-all is an all-gather of each rank's piece."""
+    if device != "cpu" or c.kind != "all_to_all":
+        return c
+    size = 1
+    for axis in c.axis.split("+"):
+        size *= mesh[axis]
+    return dataclasses.replace(c, kind="all_gather", nbytes=c.nbytes * size)
