@@ -52,6 +52,25 @@ def test_collective_time_grows_with_size_and_is_zero_for_one_rank():
     )
 
 
+def test_gathers_and_scatters_pay_a_ring_hop_per_member():
+    """Across nodes NCCL runs all-gather and reduce-scatter only as rings: n - 1 hops, nodes - 1 of them
+    over the network, so their latency grows with the group (an all-reduce's tree grows with log2 of it)."""
+    cluster = get_cluster("a100-80gb", gpus=512)
+    intra, inter = cluster.intra.latency_s, cluster.inter.latency_s
+    span = group_span(512, 1, 8)  # 64 nodes of 8
+    for kind in ("all_gather", "reduce_scatter"):
+        wire = 1e6 * bus_factor(kind, 512) / (8 * cluster.inter.bus_bandwidth)
+        expected = (511 - 63) * intra + 63 * inter + wire
+        assert collective_time(kind, 1e6, span, cluster) == pytest.approx(expected, rel=1e-12)
+    two_nodes = group_span(16, 1, 8)
+    wire = 1e6 * 15 / 16 / (8 * cluster.inter.bus_bandwidth)
+    expected = 14 * intra + inter + wire
+    assert collective_time("reduce_scatter", 1e6, two_nodes, cluster) == pytest.approx(expected, rel=1e-12)
+    tree = collective_time("all_reduce", 1.0, span, cluster)
+    assert tree == pytest.approx(2 * 9 * inter + 2 * 511 / 512 / (8 * cluster.inter.bus_bandwidth), rel=1e-9)
+    assert collective_time("all_gather", 1.0, span, cluster) > 10 * tree
+
+
 def test_matmul_efficiency_rises_with_size_and_roofline_applies():
     device = PROFILES["a100-80gb"].device
     assert (

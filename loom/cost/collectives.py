@@ -11,6 +11,14 @@ node boundary on `k` rails at once, so its bus bandwidth is `min(intra, k * inte
 ring: every member sends the share of its buffer meant for other nodes, `(n - k) / n`, through its own NIC,
 and the share for its own node's other members, `(k - 1) / n`, over the intra-node link at the same time; the
 slower of the two sets its time.
+
+Latency: inside a node every collective pays `steps * latency` with a tree-like step count (the link's
+latency is a lumped per-step figure). Across nodes NCCL runs all-reduce as a tree whose latency grows with
+log2 of the group, but all-gather and reduce-scatter only as a ring (its tree algorithms are reductions and
+broadcasts; PAT, from NCCL 2.23, serves one GPU per node only: NVIDIA/nccl issues #1473 and #1413), and a
+ring's latency is one hop per member: NCCL's own model (`ncclTopoTuneModel`, src/graph/tuning.cc) prices
+the n - 1 hops as `nodes - 1` network hops and the rest at the intra-node link's latency. So ZeRO-3 / FSDP
+gathers over hundreds of ranks pay milliseconds of latency each.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ def bus_factor(kind: str, n: int) -> float:
     return 1.0  # broadcast, reduce, send/recv: every byte crosses one link once
 
 
+RING_ONLY = ("all_gather", "reduce_scatter")  # collectives NCCL runs only as a ring
+
+
 def _latency_steps(kind: str, n: int) -> int:
     if kind == "send_recv":
         return 1
@@ -73,6 +84,14 @@ def _latency_steps(kind: str, n: int) -> int:
     # NCCL picks tree or ring algorithms; latency grows with log2(n) for large groups, like a tree.
     tree = (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n))
     return min(ring, max(tree, 1))
+
+
+def _ring_latency(span: GroupSpan, cluster: Cluster) -> float:
+    """Seconds of latency of a ring all-gather or reduce-scatter over `span`: its n - 1 hops, of which
+    `nodes - 1` cross the network and the others stay on the intra-node link (NCCL's ring model)."""
+    inter_hops = span.nodes - 1
+    intra_hops = max(span.size, 2) - 1 - inter_hops
+    return intra_hops * cluster.intra.latency_s + inter_hops * cluster.inter.latency_s
 
 
 def collective_time(kind: str, nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -94,4 +113,8 @@ def collective_time(kind: str, nbytes: float, span: GroupSpan, cluster: Cluster)
     if span.crosses_nodes:
         rails = 1 if kind == "send_recv" else span.per_node
         bandwidth = min(bandwidth, rails * cluster.inter.bus_bandwidth)
-    return _latency_steps(kind, max(n, 2)) * link.latency_s + nbytes * bus_factor(kind, max(n, 2)) / bandwidth
+    if kind in RING_ONLY and span.crosses_nodes:
+        latency = _ring_latency(span, cluster)
+    else:
+        latency = _latency_steps(kind, max(n, 2)) * link.latency_s
+    return latency + nbytes * bus_factor(kind, max(n, 2)) / bandwidth

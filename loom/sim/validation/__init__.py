@@ -141,8 +141,11 @@ def fsdp_cases() -> list[Case]:
     to 512 A100s and H100s: every row with full sharding (ZeRO-3: optimizer level 3) or gradient and
     optimizer sharding (level 2), bf16, no CPU offload. They belong to the fit half of the split by source
     (`split_by_source.csv`). MPT: ALiBi (no position table), no biases, no dropout, a tied head, LayerNorm; MosaicML's
-    runs use fused (flash) attention. Compared on tokens/s over all devices (tokens/s per GPU as
-    published, times the GPUs), a number free of any FLOP-counting convention."""
+    runs use fused (flash) attention. Gradients are reduce-scattered in fp32: the benchmark script
+    (`scripts/train/benchmarking/submit_benchmarks.py`) leaves FSDP's `mixed_precision` at its 'DEFAULT',
+    which Composer of the time maps to bf16 parameters and an fp32 `reduce_dtype`
+    (`composer/trainer/mosaic_fsdp_utils.py`, `get_mixed_precision`). Compared on tokens/s over all devices
+    (tokens/s per GPU as published, times the GPUs), a number free of any FLOP-counting convention."""
     out = []
     for row in read_rows("mosaicml2024"):
         if row["activation_cpu_offload"] == "True" or row["zero_stage"] not in ("2", "3"):
@@ -151,7 +154,7 @@ def fsdp_cases() -> list[Case]:
         plan = ParallelPlan(
             dp=gpus, micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
             seq=int(row["seq"]), recompute="full" if row["recompute"] == "full" else "none",
-            optimizer_level=int(row["zero_stage"]), dtype="bf16", flash_attention=True,
+            optimizer_level=int(row["zero_stage"]), dtype="bf16", grad_dtype="fp32", flash_attention=True,
         )  # fmt: skip
         model = TransformerConfig(
             name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
