@@ -136,8 +136,9 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
     assert from_config["plan"] == from_plan["plan"] and from_config["plan"]["dtype"] == "bf16"
     assert from_config["iteration_s"] == from_plan["iteration_s"] > 0
     # a config prices loom train's own run: another system's ways are not its to choose
-    assert main(["simulate", str(toml), "--grad-dtype", "fp32"]) == 2
-    assert "leave out --grad-dtype" in capsys.readouterr().err
+    for flags in (["--grad-dtype", "fp32"], ["--blocking-p2p"], ["--scatter-gather-p2p"], ["--fp8-matmuls"]):
+        assert main(["simulate", str(toml), *flags]) == 2
+        assert f"leave out {flags[0]}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from rich.console import Console
 from rich.table import Table
 
-from loom.cost.hardware import PROFILES, Link, get_cluster
-from loom.cost.plan import GRAD_ACCUMULATIONS, GRAD_DTYPES, GRAD_REDUCES, ParallelPlan, light_ends
+from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
+from loom.cost.plan import GRAD_ACCUMULATIONS, GRAD_DTYPES, GRAD_REDUCES, FieldError, ParallelPlan, light_ends
 from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import (
@@ -355,18 +355,37 @@ def _plan(
             seq=args.seq or DEFAULT_SEQ,
             flash_attention=args.flash_attention,
             overlap_grad_sync=not args.no_overlap_grad_sync,
-        ).replace(**_system(args))
+        )
+        priced = _with_system(priced, args)
     except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
         raise PlanError([str(exc)]) from exc
     return priced, args.gpus or priced.devices
 
 
-def _system(args: argparse.Namespace) -> dict:
-    """The `ParallelPlan` fields of the flags that describe another training system (`SYSTEM_FLAGS`)."""
+def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
+    """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`); a value the plan cannot take
+    is an impossible plan that names the flag."""
     given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
-    return given
+    try:
+        return plan.replace(**given)
+    except FieldError as error:
+        if error.key not in given:
+            raise
+        raise PlanError([f"--{error.key.replace('_', '-')} {error.value}: {error.fix}"]) from None
+
+
+def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:
+    """`--fp8-matmuls` needs a device with an fp8 peak."""
+    if plan.fp8_matmuls and "fp8" not in cluster.device.peak_flops:
+        with_fp8 = sorted(name for name, profile in PROFILES.items() if "fp8" in profile.device.peak_flops)
+        raise PlanError(
+            [
+                f"--fp8-matmuls: {hardware} has no fp8 peak (it has {sorted(cluster.device.peak_flops)}); "
+                f"use --hardware with fp8 ({', '.join(with_fp8)}), or leave out --fp8-matmuls"
+            ]
+        )
 
 
 def _json(
@@ -561,6 +580,7 @@ def execute(args: argparse.Namespace) -> int:
     try:
         plan, gpus = _plan(args, config, saved, model.layers)
         cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
+        _check_fp8(plan, cluster, args.hardware)
         result = simulate(model, plan, cluster, record=bool(args.timeline))
     except PlanError as exc:
         if args.json:

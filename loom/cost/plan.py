@@ -186,8 +186,9 @@ class ParallelPlan:
             raise FieldError(
                 owner, "grad_reduce", self.grad_reduce,
                 f"optimizer level {self.optimizer_level} "
-                + ("keeps whole gradients: use all_reduce" if self.optimizer_level == 0
-                   else "shards gradients: use reduce_scatter"),
+                + ("keeps whole gradients: use all_reduce, or optimizer level 1 or more"
+                   if self.optimizer_level == 0
+                   else "shards gradients: use reduce_scatter, or optimizer level 0 or 1"),
             )  # fmt: skip
         if self.schedule is None:
             object.__setattr__(self, "schedule", default_schedule(self.interleave))
