@@ -130,9 +130,8 @@ def _quality_row(case, mode: str) -> tuple[str, bool]:
     from loom.sim.simulator import simulate
 
     p = case.plan
-    found = search_plans(case.model, case.cluster, case.cluster.gpus, p.global_batch, p.seq, dtype=p.dtype,
-                         overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p,
-                         scatter_gather_p2p=p.scatter_gather_p2p, **_limits(case, mode))  # fmt: skip
+    found = search_plans(case.model, case.cluster, case.cluster.gpus, p.global_batch, p.seq, **p.system(),
+                         **_limits(case, mode))  # fmt: skip
     priced = [simulate(case.model, plan, case.cluster) for plan in published_completions(case)]
     fixed = simulate(case.model, p, case.cluster)  # the case's own completion (its fixed rule)
     published, best = min((r for r in priced if r.fits), key=lambda r: r.iteration_s), found.best
@@ -160,7 +159,13 @@ def _row_filter() -> set[str] | None:
     at = sys.argv.index("--rows") + 1
     if at >= len(sys.argv):
         raise SystemExit("--rows needs a comma-separated list of row labels, e.g. --rows 7.5B,18.4B")
-    return set(sys.argv[at].split(","))
+    wanted = set(sys.argv[at].split(","))
+    from loom.sim.validation import cases
+
+    known = {case.label for case in cases() if case.source in QUALITY_SOURCES}
+    if wanted - known:
+        raise SystemExit(f"--rows: no row labelled {sorted(wanted - known)}; the rows are {sorted(known)}")
+    return wanted
 
 
 def quality_table() -> None:

@@ -36,8 +36,7 @@ def test_search_matches_or_beats_the_published_configuration(source: str, label:
     published = simulate(case.model, p, cluster)
     # the published run's techniques: its recompute policy and sequence parallelism, no sharded optimizer
     found = search_plans(
-        case.model, cluster, cluster.gpus, p.global_batch, p.seq, dtype=p.dtype,
-        overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p, scatter_gather_p2p=p.scatter_gather_p2p,
+        case.model, cluster, cluster.gpus, p.global_batch, p.seq, **p.system(),
         recompute=(p.recompute,), optimizer_levels=(0,), sequence_parallel=(p.sequence_parallel,),
     )  # fmt: skip
     best = found.best.result
@@ -161,9 +160,8 @@ def test_a_published_row_under_a_limit_below_its_data_parallel_memory() -> None:
     case = _case("narayanan2021", "1.7B")
     p, cluster = case.plan, case.cluster
     limit = simulate(case.model, p, cluster).memory_per_device_gib * 0.7
-    found = search_plans(case.model, cluster, cluster.gpus, p.global_batch, p.seq, limit * GIB, dtype=p.dtype,
-                         overlap_grad_sync=p.overlap_grad_sync, overlap_p2p=p.overlap_p2p,
-                         scatter_gather_p2p=p.scatter_gather_p2p, optimizer_levels=(0,))  # fmt: skip
+    found = search_plans(case.model, cluster, cluster.gpus, p.global_batch, p.seq, limit * GIB, **p.system(),
+                         optimizer_levels=(0,))  # fmt: skip
     assert found.candidates and all(c.plan.dp < cluster.gpus for c in found.candidates)
     for candidate in found.candidates:
         assert simulate(case.model, candidate.plan, cluster).memory_per_device_gib <= limit

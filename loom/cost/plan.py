@@ -114,6 +114,11 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
         )
 
 
+# the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
+SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
+SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
     """Parallel degrees per axis, batch shape, memory policies and pipeline schedule of one training run,
@@ -254,6 +259,11 @@ class ParallelPlan:
     def devices(self) -> int:
         """Devices the plan uses: dp * cp * tp * pp (ep lives inside dp)."""
         return self.dp * self.cp * self.tp * self.pp
+
+    def system(self) -> dict[str, Any]:
+        """How the training system runs the plan (`SYSTEM_FIELDS`): what a search over plans for the same
+        run holds fixed (`loom.plan.outer.search_plans(..., **plan.system())`)."""
+        return {name: getattr(self, name) for name in SYSTEM_FIELDS}
 
     @property
     def micro_batches(self) -> int:

@@ -154,6 +154,9 @@ def search_plans(
     overlap_p2p: bool = True,
     scatter_gather_p2p: bool = False,
     flash_attention: bool = False,
+    grad_dtype: str = "",
+    grad_accumulation: str = "fused",
+    fp8_matmuls: bool = False,
     context: tuple[int, ...] | None = None,
     context_pipelines: bool = True,
 ) -> SearchResult:
@@ -163,9 +166,9 @@ def search_plans(
     `memory_limit`: bytes per device (default: the device's memory). Returns the fitting plans best
     first, exact for the first `keep` (later ones are those simulated on the way), and the infeasible
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
-    tried, cheapest first; `dtype`, `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p` (how the
-    training system moves activations between stages: `ParallelPlan`) and `flash_attention` are held
-    fixed. `context`:
+    tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
+    `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
+    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -177,6 +180,7 @@ def search_plans(
     base = ParallelPlan(
         global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
         overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
+        grad_dtype=grad_dtype, grad_accumulation=grad_accumulation, fp8_matmuls=fp8_matmuls,
     )  # fmt: skip
     choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))

@@ -230,7 +230,7 @@ def _bloom() -> tuple[list[Case], list[Skipped]]:
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute="full", optimizer_level=1,
             dtype="bf16", overlap_grad_sync=False, grad_dtype="fp32", grad_reduce="all_reduce",
-            grad_accumulation="separate",
+            grad_accumulation="separate", overlap_p2p=False,
         )  # fmt: skip
         label = f"{row['model']} h{row['heads']} tp{row['tp']} pp{row['pp']} mb{row['micro_batch']}"
         case = _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
