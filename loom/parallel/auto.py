@@ -172,7 +172,9 @@ def read_inputs_in(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> 
     if not layouts:
         return
     signature = inspect.signature(model.forward)
-    unknown = sorted(set(layouts) - set(signature.parameters))
+    named = {p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    extra = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    unknown = sorted(set(layouts) - named) if extra is None else []  # `**kwargs` may bring any keyword
     if unknown:
         raise ValueError(
             f"plan.input_layouts names {unknown[0]!r}, which is not an argument of "
@@ -180,7 +182,7 @@ def read_inputs_in(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> 
         )
     entries = {name: on_mesh_axes(spec, mesh.axis_sizes()) for name, spec in layouts.items()}
     model.register_forward_pre_hook(
-        partial(_inputs_in, signature=signature, entries=entries, mesh=mesh), with_kwargs=True
+        partial(_inputs_in, signature=signature, entries=entries, mesh=mesh, extra=extra), with_kwargs=True
     )
 
 
@@ -192,10 +194,14 @@ def _inputs_in(
     signature: inspect.Signature,
     entries: Mapping,
     mesh: Mesh,
+    extra: str | None,
 ) -> tuple[tuple, dict]:
     bound = signature.bind_partial(*args, **kwargs)
+    # a keyword `forward` takes into its `**kwargs` (named `extra`) is read from that dict
+    keywords = bound.arguments.get(extra, {}) if extra is not None else {}
     for name, entry in entries.items():
-        value = bound.arguments.get(name)
+        where = bound.arguments if name in signature.parameters else keywords
+        value = where.get(name)
         if isinstance(value, DTensor):  # only inside a parallelized forward (a gathered copy runs as is)
-            (bound.arguments[name],) = lay_out_inputs(f"input {name!r}", (value,), (entry,), mesh)
+            (where[name],) = lay_out_inputs(f"input {name!r}", (value,), (entry,), mesh)
     return tuple(bound.args), dict(bound.kwargs)

@@ -202,11 +202,16 @@ def input_layouts(solution: Any) -> dict[str, list]:
     """Input name -> the spec the model's inputs are read in, for each input whose readers (the first
     non-view operators, through views as `compute_layout` reads them) all require one layout other than how
     it arrives (rows cut over dp): the solver priced moving it on those edges, which DTensor's dispatcher,
-    free to pick, would not do (it runs the readers on the rows as they are)."""
+    free to pick, would not do (it runs the readers on the rows as they are).
+
+    Only inputs passed as a whole tensor argument by name (`Graph.arguments`: a parameter of `forward`, or
+    a keyword) are named: only those become DTensors, and a tensor inside a tuple or `*args` has no name
+    to address it by; the readers of the others run on the rows as they arrive."""
     problem, graph = solution.problem, solution.problem.graph
     found = {}
     for node in graph.nodes:
-        if node.kind != "input" or node.name not in problem.decisions:
+        argument = graph.arguments.get(node.name, "")
+        if node.kind != "input" or node.name not in problem.decisions or not argument.isidentifier():
             continue
         wanted = {_read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
         if len(wanted) != 1:
@@ -217,7 +222,7 @@ def input_layouts(solution: Any) -> dict[str, list]:
             and read != solution.option(node.name)
             and not any(isinstance(p, Partial) for p in read)
         ):
-            found[node.target] = tensor_spec(read, node.output(0).ndim, problem.mesh)
+            found[argument] = tensor_spec(read, node.output(0).ndim, problem.mesh)
     return found
 
 
