@@ -20,7 +20,10 @@ from loom.plan.problem import requirement
 from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
-__all__ = ["compute_layout", "input_layouts", "pins", "placements", "solution_plan", "tensor_spec"]
+__all__ = [
+    "compute_layout", "input_layouts", "pins", "placements", "read_through_views", "solution_plan", "tensor_spec",
+    "view_chain",
+]
 
 
 def placements(spec: Any, ndim: int, mesh: Mapping[str, int], where: str) -> Placements:
@@ -213,7 +216,7 @@ def input_layouts(solution: Any) -> dict[str, list]:
         argument = graph.arguments.get(node.name, "")
         if node.kind != "input" or node.name not in problem.decisions or not argument.isidentifier():
             continue
-        wanted = {_read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
+        wanted = {read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
         if len(wanted) != 1:
             continue
         (read,) = wanted
@@ -244,7 +247,7 @@ def compute_layout(solution: Any, param: Any) -> Placements | None:
             continue
         if not _inside(graph[edge.target].module, param.module):
             return None  # read outside its module's forward, where no hook moves it
-        found.add(_read_through_views(solution, edge))
+        found.add(read_through_views(solution, edge))
     if len(found) != 1:
         return None
     (read,) = found
@@ -253,16 +256,25 @@ def compute_layout(solution: Any, param: Any) -> Placements | None:
     return read
 
 
-def _read_through_views(solution: Any, edge: Any) -> Placements | None:
-    """What the consumer at the end of `edge`'s chain of single-input views requires, as placements of
-    the chain's start (None where a view has no candidate giving what the next operator requires)."""
-    problem, graph = solution.problem, solution.problem.graph
+def view_chain(problem: Any, edge: Any) -> list:
+    """`edge` and the edges after it through single-input views read by one operator each (a linear
+    weight's `t`), up to the edge into the first operator that is not such a view."""
+    graph = problem.graph
     chain = [edge]
     while getattr(graph[chain[-1].target].op, "is_view", False) and len(graph[chain[-1].target].inputs) == 1:
         out = [e for e in problem.edges if e.ref.node == chain[-1].target]
         if len(out) != 1:
             break
         chain.append(out[0])
+    return chain
+
+
+def read_through_views(solution: Any, edge: Any) -> Placements | None:
+    """What the consumer at the end of `edge`'s chain of single-input views (`view_chain`) requires, as
+    placements of the chain's start (None where a view has no candidate giving what the next operator
+    requires)."""
+    problem = solution.problem
+    chain = view_chain(problem, edge)
     need, _ = requirement(
         problem.decisions[chain[-1].target], solution.choice[chain[-1].target], chain[-1].index, problem.mesh
     )
