@@ -148,3 +148,17 @@ def test_an_input_layout_for_an_argument_forward_lacks_names_it():
         ValueError, match=r"plan.input_layouts names 'z', which is not an argument of MLP.forward"
     ):
         read_inputs_in(MLP(), {"z": ["dp", "None"]}, mesh=None)
+
+
+def test_a_failed_prediction_leaves_the_plan_and_warns_naming_the_cause():
+    from types import SimpleNamespace
+
+    from loom.parallel.auto import _prediction
+
+    def fails(**_):
+        raise KeyError("aten.t")
+
+    solution = SimpleNamespace(predicted_collectives=fails)
+    mesh = SimpleNamespace(device_mesh=SimpleNamespace(device_type="cpu"))
+    with pytest.warns(UserWarning, match=r"predicting its step's collectives failed \(KeyError: 'aten.t'\)"):
+        assert _prediction(solution, mesh, 25.0, False) is None
