@@ -49,6 +49,17 @@ class Deep(nn.Module):
 DEEP_ROWS = 32768
 
 
+class Twice(nn.Module):
+    """An input read by two linear layers: the plan gathers it once for both (`input_layouts`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 64), nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.fc3(torch.relu(self.fc1(x)) * self.fc2(x)) - y).pow(2).mean()
+
+
 def _model_case(family: str):
     """The model, its batches (global rows) and how one becomes (args, kwargs) of its forward."""
     if family == "deep":
@@ -56,7 +67,7 @@ def _model_case(family: str):
         torch.manual_seed(0)
         data = [tuple(torch.randn(DEEP_ROWS, 256, generator=generator) for _ in range(2)) for _ in range(2)]
         return Deep(), data, lambda batch: (batch, {})
-    if family != "mlp":
+    if family not in ("mlp", "twice"):
         return _case(family)
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
@@ -64,7 +75,7 @@ def _model_case(family: str):
         (torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator))
         for _ in range(STEPS)
     ]
-    return MLP(), data, lambda batch: (batch, {})
+    return (MLP() if family == "mlp" else Twice()), data, lambda batch: (batch, {})
 
 
 def _half_the_states(model: nn.Module) -> float:
@@ -118,11 +129,14 @@ def _check_predicted(results) -> None:
         pytest.param("mlp", False, marks=pytest.mark.slow),
         pytest.param("cnn", False, marks=pytest.mark.slow),
         pytest.param("gpt", False, marks=pytest.mark.slow),
+        pytest.param("twice", False, marks=pytest.mark.slow),
     ],
 )
 def test_an_automatic_plan_predicts_the_collectives_of_its_step(dist_run, family, limited):
     results = dist_run(4, predicted_and_recorded_case, family, limited)
     _check_predicted(results)
+    if family == "twice":  # the case of an input moved once by its hook for its two readers
+        assert "x" in Plan.from_json(results[0][2]).input_layouts
     if limited:  # a case where the plan cuts weights over both axes, not only the batch
         layouts = Plan.from_json(results[0][2]).parameter_layouts
         assert any("tp" in str(spec) and "dp" in str(spec) for spec in layouts.values()), layouts

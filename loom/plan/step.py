@@ -7,7 +7,8 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   `forward` takes as a whole argument; none with `full_batch`);
   every edge's redistribution the solver priced, each edge as often as the model runs it (block 0 stands
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
-  (`loom.plan.redistribute`); a graph output with no dims (the loss) read whole, as a `Trainer` step reads
+  (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
+  `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
   it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made;
 - backward: each edge's gradient redistribution as priced, but for the parameters' own gradients, which
   are what `GradSync` makes of them: a parameter read as it is kept gets its gradient in the layout its
@@ -41,7 +42,7 @@ from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, 
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
-from loom.plan.to_plan import read_through_views, view_chain
+from loom.plan.to_plan import compute_layout, input_layouts, read_through_views, view_chain
 
 __all__ = ["predicted_collectives"]
 
@@ -64,9 +65,11 @@ def predicted_collectives(
     out = [StepCollective(kind="all_reduce", axis=world, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
                           phase="forward", source="even-batch check of the inputs' rows")]  # fmt: skip
     synced = []  # (parameter decision, placements its gradient is bucketed in)
-    chained = _parameter_view_edges(problem)
+    chained, again = _parameter_view_edges(problem), _moved_before(solution)
     for edge in problem.edges:
-        out += _edge_collectives(solution, edge, backward=id(edge) not in chained)
+        out += _edge_collectives(
+            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained
+        )
     for name in _parameters_in_backward_order(problem):
         gradient = _parameter_gradient(solution, name)
         if gradient is not None:
@@ -93,8 +96,11 @@ def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) 
     ]
 
 
-def _edge_collectives(solution: Any, edge: Any, *, backward: bool = True) -> list[StepCollective]:
-    """An edge's forward redistribution and, unless it is a parameter's own gradient (`_parameter_gradient`:
+def _edge_collectives(
+    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True
+) -> list[StepCollective]:
+    """An edge's forward redistribution (unless `forward` is False: a hook moved its tensor for an earlier
+    reader, `_moved_before`) and, unless it is a parameter's own gradient (`_parameter_gradient`:
     `backward` False for the edges through the views the parameter is read by), its gradient's way back,
     as priced."""
     problem = solution.problem
@@ -108,7 +114,11 @@ def _edge_collectives(solution: Any, edge: Any, *, backward: bool = True) -> lis
         required = tuple(Replicate() for _ in problem.mesh)  # the loss read whole, as `Trainer` reads it
     where = f"{edge.ref!r} -> {edge.target}"
     nbytes, mesh, cluster = edge.tensor.nbytes, problem.mesh, problem.cluster
-    out = _collectives(redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where)
+    out = []
+    if forward:
+        out += _collectives(
+            redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
+        )
     if backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
         left, wanted = gradient_layouts(made, required, split)
         out += _collectives(
@@ -127,6 +137,27 @@ def _parameter_view_edges(problem: Any) -> set[int]:
         if problem.decisions[edge.ref.node].kind == "parameter"
         for link in view_chain(problem, edge)[1:]
     }
+
+
+def _moved_before(solution: Any) -> set[int]:
+    """The ids of the edges, up to the first operator past any views, from the second and later readers of
+    a tensor that a hook moves once per forward for all its readers: an input of `input_layouts`, a
+    parameter of `compute_layouts` (every reader requires the same layout there). DTensor moves any other
+    tensor for each operator that reads it."""
+    problem, graph = solution.problem, solution.problem.graph
+    named = input_layouts(solution)
+    sources = {node for node, argument in graph.arguments.items() if argument in named}
+    for param in graph.params.values():
+        node = problem.canon.get(param.node, param.node)
+        if node in problem.decisions and problem.decisions[node].kind == "parameter":
+            read = compute_layout(solution, param)
+            if read is not None and read != solution.option(node):
+                sources.add(node)
+    again = set()
+    for source in sources:
+        readers = [edge for edge in problem.edges if edge.ref.node == source]
+        again |= {id(link) for edge in readers[1:] for link in view_chain(problem, edge)}
+    return again
 
 
 def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placements | None] | None:
