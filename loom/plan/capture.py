@@ -156,6 +156,7 @@ def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dic
         return {}
     params = list(inspect.signature(model.forward).parameters.values())
     named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
     found = {}
     for name, (path, leaf) in zip(inputs, leaves, strict=True):
         if len(path) != 2 or not isinstance(leaf, torch.Tensor):
@@ -166,7 +167,7 @@ def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dic
         elif key.idx < len(named):
             found[name] = named[key.idx]
         else:
-            found[name] = f"args[{key.idx - len(named)}]"
+            found[name] = f"{rest}[{key.idx - len(named)}]"
     return found
 
 

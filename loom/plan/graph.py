@@ -195,7 +195,7 @@ class Graph:
     do (an operator whose backward could not be traced), and `arguments`: for each input node passed to
     `forward` as a whole tensor argument (what `loom.parallelize` makes a DTensor of), how `forward` gets
     it: its parameter's name, a keyword's name (into `**kwargs` too), or `args[i]` for the i-th of
-    `*args`. Tensors nested in a tuple, list or dict argument are not listed."""
+    `*args` (by the name `forward` gives it). Tensors nested in a tuple, list or dict argument are not listed."""
 
     model: str
     nodes: tuple[Node, ...]
