@@ -164,7 +164,8 @@ SLOW = pytest.mark.slow
     [pytest.param(f, marks=SLOW) for f in ("cnn", "gpt", "gpt2")]
     + ["llama", pytest.param("mixtral", marks=SLOW)]
     # forwards whose inputs torch.export names apart from their arguments (`y`, `batch_0`, `args_0`)
-    + ["kwargs"] + [pytest.param(f, marks=SLOW) for f in ("tuple", "varargs")],
+    + ["kwargs"]
+    + [pytest.param(f, marks=SLOW) for f in ("tuple", "varargs")],
 )
 def test_auto_plans_train_as_one_device(dist_run, family):
     _check(dist_run(4, auto_case, family, None))

@@ -66,7 +66,13 @@ def _json_text(value: Any, indent: str = "") -> str:
 
 
 # a plan's own layouts, apart from the Megatron layouts of the models' recipes
-LAYOUT_KEYS = ("strategies", "parameter_layouts", "compute_layouts", "input_layouts", "primitives_follow_inputs")
+LAYOUT_KEYS = (
+    "strategies",
+    "parameter_layouts",
+    "compute_layouts",
+    "input_layouts",
+    "primitives_follow_inputs",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

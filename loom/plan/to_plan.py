@@ -21,7 +21,13 @@ from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
 __all__ = [
-    "compute_layout", "input_layouts", "pins", "placements", "read_through_views", "solution_plan", "tensor_spec",
+    "compute_layout",
+    "input_layouts",
+    "pins",
+    "placements",
+    "read_through_views",
+    "solution_plan",
+    "tensor_spec",
     "view_chain",
 ]
 
