@@ -208,3 +208,22 @@ def test_checkpoint_plan_json_loads_as_a_plan(tmp_path, capsys):
     shape = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--json"]
     assert main(["simulate", "--plan", str(step / "plan.json"), *shape]) == 0  # priced as it ran
     assert json.loads(capsys.readouterr().out)["plan"]["recompute"] == "full"
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        {"strategies": {"blocks.*.mlp": {"out_strategy": [["dp", "None"]]}}},
+        {"parameter_layouts": {"head.weight": ["tp", "None"]}},
+        {"compute_layouts": {"head.weight": ["None", "None"]}},
+        {"input_layouts": {"x": ["None", "None"]}},
+        {"primitives_follow_inputs": True},
+    ],
+)
+def test_a_plan_with_its_own_layouts_refuses_the_megatron_prediction(own):
+    """An automatic plan's layouts are not the Megatron ones the prediction assumes: refused, naming the key
+    and where an automatic plan's prediction is."""
+    config = transformer_config(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
+    with pytest.raises(ValueError, match=rf"sets {next(iter(own))}.*model.loom.predicted_collectives"):
+        Plan(dp=2, tp=2, **own).predicted_collectives(config, global_batch=4, seq=16)
+    assert Plan(dp=2, tp=2).predicted_collectives(config, global_batch=4, seq=16), "a Megatron plan predicts"

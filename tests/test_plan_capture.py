@@ -286,3 +286,25 @@ def test_the_planner_imports_no_layer_above_it():
         ]
         names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         assert not [name for name in names if name.startswith(above)], path.name
+
+
+class _Arguments(nn.Module):
+    """Reads a tensor argument, a tuple argument, `*args` and a keyword into `**kwargs`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, pair, *rest, **extra):  # noqa: ANN001, ANN002, ANN003
+        return self.fc(x + pair[0] + pair[1] + rest[0] + extra["y"]).sum()
+
+
+def test_capture_names_the_inputs_forward_takes_as_whole_tensor_arguments():
+    """`Graph.arguments`: whole tensor arguments by name (a keyword into `**kwargs` too), `*rest` by
+    position; tensors inside a tuple argument are not listed."""
+    t = torch.randn(2, 4)
+    graph = capture(_Arguments(), (t, (t, t), t), {"y": t})
+    inputs = [node.name for node in graph.nodes if node.kind == "input"]
+    assert len(inputs) == 5
+    assert sorted(graph.arguments.values()) == ["rest[0]", "x", "y"], graph.arguments
+    assert {graph.arguments[name] for name in (inputs[0], inputs[3], inputs[4])} == {"x", "rest[0]", "y"}

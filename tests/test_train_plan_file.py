@@ -177,6 +177,7 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
             {},
             "has compute_layouts: loom train",
         ),
+        (Plan(dp=2, input_layouts={"ids": ["None", "None"]}), {}, "has input_layouts: loom train"),
     ],
     ids=[
         "world-size",
@@ -188,6 +189,7 @@ def test_simulate_prices_a_config_with_a_plan_file_as_the_plan_itself(tmp_path, 
         "strategies",
         "follow-inputs",
         "compute-layouts",
+        "input-layouts",
     ],  # fmt: skip
 )
 def test_a_plan_that_does_not_fit_the_run_is_a_clear_error(tmp_path, plan, sections, message):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from functools import partial
@@ -43,10 +44,11 @@ def auto_plan(
     memory_limit: float | None,
     cluster: str,
     bucket_mb: float = 25.0,
-) -> tuple[Plan, list[StepCollective]]:
+) -> tuple[Plan, list[StepCollective] | None]:
     """The Plan the full search picks for `model` on `mesh` (see the module docstring), and the collectives
     one training step under it issues on a rank, as its solution predicts them (`Solution.
-    predicted_collectives`, with `bucket_mb` as `loom.parallelize` buckets the gradients)."""
+    predicted_collectives`, with `bucket_mb` and `full_batch` as `loom.parallelize` takes them; None, with
+    a warning on rank 0, when the prediction failed)."""
     answer = None
     if dist.get_rank() == 0:
         try:
@@ -60,10 +62,13 @@ def auto_plan(
     if kind == "error":
         raise ValueError(f"parallelize(mode='auto'): the planner failed on rank 0: {found}")
     text, predicted = found
-    return Plan.from_json(text, "the automatic plan"), [StepCollective(**entry) for entry in predicted]
+    collectives = None if predicted is None else [StepCollective(**entry) for entry in predicted]
+    return Plan.from_json(text, "the automatic plan"), collectives
 
 
-def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster, bucket_mb) -> tuple[str, list]:  # noqa: ANN001
+def _solve(
+    model, mesh, args, kwargs, full_batch, memory_limit, cluster, bucket_mb
+) -> tuple[str, list | None]:  # noqa: ANN001
     from loom.plan.capture import capture  # the planner's imports (torch.export, scipy) only when asked
     from loom.plan.problem import build_problem
     from loom.plan.solve import solve
@@ -79,9 +84,25 @@ def _solve(model, mesh, args, kwargs, full_batch, memory_limit, cluster, bucket_
     plan = solution.plan()
     if regions:
         plan = plan.replace(strategies={**plan.strategies, **regions})
-    # predicted here, where the solution is: the solver may break ties differently on another run
-    predicted = solution.predicted_collectives(device=mesh.device_mesh.device_type, bucket_mb=bucket_mb)
-    return plan.to_json(), [dataclasses.asdict(c) for c in predicted]
+    return plan.to_json(), _prediction(solution, mesh, bucket_mb, full_batch)
+
+
+def _prediction(solution: Any, mesh: Mesh, bucket_mb: float, full_batch: bool) -> list | None:
+    """The solution's predicted collectives of a step, as plain dicts; None, with a warning naming the
+    cause, when predicting fails: the plan stands without its prediction. Predicted here, where the
+    solution is: the solver may break ties differently on another run."""
+    try:
+        predicted = solution.predicted_collectives(
+            device=mesh.device_mesh.device_type, bucket_mb=bucket_mb, full_batch=full_batch
+        )
+    except Exception as error:  # noqa: BLE001 - a prediction is a report, never a reason not to train
+        warnings.warn(
+            f"parallelize(mode='auto'): the plan is applied, but predicting its step's collectives failed "
+            f"({type(error).__name__}: {error}); model.loom.predicted_collectives is None",
+            stacklevel=2,
+        )
+        return None
+    return [dataclasses.asdict(c) for c in predicted]
 
 
 def local_regions(model: nn.Module) -> dict[str, Any]:
@@ -172,7 +193,9 @@ def read_inputs_in(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> 
     if not layouts:
         return
     signature = inspect.signature(model.forward)
-    unknown = sorted(set(layouts) - set(signature.parameters))
+    named = {p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    extra = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    unknown = sorted(set(layouts) - named) if extra is None else []  # `**kwargs` may bring any keyword
     if unknown:
         raise ValueError(
             f"plan.input_layouts names {unknown[0]!r}, which is not an argument of "
@@ -180,7 +203,7 @@ def read_inputs_in(model: nn.Module, layouts: Mapping[str, Any], mesh: Mesh) -> 
         )
     entries = {name: on_mesh_axes(spec, mesh.axis_sizes()) for name, spec in layouts.items()}
     model.register_forward_pre_hook(
-        partial(_inputs_in, signature=signature, entries=entries, mesh=mesh), with_kwargs=True
+        partial(_inputs_in, signature=signature, entries=entries, mesh=mesh, extra=extra), with_kwargs=True
     )
 
 
@@ -192,10 +215,14 @@ def _inputs_in(
     signature: inspect.Signature,
     entries: Mapping,
     mesh: Mesh,
+    extra: str | None,
 ) -> tuple[tuple, dict]:
     bound = signature.bind_partial(*args, **kwargs)
+    # a keyword `forward` takes into its `**kwargs` (named `extra`) is read from that dict
+    keywords = bound.arguments.get(extra, {}) if extra is not None else {}
     for name, entry in entries.items():
-        value = bound.arguments.get(name)
+        where = bound.arguments if name in signature.parameters else keywords
+        value = where.get(name)
         if isinstance(value, DTensor):  # only inside a parallelized forward (a gathered copy runs as is)
-            (bound.arguments[name],) = lay_out_inputs(f"input {name!r}", (value,), (entry,), mesh)
+            (where[name],) = lay_out_inputs(f"input {name!r}", (value,), (entry,), mesh)
     return tuple(bound.args), dict(bound.kwargs)

@@ -101,7 +101,8 @@ def _capture_forward(
     """The forward graph, with the block list shortened to `traced` blocks while tracing."""
     with blocks_mod.shortened(model, found, traced):
         gm, kinds = _trace(model, args, kwargs)
-        return _build(model, gm, kinds)
+        graph = _build(model, gm, kinds)
+        return dataclasses.replace(graph, arguments=_arguments(model, args, kwargs, graph))
 
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, list[tuple]]:
@@ -144,6 +145,30 @@ def _placeholder_kinds(program: torch.export.ExportedProgram) -> list[tuple[str,
         kind = names.get(spec.kind.name, "input")
         kinds.append((kind, spec.target if kind != "input" else spec.arg.name))
     return kinds
+
+
+def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dict[str, str]:
+    """`Graph.arguments`: torch.export lifts the leaves of `(args, kwargs)` as user inputs in pytree order,
+    so each input node is matched to its leaf's path; those one level deep are whole arguments."""
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    inputs = [node.name for node in graph.nodes if node.kind == "input"]
+    if len(leaves) != len(inputs):  # export dropped or added inputs: name none rather than guess
+        return {}
+    params = list(inspect.signature(model.forward).parameters.values())
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
+    found = {}
+    for name, (path, leaf) in zip(inputs, leaves, strict=True):
+        if len(path) != 2 or not isinstance(leaf, torch.Tensor):
+            continue
+        (where, key) = path
+        if where.idx == 1:  # a keyword
+            found[name] = key.key
+        elif key.idx < len(named):
+            found[name] = named[key.idx]
+        else:
+            found[name] = f"{rest}[{key.idx - len(named)}]"
+    return found
 
 
 def _capture_error(model: nn.Module, error: Exception, stage: str) -> CaptureError:

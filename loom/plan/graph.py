@@ -191,8 +191,11 @@ class Blocks:
 @dataclass(frozen=True, kw_only=True)
 class Graph:
     """A captured model: nodes in execution order, the parameters and buffers they read, the outputs, the
-    repeated blocks (None when the model has none, or they differ), and `notes` on what capture could not
-    do (an operator whose backward could not be traced)."""
+    repeated blocks (None when the model has none, or they differ), `notes` on what capture could not
+    do (an operator whose backward could not be traced), and `arguments`: for each input node passed to
+    `forward` as a whole tensor argument (what `loom.parallelize` makes a DTensor of), how `forward` gets
+    it: its parameter's name, a keyword's name (into `**kwargs` too), or `args[i]` for the i-th of
+    `*args` (by the name `forward` gives it). Tensors nested in a tuple, list or dict argument are not listed."""
 
     model: str
     nodes: tuple[Node, ...]
@@ -200,6 +203,7 @@ class Graph:
     outputs: tuple[Ref | None, ...]
     blocks: Blocks | None = None
     notes: tuple[str, ...] = ()
+    arguments: dict[str, str] = field(default_factory=dict, compare=False)
     _index: dict[str, Node] = field(init=False, repr=False, compare=False)
     _users: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 

@@ -65,6 +65,16 @@ def _json_text(value: Any, indent: str = "") -> str:
     return "{\n" + ",\n".join(lines) + "\n" + indent + "}"
 
 
+# a plan's own layouts, apart from the Megatron layouts of the models' recipes
+LAYOUT_KEYS = (
+    "strategies",
+    "parameter_layouts",
+    "compute_layouts",
+    "input_layouts",
+    "primitives_follow_inputs",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How one model trains: mesh sizes, layouts and strategies by module pattern, pipeline, memory
@@ -257,6 +267,16 @@ class Plan:
             attention=self.attention,
         )
 
+    def _check_megatron(self, what: str) -> None:
+        """Refuse `what` (a prediction that assumes the Megatron layouts) for a plan carrying layouts of its own."""
+        own = [key for key in LAYOUT_KEYS if getattr(self, key)]
+        if own:
+            raise ValueError(
+                f"Plan.{what}: this plan sets {own[0]}, so the Megatron layouts it predicts with are not the "
+                f"ones it applies; for an automatic plan read model.loom.predicted_collectives after "
+                f"loom.parallelize(model, mode='auto'), or leave {', '.join(own)} unset"
+            )
+
     def _stage_layers(self) -> tuple[int, ...]:
         """Blocks per stage when `stages` gives them as counts (the simulator prices uneven stages);
         stages given as module paths are priced as equal."""
@@ -284,7 +304,14 @@ class Plan:
         `counted_loss`: a mean over counted targets (Hugging Face's loss) rather than a plain mean (loom's
         GPT). With pp > 1, one `Trainer` step on a rank of pipeline rank `pp_rank` (the pipeline ranks
         differ: the first embeds, the last computes the loss), under any of loom's schedules, in
-        `accumulation` pipeline runs of `micro_batches` each (a `Trainer` step of that many micro-batches)."""
+        `accumulation` pipeline runs of `micro_batches` each (a `Trainer` step of that many micro-batches).
+
+        Refused for a plan carrying its own layouts (`strategies`, `parameter_layouts`, `compute_layouts`,
+        `input_layouts`, `primitives_follow_inputs`: an automatic plan's), which the Megatron layouts do not
+        describe: `loom.parallelize(mode="auto")` predicts such a plan's step from its solution, in
+        `model.loom.predicted_collectives`; a plan applied again (`plan=`, or read from JSON) carries no
+        prediction."""
+        self._check_megatron("predicted_collectives")
         # the simulator plays only some schedules; the prediction takes the plan's, on a plan of its shape
         played = self.schedule in SIMULATED_SCHEDULES
         shape = self if played else self.replace(schedule=default_schedule(self.virtual_stages))

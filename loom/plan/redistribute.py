@@ -144,7 +144,11 @@ _MERGED = ("all_gather", "all_reduce", "reduce_scatter")
 def _merges(run: tuple[tuple, list[int], float], change: tuple, axis: int) -> bool:
     """Whether DTensor runs `change` on `axis` in one collective with the run before it: the same change,
     on the next axis in its order (all-gathers inward-out, reduce-scatters outward-in, all-reduces
-    either), over a group loom flattens (consecutive axes)."""
+    either), over a group loom flattens (consecutive axes).
+
+    Not followed: DTensor does not flatten a reduce-scatter onto a tensor dim the flattened group does not
+    divide evenly, and runs it axis by axis; the moves are priced from bytes alone (no shapes), so such a
+    reduce-scatter is predicted as one collective where two run."""
     kind, (last_change, axes, _) = change[0], run
     if kind not in _MERGED or last_change != change:
         return False

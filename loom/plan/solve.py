@@ -90,14 +90,16 @@ class Solution:
                     found.append((where, "backward", step))
         return found
 
-    def predicted_collectives(self, *, device: str = "cuda", bucket_mb: float = 25.0) -> list:
+    def predicted_collectives(
+        self, *, device: str = "cuda", bucket_mb: float = 25.0, full_batch: bool = False
+    ) -> list:
         """The collectives one training step of the chosen plan issues on one rank, as `StepCollective`s
         (`loom.plan.step`: the priced redistributions of every block, the parameters' gradients as
         `GradSync` reduces them, the even-batch check and the agreement); `device` the ranks compute on,
-        `bucket_mb` as given to `loom.parallelize`."""
+        `bucket_mb` and `full_batch` as given to `loom.parallelize`."""
         from loom.plan.step import predicted_collectives
 
-        return predicted_collectives(self, device=device, bucket_mb=bucket_mb)
+        return predicted_collectives(self, device=device, bucket_mb=bucket_mb, full_batch=full_batch)
 
     def plan(self) -> Any:
         """The chosen layouts as a `loom.plan.Plan` that `loom.parallelize(model, plan=...)` applies."""

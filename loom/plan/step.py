@@ -3,23 +3,30 @@
 What runs, per step (one forward, one backward, optimizer level 0), in `loom.cost.traffic`'s vocabulary
 (`StepCollective`: kind, mesh axes joined by "+", bytes as `loom.dist.comm` counts them, count):
 
-- forward: the even-batch check (one all-reduce over the whole mesh, `CHECK_BYTES_PER_INPUT` per input);
+- forward: the even-batch check (one all-reduce over the whole mesh, `CHECK_BYTES_PER_INPUT` per tensor
+  `forward` takes as a whole argument; none with `full_batch`);
   every edge's redistribution the solver priced, each edge as often as the model runs it (block 0 stands
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
-  (`loom.plan.redistribute`);
+  (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
+  `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
+  it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made;
 - backward: each edge's gradient redistribution as priced, but for the parameters' own gradients, which
   are what `GradSync` makes of them: a parameter read as it is kept gets its gradient in the layout its
   consumer's backward leaves (`gradient_layouts`); DTensor brings the axes where the parameter is cut to
   its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
   buckets; a parameter read in another layout (`compute_layouts`) gets its gradient back to its kept
-  layout inside autograd, where the move is priced;
-- gradient sync: one all-reduce per bucket (`loom.cost.buckets.assign_buckets`, reverse registration
-  order, keyed by group and copies as `dtensor_route` keys them), then the agreement over the whole mesh
+  layout inside autograd, where the move is priced; a parameter read through views (a linear weight's
+  `t`) is read as the first operator past them requires, the views carrying its gradient through as that
+  operator's backward leaves it;
+- gradient sync: one all-reduce per bucket (`loom.cost.buckets.assign_buckets`, the gradients in the
+  order backward reaches them: reverse of their parameters' first use, each block's once per block, the
+  last block first; keyed by group and copies as `dtensor_route` keys them), then the agreement over the whole mesh
   (`AGREE_BYTES_PER_PARAMETER` per trainable parameter).
 
 On CPU (`device="cpu"`), DTensor runs an all-to-all as an all-gather of each rank's piece (gloo has no
 all-to-all), which is what is predicted there. Not predicted: optimizer levels above 0, several
-micro-batches, a parameter read by operators that leave its gradient in different layouts.
+micro-batches, a parameter read by operators that leave its gradient in different layouts, a parameter
+read again after later ones (its gradient arrives, and is bucketed, earlier than predicted).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, 
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
+from loom.plan.to_plan import compute_layout, input_layouts, read_through_views, view_chain
 
 __all__ = ["predicted_collectives"]
 
@@ -42,22 +50,27 @@ DEVICES = ("cuda", "cpu")
 
 
 def predicted_collectives(
-    solution: Any, *, device: str = "cuda", bucket_mb: float = 25.0
+    solution: Any, *, device: str = "cuda", bucket_mb: float = 25.0, full_batch: bool = False
 ) -> list[StepCollective]:
     """The collectives one training step under `solution`'s plan issues on one rank (module docstring):
-    `device` the ranks compute on ("cpu": all-to-alls run as all-gathers), `bucket_mb` as given to
-    `loom.parallelize`."""
+    `device` the ranks compute on ("cpu": all-to-alls run as all-gathers), `bucket_mb` and `full_batch`
+    as given to `loom.parallelize` (with `full_batch` every rank brings the whole batch: no even-batch
+    check)."""
     if device not in DEVICES:
         raise ValueError(f"predicted_collectives: device={device!r}; use one of {DEVICES}")
     problem = solution.problem
     world = "+".join(axis for axis, size in problem.mesh.items() if size > 1)
-    inputs = sum(1 for node in problem.graph.nodes if node.kind == "input")
+    # the check counts the tensors `forward` gets as whole arguments, those `parallelize` makes DTensors of
+    inputs = 0 if full_batch else len(problem.graph.arguments)
     out = [StepCollective(kind="all_reduce", axis=world, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
                           phase="forward", source="even-batch check of the inputs' rows")]  # fmt: skip
     synced = []  # (parameter decision, placements its gradient is bucketed in)
+    chained, again = _parameter_view_edges(problem), _moved_before(solution)
     for edge in problem.edges:
-        out += _edge_collectives(solution, edge)
-    for name in _parameters_in_registration_order(problem):
+        out += _edge_collectives(
+            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained
+        )
+    for name in _parameters_in_backward_order(problem):
         gradient = _parameter_gradient(solution, name)
         if gradient is not None:
             steps, bucketed = gradient
@@ -83,18 +96,30 @@ def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) 
     ]
 
 
-def _edge_collectives(solution: Any, edge: Any) -> list[StepCollective]:
-    """An edge's forward redistribution and, unless it is a parameter's own gradient (`_parameter_gradient`),
-    its gradient's way back, as priced."""
+def _edge_collectives(
+    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True
+) -> list[StepCollective]:
+    """An edge's forward redistribution (unless `forward` is False: a hook moved its tensor for an earlier
+    reader, `_moved_before`) and, unless it is a parameter's own gradient (`_parameter_gradient`:
+    `backward` False for the edges through the views the parameter is read by), its gradient's way back,
+    as priced."""
     problem = solution.problem
     producer, consumer = problem.decisions[edge.ref.node], problem.decisions[edge.target]
     picked = producer.options[solution.choice[edge.ref.node]]
     made = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
     required, split = requirement(consumer, solution.choice[edge.target], edge.index, problem.mesh)
+    if consumer.kind == "output":
+        if edge.tensor.ndim:  # logits and the like: read, if at all, as they are made
+            return []
+        required = tuple(Replicate() for _ in problem.mesh)  # the loss read whole, as `Trainer` reads it
     where = f"{edge.ref!r} -> {edge.target}"
     nbytes, mesh, cluster = edge.tensor.nbytes, problem.mesh, problem.cluster
-    out = _collectives(redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where)
-    if producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
+    out = []
+    if forward:
+        out += _collectives(
+            redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
+        )
+    if backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
         left, wanted = gradient_layouts(made, required, split)
         out += _collectives(
             redistribution(nbytes, left, wanted, mesh, cluster), edge.weight, "backward", where
@@ -102,10 +127,48 @@ def _edge_collectives(solution: Any, edge: Any) -> list[StepCollective]:
     return out
 
 
+def _parameter_view_edges(problem: Any) -> set[int]:
+    """The ids of the edges after a parameter through the views it is read by (`view_chain`: a linear weight's `t`):
+    DTensor carries the gradient back through them as its consumer left it, which `_parameter_gradient`
+    predicts whole."""
+    return {
+        id(link)
+        for edge in problem.edges
+        if problem.decisions[edge.ref.node].kind == "parameter"
+        for link in view_chain(problem, edge)[1:]
+    }
+
+
+def _moved_before(solution: Any) -> set[int]:
+    """The ids of the edges, up to the first operator past any views, from the second and later readers of
+    a tensor that a hook moves once per forward for all its readers: an input of `input_layouts`, a
+    parameter of `compute_layouts` (every reader requires the same layout there). DTensor moves any other
+    tensor for each operator that reads it."""
+    problem, graph = solution.problem, solution.problem.graph
+    named = input_layouts(solution)
+    sources = {node for node, argument in graph.arguments.items() if argument in named}
+    for param in graph.params.values():
+        node = problem.canon.get(param.node, param.node)
+        if node in problem.decisions and problem.decisions[node].kind == "parameter":
+            read = compute_layout(solution, param)
+            if read is not None and read != solution.option(node):
+                sources.add(node)
+    again = set()
+    for source in sources:
+        readers = [edge for edge in problem.edges if edge.ref.node == source]
+        again |= {id(link) for edge in readers[1:] for link in view_chain(problem, edge)}
+    return again
+
+
 def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placements | None] | None:
     """The gradient of trainable parameter `name` (a decision): the collectives DTensor runs on it before
     the sync, and the placements it is bucketed in (None: nothing pending over a whole axis); None when no
-    gradient reaches it."""
+    gradient reaches it.
+
+    Its first reader stands for all: the layout required by the first operator past the views it is read
+    through (carried back through them, `read_through_views`: a `t` swaps the cut dims) and the axes that
+    operator cuts its work along decide what its backward leaves. A parameter read by several operators
+    whose backwards leave different layouts is not predicted exactly."""
     problem = solution.problem
     if not _trainable(problem, problem.decisions[name]):
         return None
@@ -115,11 +178,17 @@ def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placement
     ]
     if not edges:
         return None
-    edge = edges[0]
-    required, split = requirement(problem.decisions[edge.target], solution.choice[edge.target], edge.index,
+    last = view_chain(problem, edges[0])[-1]
+    required, split = requirement(problem.decisions[last.target], solution.choice[last.target], last.index,
                                   problem.mesh)  # fmt: skip
+    through = read_through_views(solution, edges[0]) if last is not edges[0] else None
+    if through is not None:  # read through views: what the consumer requires, as the parameter's placements
+        required = through
+    else:
+        required, _ = requirement(problem.decisions[edges[0].target], solution.choice[edges[0].target],
+                                  edges[0].index, problem.mesh)  # fmt: skip
     left, wanted = gradient_layouts(kept, required, split)
-    mesh, cluster, nbytes = problem.mesh, problem.cluster, edge.tensor.nbytes
+    mesh, cluster, nbytes = problem.mesh, problem.cluster, edges[0].tensor.nbytes
     if required != kept:
         # read in another layout (a compute layout, or DTensor's move): autograd brings the gradient back
         return redistribution(nbytes, left, wanted, mesh, cluster), None
@@ -139,19 +208,20 @@ def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placement
 
 
 def _buckets(solution: Any, synced: list[tuple[str, Placements]], bucket_mb: float) -> list[StepCollective]:
-    """One all-reduce per bucket of the pending gradients, cut as `GradSync` cuts them (reverse
-    registration order, one bucket per group and copies until it holds `bucket_mb`)."""
+    """One all-reduce per bucket of the pending gradients, cut as `GradSync` cuts them: in the order the
+    gradients arrive in backward (`synced` is in `_parameters_in_backward_order`, each block's parameters
+    once per block), one bucket per group and copies until it holds `bucket_mb`."""
     problem = solution.problem
     names, sizes = list(problem.mesh), list(problem.mesh.values())
-    items = []
-    for name, pending in reversed(synced):
+    keyed = {}
+    for name, pending in synced:
         info = problem.graph[name].output(0)
         axes = "+".join(names[i] for i, p in enumerate(pending) if isinstance(p, Partial))
         copies = 1
         for p, size in zip(pending, sizes, strict=True):
             copies *= size if isinstance(p, Replicate) else 1
-        nbytes = round(local_bytes(info, pending, problem.mesh))
-        items += [((axes, copies, info.dtype), nbytes)] * round(problem.decisions[name].weight)
+        keyed[name] = ((axes, copies, info.dtype), round(local_bytes(info, pending, problem.mesh)))
+    items = [keyed[name] for name in _in_backward_arrival(problem, [name for name, _ in synced])]
     out = []
     for indices in assign_buckets(items, bucket_bytes(bucket_mb)):
         (axes, _, _), _ = items[indices[0]]
@@ -160,13 +230,30 @@ def _buckets(solution: Any, synced: list[tuple[str, Placements]], bucket_mb: flo
     return out
 
 
-def _parameters_in_registration_order(problem: Any) -> list[str]:
-    """The parameter decisions, in the order the graph lists their parameters (the model's registration
-    order), each once."""
-    seen = dict.fromkeys(
-        problem.canon.get(p.node, p.node) for p in problem.graph.params.values() if p.kind == "parameter"
-    )
-    return [name for name in seen if name in problem.decisions]
+def _parameters_in_backward_order(problem: Any) -> list[str]:
+    """The parameter decisions, each once, in the reverse order of their first reader in the graph: the
+    order backward reaches them (a parameter read again later arrives earlier in truth; not predicted)."""
+    position = {node.name: i for i, node in enumerate(problem.graph.nodes)}
+    first = {}
+    for edge in problem.edges:
+        if problem.decisions[edge.ref.node].kind == "parameter":
+            first[edge.ref.node] = min(first.get(edge.ref.node, len(position)), position[edge.target])
+    return sorted(first, key=lambda name: -first[name])
+
+
+def _in_backward_arrival(problem: Any, names: list[str]) -> list[str]:
+    """`names` (in `_parameters_in_backward_order`) repeated as their gradients arrive over the whole model:
+    block 0's parameters (`Decision.weight` the block count) stand for every block, the last block's
+    arriving first; the parameters after the blocks come before them, those before the blocks after."""
+    weight = {name: round(problem.decisions[name].weight) for name in names}
+    blocks = max(weight.values(), default=1)
+    inside = [i for i, name in enumerate(names) if weight[name] > 1]
+    if not inside:
+        return [name for name in names for _ in range(weight[name])]
+    start, end = inside[0], inside[-1] + 1
+    block = names[start:end]
+    repeated = [name for copy in range(blocks) for name in block if weight[name] > copy]
+    return names[:start] + repeated + names[end:]
 
 
 def _trainable(problem: Any, decision: Any) -> bool:

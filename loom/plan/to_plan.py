@@ -20,7 +20,16 @@ from loom.plan.problem import requirement
 from loom.plan.space import Placements
 from loom.plan.specs import MESH_AXES
 
-__all__ = ["compute_layout", "input_layouts", "pins", "placements", "solution_plan", "tensor_spec"]
+__all__ = [
+    "compute_layout",
+    "input_layouts",
+    "pins",
+    "placements",
+    "read_through_views",
+    "solution_plan",
+    "tensor_spec",
+    "view_chain",
+]
 
 
 def placements(spec: Any, ndim: int, mesh: Mapping[str, int], where: str) -> Placements:
@@ -202,13 +211,18 @@ def input_layouts(solution: Any) -> dict[str, list]:
     """Input name -> the spec the model's inputs are read in, for each input whose readers (the first
     non-view operators, through views as `compute_layout` reads them) all require one layout other than how
     it arrives (rows cut over dp): the solver priced moving it on those edges, which DTensor's dispatcher,
-    free to pick, would not do (it runs the readers on the rows as they are)."""
+    free to pick, would not do (it runs the readers on the rows as they are).
+
+    Only inputs passed as a whole tensor argument by name (`Graph.arguments`: a parameter of `forward`, or
+    a keyword) are named: only those become DTensors, and a tensor inside a tuple or `*args` has no name
+    to address it by; the readers of the others run on the rows as they arrive."""
     problem, graph = solution.problem, solution.problem.graph
     found = {}
     for node in graph.nodes:
-        if node.kind != "input" or node.name not in problem.decisions:
+        argument = graph.arguments.get(node.name, "")
+        if node.kind != "input" or node.name not in problem.decisions or not argument.isidentifier():
             continue
-        wanted = {_read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
+        wanted = {read_through_views(solution, e) for e in problem.edges if e.ref.node == node.name}
         if len(wanted) != 1:
             continue
         (read,) = wanted
@@ -217,7 +231,7 @@ def input_layouts(solution: Any) -> dict[str, list]:
             and read != solution.option(node.name)
             and not any(isinstance(p, Partial) for p in read)
         ):
-            found[node.target] = tensor_spec(read, node.output(0).ndim, problem.mesh)
+            found[argument] = tensor_spec(read, node.output(0).ndim, problem.mesh)
     return found
 
 
@@ -239,7 +253,7 @@ def compute_layout(solution: Any, param: Any) -> Placements | None:
             continue
         if not _inside(graph[edge.target].module, param.module):
             return None  # read outside its module's forward, where no hook moves it
-        found.add(_read_through_views(solution, edge))
+        found.add(read_through_views(solution, edge))
     if len(found) != 1:
         return None
     (read,) = found
@@ -248,16 +262,25 @@ def compute_layout(solution: Any, param: Any) -> Placements | None:
     return read
 
 
-def _read_through_views(solution: Any, edge: Any) -> Placements | None:
-    """What the consumer at the end of `edge`'s chain of single-input views requires, as placements of
-    the chain's start (None where a view has no candidate giving what the next operator requires)."""
-    problem, graph = solution.problem, solution.problem.graph
+def view_chain(problem: Any, edge: Any) -> list:
+    """`edge` and the edges after it through single-input views read by one operator each (a linear
+    weight's `t`), up to the edge into the first operator that is not such a view."""
+    graph = problem.graph
     chain = [edge]
     while getattr(graph[chain[-1].target].op, "is_view", False) and len(graph[chain[-1].target].inputs) == 1:
         out = [e for e in problem.edges if e.ref.node == chain[-1].target]
         if len(out) != 1:
             break
         chain.append(out[0])
+    return chain
+
+
+def read_through_views(solution: Any, edge: Any) -> Placements | None:
+    """What the consumer at the end of `edge`'s chain of single-input views (`view_chain`) requires, as
+    placements of the chain's start (None where a view has no candidate giving what the next operator
+    requires)."""
+    problem = solution.problem
+    chain = view_chain(problem, edge)
     need, _ = requirement(
         problem.decisions[chain[-1].target], solution.choice[chain[-1].target], chain[-1].index, problem.mesh
     )
