@@ -63,3 +63,67 @@ def test_weighted_cross_entropy_with_an_ignore_index_past_the_classes_matches_on
     for results in dist_run(2, cross_entropy_case):
         for got, want in results:
             assert abs(got - want) <= RTOL * abs(want), results
+
+
+class _Regression(torch.nn.Module):
+    """A linear layer scored by `loss` (a name of `LOSSES`) against a target in [0, 1]."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.linear, self.loss = torch.nn.Linear(4, 3), loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return LOSSES[self.loss](self.linear(x), y)
+
+
+LOSSES = {  # the fused losses DTensor gets wrong on a cut batch, with their reductions and options
+    "mse": lambda out, y: F.mse_loss(out, y),
+    "mse sum": lambda out, y: F.mse_loss(out, y, reduction="sum"),
+    "mse legacy size_average": lambda out, y: F.mse_loss(out, y, size_average=False),
+    "mse against a tensor made in forward": lambda out, y: F.mse_loss(
+        out, torch.full(tuple(out.shape), 0.5, device=out.device)
+    ),
+    "smooth_l1": lambda out, y: F.smooth_l1_loss(out, y, beta=0.5),
+    "huber": lambda out, y: F.huber_loss(out, y, delta=0.5),
+    "soft_margin": lambda out, y: F.soft_margin_loss(out, y * 2 - 1),
+    "binary_cross_entropy": lambda out, y: F.binary_cross_entropy(out.sigmoid(), y),
+}
+
+
+def losses_case():
+    """Each loss of `LOSSES` in a semi_auto model on dp 2 (rows cut over the ranks): the loss and the
+    weight's gradient, and one device's."""
+    import copy
+
+    loom.init({"dp": 2})
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=generator), torch.rand(8, 3, generator=generator)
+    rows = lambda t: t.chunk(2)[loom.rank()]  # noqa: E731
+    results = {}
+    for name in LOSSES:
+        torch.manual_seed(0)
+        reference = _Regression(name)
+        model = loom.parallelize(
+            copy.deepcopy(reference), mode="semi_auto", example_inputs=(rows(x), rows(y))
+        )
+        expected = reference(x, y)
+        expected.backward()
+        loss = model(rows(x), rows(y))
+        loss.backward()
+        grad = model.linear.weight.grad
+        results[name] = (
+            loss.full_tensor(),
+            grad.full_tensor(),
+            expected.detach(),
+            reference.linear.weight.grad,
+        )
+    return results
+
+
+def test_fused_losses_on_a_cut_batch_give_one_devices_gradients(dist_run):
+    """DTensor's own rules for these losses give n times the gradient on rows cut over n ranks (torch 2.13);
+    run inside a semi_auto model they give one device's loss and gradients, at every reduction."""
+    for results in dist_run(2, losses_case):
+        for name, (loss, grad, expected_loss, expected_grad) in results.items():
+            torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=0, msg=name)
+            torch.testing.assert_close(grad, expected_grad, rtol=RTOL, atol=1e-7, msg=name)

@@ -13,11 +13,15 @@ Some operators have no DTensor sharding rule on every device (CPU flash attentio
 cut batch (cross entropy's target checks), so they run as local regions: `F.scaled_dot_product_attention`
 is computed on each rank's shards when the batch or the heads are cut, after any other cut (the sequence,
 a pending sum) is gathered, and its output keeps the query's placements; `F.cross_entropy` sums each
-rank's rows and reduces the sum (and the count of targets, for a mean) once. Gradients flow through `to_local`/`from_local`, which are differentiable.
+rank's rows and reduces the sum (and the count of targets, for a mean) once; the fused losses whose DTensor
+backward is wrong on a cut batch (`ELEMENTWISE_LOSSES`: mean squared error, smooth L1, Huber, soft margin,
+binary cross entropy) run element by element and are reduced afterwards. Gradients flow through
+`to_local`/`from_local`, which are differentiable.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from contextvars import ContextVar, Token
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -33,11 +38,13 @@ from loom.dist import consistency
 from loom.parallel.local_region import contiguous_strides, pending_over_rows, row_placements
 
 __all__ = [
+    "ELEMENTWISE_LOSSES",
     "LiftPlainTensors",
     "attention_on_local_shards",
     "lifting",
     "local_attention",
     "local_cross_entropy",
+    "reduced_after_elementwise",
 ]
 
 
@@ -289,9 +296,35 @@ def _vocab_ids(size: int, mesh: Any, cuts: list[Placement]) -> torch.Tensor:
     return torch.arange(start, start + length, device=mesh.device_type)
 
 
+def reduced_after_elementwise(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`loss` (one of `ELEMENTWISE_LOSSES`) on DTensors computed element by element (reduction "none") and
+    then reduced by DTensor's own mean or sum. DTensor's rules for these fused losses (torch 2.13) give the
+    right value on rows cut over n ranks but n times the gradient: the backward of each rank's local mean is
+    summed over the ranks. Reducing the elementwise losses afterwards gives one device's gradients."""
+    signature = inspect.signature(loss)
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        reduction = given["reduction"]
+        if given.get("size_average") is not None or given.get("reduce") is not None:
+            reduction = _Reduction.legacy_get_string(given["size_average"], given["reduce"])
+            given["size_average"] = given["reduce"] = None
+        given["reduction"] = "none"
+        each = loss(*bound.args, **bound.kwargs)
+        return each if reduction == "none" else each.mean() if reduction == "mean" else each.sum()
+
+    return run
+
+
+# fused losses whose DTensor backward is wrong on a cut batch (`reduced_after_elementwise`)
+ELEMENTWISE_LOSSES = (F.mse_loss, F.smooth_l1_loss, F.huber_loss, F.soft_margin_loss, F.binary_cross_entropy)
+
 LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: local_attention,
     F.cross_entropy: local_cross_entropy,
+    **{loss: reduced_after_elementwise(loss) for loss in ELEMENTWISE_LOSSES},
 }
 
 
@@ -330,11 +363,13 @@ class LiftPlainTensors(TorchFunctionMode):
         like = next((x for x in flat if isinstance(x, DTensor)), None)
         if like is None:
             return func(*args, **kwargs)
-        if func in LOCAL_REGIONS:
-            return LOCAL_REGIONS[func](*args, **kwargs)
-        if any(_is_plain(x) and x.ndim for x in flat):
+        # the elementwise losses meet their target as any operator does (the attention and cross entropy
+        # regions take plain tensors themselves)
+        if (func not in LOCAL_REGIONS or func in ELEMENTWISE_LOSSES) and any(
+            _is_plain(x) and x.ndim for x in flat
+        ):
             args, kwargs = tree_map(lambda x: self._lift(x, like, func), (args, kwargs))
-        return func(*args, **kwargs)
+        return LOCAL_REGIONS.get(func, func)(*args, **kwargs)
 
     def _lift(self, x: Any, like: DTensor, func: Callable[..., Any]) -> Any:
         if not _is_plain(x) or not x.ndim:
