@@ -1,6 +1,7 @@
 """Tier 2: the local regions of `loom.parallel.lift` on cuts a Hugging Face model does not make: attention on
 3-D inputs cut along the sequence, cross entropy with class weights and an `ignore_index` past the classes,
-and uneven batch cuts (2 ranks; rtol 1e-5 against one device)."""
+uneven batch cuts, and the fused losses DTensor differentiates wrongly on a cut batch (2 ranks; rtol 1e-5
+against one device)."""
 
 import torch
 import torch.nn.functional as F

@@ -308,3 +308,20 @@ def test_capture_names_the_inputs_forward_takes_as_whole_tensor_arguments():
     assert len(inputs) == 5
     assert sorted(graph.arguments.values()) == ["rest[0]", "x", "y"], graph.arguments
     assert {graph.arguments[name] for name in (inputs[0], inputs[3], inputs[4])} == {"x", "rest[0]", "y"}
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, scale: float, x: torch.Tensor, *, times: int = 1) -> torch.Tensor:
+        return self.fc(x).sum() * scale * times
+
+
+def test_numbers_among_the_arguments_are_constants_of_the_trace():
+    """A number or flag passed to forward is taken as a constant: no input node, and the tensor arguments
+    keep their names."""
+    graph = capture(_Scaled(), (0.5, torch.randn(2, 4)), {"times": 3})
+    inputs = [node.name for node in graph.nodes if node.kind == "input"]
+    assert len(inputs) == 1 and graph.arguments == {inputs[0]: "x"}, (inputs, graph.arguments)

@@ -151,6 +151,7 @@ def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dic
     """`Graph.arguments`: torch.export lifts the leaves of `(args, kwargs)` as user inputs in pytree order,
     so each input node is matched to its leaf's path; those one level deep are whole arguments."""
     leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = [(path, leaf) for path, leaf in leaves if isinstance(leaf, torch.Tensor)]  # `_build` keeps these
     inputs = [node.name for node in graph.nodes if node.kind == "input"]
     if len(leaves) != len(inputs):  # export dropped or added inputs: name none rather than guess
         return {}
@@ -159,7 +160,7 @@ def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dic
     rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
     found = {}
     for name, (path, leaf) in zip(inputs, leaves, strict=True):
-        if len(path) != 2 or not isinstance(leaf, torch.Tensor):
+        if len(path) != 2:
             continue
         (where, key) = path
         if where.idx == 1:  # a keyword
@@ -231,6 +232,14 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, kinds: list[tuple[str, st
     assert len(placeholders) == len(kinds), "the trace changed the inputs"
     taken: set[str] = set()
     for fx_node, (kind, target) in zip(placeholders, kinds, strict=True):
+        if not isinstance(fx_node.meta.get("val"), torch.Tensor):
+            # a number or flag among forward's arguments: the trace took its value as a constant
+            if fx_node.users:
+                raise ValueError(
+                    f"capture: forward's input {target!r} is not a tensor and the traced graph still reads "
+                    f"it; pass it as a tensor, or fix it with functools.partial before planning"
+                )
+            continue
         name = _unique(target, taken)
         nodes.append(Node(name=name, kind=kind, target=target, outputs=(tensor_info(fx_node.meta["val"]),)))
         refs[fx_node] = Ref(name)
