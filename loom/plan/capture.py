@@ -159,7 +159,7 @@ def _arguments(model: nn.Module, args: tuple, kwargs: dict, graph: Graph) -> dic
     named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
     found = {}
-    for name, (path, leaf) in zip(inputs, leaves, strict=True):
+    for name, (path, _) in zip(inputs, leaves, strict=True):
         if len(path) != 2:
             continue
         (where, key) = path
