@@ -307,13 +307,16 @@ def reduced_after_elementwise(loss: Callable[..., torch.Tensor]) -> Callable[...
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
+        if loss is F.mse_loss and given.get("weight") is not None:
+            return loss(*args, **kwargs)  # weighted, it runs as plain operators, whose rules are right
         reduction = given["reduction"]
         if given.get("size_average") is not None or given.get("reduce") is not None:
             reduction = _Reduction.legacy_get_string(given["size_average"], given["reduce"])
             given["size_average"] = given["reduce"] = None
+        how = _Reduction.get_enum(reduction)  # refuses an unknown reduction, as the loss itself does
         given["reduction"] = "none"
         each = loss(*bound.args, **bound.kwargs)
-        return each if reduction == "none" else each.mean() if reduction == "mean" else each.sum()
+        return each if how == 0 else each.mean() if how == 1 else each.sum()
 
     return run
 

@@ -63,7 +63,7 @@ def predicted_collectives(
     # the check counts the tensors `forward` gets as whole arguments, those `parallelize` makes DTensors of
     inputs = 0 if full_batch else len(problem.graph.arguments)
     out = [StepCollective(kind="all_reduce", axis=world, nbytes=CHECK_BYTES_PER_INPUT * inputs, count=1,
-                          phase="forward", source="even-batch check of the inputs' rows")]  # fmt: skip
+                          phase="forward", source="even-batch check of the inputs' rows")] if inputs else []  # fmt: skip
     synced = []  # (parameter decision, placements its gradient is bucketed in)
     chained, again = _parameter_view_edges(problem), _moved_before(solution)
     for edge in problem.edges:
@@ -179,14 +179,13 @@ def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placement
     if not edges:
         return None
     last = view_chain(problem, edges[0])[-1]
-    required, split = requirement(problem.decisions[last.target], solution.choice[last.target], last.index,
-                                  problem.mesh)  # fmt: skip
     through = read_through_views(solution, edges[0]) if last is not edges[0] else None
+    # the operator whose work decides the gradient: past the views when they can be read through
+    reader = last if through is not None else edges[0]
+    required, split = requirement(problem.decisions[reader.target], solution.choice[reader.target],
+                                  reader.index, problem.mesh)  # fmt: skip
     if through is not None:  # read through views: what the consumer requires, as the parameter's placements
         required = through
-    else:
-        required, _ = requirement(problem.decisions[edges[0].target], solution.choice[edges[0].target],
-                                  edges[0].index, problem.mesh)  # fmt: skip
     left, wanted = gradient_layouts(kept, required, split)
     mesh, cluster, nbytes = problem.mesh, problem.cluster, edges[0].tensor.nbytes
     if required != kept:
