@@ -62,12 +62,18 @@ def test_each_level_keeps_its_share(dist_run):
     assert results[2]["seen"] == [3, 3, 3]
 
 
-def numpy_view_case():
+def _gpt_on_two_ranks() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """loom's GPT laid out over dp 2 (semi_auto) and one batch of (inputs, targets)."""
     loom.init({"dp": 2})
     model = GPT(CONFIG, Strategies(2, 1))
     ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     batch = (ids[:, :-1], ids[:, 1:])
     loom.parallelize(model, mode="semi_auto", example_inputs=batch)
+    return model, batch
+
+
+def numpy_view_case():
+    model, batch = _gpt_on_two_ranks()
     trainer = Trainer(model, make_optimizer(model, torch.optim.AdamW, 3, lr=1e-3))
     for _ in range(2):  # level 3 shards the parameters from the second step on
         trainer.train_step([batch])
@@ -94,11 +100,7 @@ def test_numpy_view_of_a_level_3_parameter_is_a_clear_error(dist_run):
 
 def state_exchange_case():
     """Each rank's own state loads back; another rank's (other chunks) is refused, naming them."""
-    loom.init({"dp": 2})
-    model = GPT(CONFIG, Strategies(2, 1))
-    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
-    batch = (ids[:, :-1], ids[:, 1:])
-    loom.parallelize(model, mode="semi_auto", example_inputs=batch)
+    model, batch = _gpt_on_two_ranks()
     optimizer = make_optimizer(model, torch.optim.AdamW, 1, lr=1e-3)
     Trainer(model, optimizer).train_step([batch])
     states = [None, None]

@@ -280,19 +280,22 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         embed_bwd=embed_bwd,
         head_fwd=head_fwd,
         head_bwd=head_bwd,
-        p2p_s=_p2p_time(model, rows, cluster, span) if plan.pp > 1 else 0.0,
+        p2p_s=_p2p_time(p2p_bytes, stage_gather_bytes(model, rows), plan.tp, span, cluster)
+        if plan.pp > 1
+        else 0.0,
         p2p_bytes=p2p_bytes,
         layer_cp=tuple(layer_cp),
     )
 
 
-def _p2p_time(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, span: GroupSpan) -> float:
-    """Seconds from a stage's send of one micro-batch's stream to the next stage holding it whole: the send
-    over `span` and, when the stream travels in 1/tp shares (`scatter_gather_p2p`), the all-gather over tp
-    that rebuilds it (over NVLink when tp fits in a node: the point of sending only 1/tp between nodes)."""
-    send = collective_time("send_recv", stage_stream_bytes(model, plan), span, cluster)
-    tp_span = group_span(plan.tp, 1, cluster.gpus_per_node)
-    return send + collective_time("all_gather", stage_gather_bytes(model, plan), tp_span, cluster)
+def _p2p_time(send_bytes: float, gather_bytes: float, tp: int, span: GroupSpan, cluster: Cluster) -> float:
+    """Seconds from a stage's send of one micro-batch's stream (`send_bytes` over `span`) to the next stage
+    holding it whole: with the stream sent in 1/tp shares (`scatter_gather_p2p`), the all-gather over tp of
+    `gather_bytes` that rebuilds it (over NVLink when tp fits in a node: the point of sending only 1/tp
+    between nodes)."""
+    send = collective_time("send_recv", send_bytes, span, cluster)
+    tp_span = group_span(tp, 1, cluster.gpus_per_node)
+    return send + collective_time("all_gather", gather_bytes, tp_span, cluster)
 
 
 def _total(costs: Costs) -> float:

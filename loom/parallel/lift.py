@@ -324,6 +324,9 @@ def reduced_after_elementwise(loss: Callable[..., torch.Tensor]) -> Callable[...
 # fused losses whose DTensor backward is wrong on a cut batch (`reduced_after_elementwise`)
 ELEMENTWISE_LOSSES = (F.mse_loss, F.smooth_l1_loss, F.huber_loss, F.soft_margin_loss, F.binary_cross_entropy)
 
+# the local regions that take plain tensors as they come (the others meet them lifted, as any operator does)
+TAKE_PLAIN_TENSORS = (F.scaled_dot_product_attention, F.cross_entropy)
+
 LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: local_attention,
     F.cross_entropy: local_cross_entropy,
@@ -366,11 +369,7 @@ class LiftPlainTensors(TorchFunctionMode):
         like = next((x for x in flat if isinstance(x, DTensor)), None)
         if like is None:
             return func(*args, **kwargs)
-        # the elementwise losses meet their target as any operator does (the attention and cross entropy
-        # regions take plain tensors themselves)
-        if (func not in LOCAL_REGIONS or func in ELEMENTWISE_LOSSES) and any(
-            _is_plain(x) and x.ndim for x in flat
-        ):
+        if func not in TAKE_PLAIN_TENSORS and any(_is_plain(x) and x.ndim for x in flat):
             args, kwargs = tree_map(lambda x: self._lift(x, like, func), (args, kwargs))
         return LOCAL_REGIONS.get(func, func)(*args, **kwargs)
 

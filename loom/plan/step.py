@@ -32,6 +32,7 @@ read again after later ones (its gradient arrives, and is bucketed, earlier than
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -216,9 +217,7 @@ def _buckets(solution: Any, synced: list[tuple[str, Placements]], bucket_mb: flo
     for name, pending in synced:
         info = problem.graph[name].output(0)
         axes = "+".join(names[i] for i, p in enumerate(pending) if isinstance(p, Partial))
-        copies = 1
-        for p, size in zip(pending, sizes, strict=True):
-            copies *= size if isinstance(p, Replicate) else 1
+        copies = math.prod(size for p, size in zip(pending, sizes, strict=True) if isinstance(p, Replicate))
         keyed[name] = ((axes, copies, info.dtype), round(local_bytes(info, pending, problem.mesh)))
     items = [keyed[name] for name in _in_backward_arrival(problem, [name for name, _ in synced])]
     out = []
@@ -264,7 +263,5 @@ def _on_device(c: StepCollective, mesh: dict[str, int], device: str) -> StepColl
     """What DTensor runs for `c` on `device`: on CPU an all-to-all is an all-gather of each rank's piece."""
     if device != "cpu" or c.kind != "all_to_all":
         return c
-    size = 1
-    for axis in c.axis.split("+"):
-        size *= mesh[axis]
+    size = math.prod(mesh[axis] for axis in c.axis.split("+"))
     return dataclasses.replace(c, kind="all_gather", nbytes=c.nbytes * size)
