@@ -10,11 +10,11 @@ import pytest
 
 from loom.cost.collectives import group_span
 from loom.cost.compute import fused_attention_time
-from loom.cost.hardware import Device, get_cluster
+from loom.cost.hardware import Device, Link, get_cluster
 from loom.cost.layer import gemm_shapes
 from loom.cost.plan import FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
-from loom.cost.zero3 import UnitBytes, layer_unit_bytes
+from loom.cost.zero3 import UnitBytes, flat_copy_bytes, gradient_predivide_factor, layer_unit_bytes
 from loom.sim import simulate
 from loom.sim.memory import chunk_parameters, stage_parameters
 from loom.sim.validation.published import jean_zay
@@ -84,6 +84,47 @@ def test_separate_fp32_accumulation_is_a_memory_pass_per_micro_batch():
     # the fp32 buffer and the bf16 gradients live side by side: 2 more bytes per parameter than fp32 alone
     extra = b.memory_breakdown_gib["model_states"] - a.memory_breakdown_gib["model_states"]
     assert extra * 1024**3 == pytest.approx(2 * params)
+
+
+def test_fsdp_gradient_predivide_factor():
+    # the largest power of two f with f * f <= world that divides it, as torch computes it
+    assert [gradient_predivide_factor(n) for n in (1, 2, 4, 6, 8, 64, 512)] == [1, 2, 2, 4, 4, 8, 32]
+
+
+def test_fsdp1_flat_copy_bytes_per_unit_and_micro_batch():
+    plan = ParallelPlan(
+        dp=8, global_batch=32, seq=64, optimizer_level=3, grad_dtype="fp32", grad_accumulation="flat_copy"
+    )
+    # 1000 parameters over 8 ranks, 4 micro-batches: the split backward's copy reads and writes bf16 (4 B);
+    # cast bf16 -> fp32 6 B, pre-divide by 4 in fp32 8 B, then on the 125-parameter shard the post-divide
+    # by 2 (8 B) and the accumulation 12 B in three micro-batches of four
+    flat = flat_copy_bytes(1000, 8, plan)
+    assert (flat.compute, flat.reduce, flat.reduce_kernels) == (4000, 6000 + 8000 + 1000 + 1125, 4)
+    # reduced in bf16 over 2 ranks in one micro-batch: no cast, pre-divide by 2 only, nothing after
+    plan = ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=3, grad_accumulation="flat_copy")
+    assert flat_copy_bytes(1000, 2, plan) == type(flat)(compute=4000, reduce=4000, reduce_kernels=1)
+    with pytest.raises(FieldError, match="grad_accumulation.*optimizer level 3"):
+        ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=1, grad_accumulation="flat_copy")
+
+
+def test_fsdp1_flat_copy_is_a_memory_pass_on_the_compute_stream():
+    # links without cost: only the gradients' memory passes separate the two plans
+    ideal = Link(name="ideal", bandwidth=1e30, latency_s=0.0)
+    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=DEVICE, intra=ideal, inter=ideal)
+    fused = ParallelPlan(dp=8, global_batch=32, seq=64, optimizer_level=3, grad_dtype="fp32")
+    a, b = simulate(GPT, fused, cluster), simulate(GPT, fused.replace(grad_accumulation="flat_copy"), cluster)
+    # every unit (embedding, 4 layers, final norm) copies its whole bf16 gradient in each of 4 micro-batches
+    params = 4 * LAYER + 128 * 64 + 128
+    copy = 4 * params * 4 / 1e12
+    assert b.breakdown["grad_accumulation"] == pytest.approx(copy, rel=1e-12)
+    assert a.breakdown["grad_accumulation"] == 0.0
+    # the cast and pre-divide run beside the compute; what they do not hide delays the reduce-scatters
+    assert a.breakdown["fsdp_exposed_comm"] == pytest.approx(0.0, abs=1e-15)
+    exposed = b.breakdown["fsdp_exposed_comm"]
+    assert b.iteration_s - a.iteration_s == pytest.approx(copy + exposed, rel=1e-9)
+    # at most every unit's preparation, 14 B per parameter and the shard's 8 + 9 B per 8 parameters
+    assert 0 < exposed <= 4 * (params * 14 + params / 8 * (8 + 9)) / 1e12 * (1 + 1e-9)
+    assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
 
 
 def test_fp32_all_reduce_of_the_whole_gradient():

@@ -79,3 +79,19 @@ def test_breakdown_names_the_exposed_gathers():
     parts = result.breakdown
     assert parts["fsdp_exposed_comm"] > 0
     assert sum(parts.values()) == pytest.approx(result.iteration_s, rel=1e-9)
+
+
+def test_reduce_scatter_waits_for_its_prepared_gradients():
+    # gather 0 (0-2), compute 0 (2-3), gather 1 (2-4); unit 0's gradients prepared 3-3.5 on their own
+    # stream, its scatter waits for the communication stream (4-5); unit 1 computes 4-5, is prepared 5-8
+    # and scattered 8-9: a long preparation shows at the pass's end
+    run = sharded_pass([1.0, 1.0], [2.0, 2.0], [1.0, 1.0], prepare=[0.5, 3.0])
+    assert [(k, u, s, e) for k, u, s, e in run.intervals if k in ("prepare", "reduce_scatter")] == [
+        ("prepare", 0, 3.0, 3.5),
+        ("reduce_scatter", 0, 4.0, 5.0),
+        ("prepare", 1, 5.0, 8.0),
+        ("reduce_scatter", 1, 8.0, 9.0),
+    ]
+    assert run.end == 9.0
+    with pytest.raises(ValueError, match="prepare needs scatter"):
+        sharded_pass([1.0], [1.0], prepare=[1.0])

@@ -180,7 +180,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     system.add_argument(
         "--grad-accumulation",
         choices=GRAD_ACCUMULATIONS,
-        help="fused into the weight-gradient GEMMs (default), or a separate pass after each micro-batch",
+        help="fused into the weight-gradient GEMMs (default), a separate pass after each micro-batch, or "
+        "FSDP1's flat copy, cast and pre-divide before each unit's reduce-scatter (level 3)",
     )
     system.add_argument(
         "--blocking-p2p",

@@ -56,7 +56,7 @@ ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 """The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
 GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
 GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
-GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate")
+GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy")
 
 
 class FieldError(ValueError):
@@ -136,7 +136,10 @@ class ParallelPlan:
     shard from level 1; "all_reduce" at level 1: every replica receives the whole sum, as DeepSpeed's bf16
     optimizer does before updating its shard); `grad_accumulation` whether the backward's weight-gradient
     GEMMs add into the accumulation buffer ("fused") or a memory-bound pass after each micro-batch's
-    backward adds the `dtype` gradients into the `grad_dtype` buffer ("separate": DeepSpeed's bf16 optimizer).
+    backward adds the `dtype` gradients into the `grad_dtype` buffer ("separate": DeepSpeed's bf16 optimizer)
+    or, at optimizer level 3, every micro-batch's backward copies each unit's gradients into a fresh flat
+    buffer, which is cast to `grad_dtype` and pre-divided before the unit's reduce-scatter, and the reduced
+    shard is added into the accumulated one ("flat_copy": PyTorch FSDP1, `loom.cost.zero3.flat_copy_bytes`).
 
     How activations travel between pipeline stages: `overlap_p2p` (loom's runtime, torch's pipelining and
     Megatron-Core's --overlap-p2p-communication) posts each send and goes on computing, so a transfer only
@@ -194,6 +197,12 @@ class ParallelPlan:
                 + ("keeps whole gradients: use all_reduce, or optimizer level 1 or more"
                    if self.optimizer_level == 0
                    else "shards gradients: use reduce_scatter, or optimizer level 0 or 1"),
+            )  # fmt: skip
+        if self.grad_accumulation == "flat_copy" and self.optimizer_level != 3:
+            raise FieldError(
+                owner, "grad_accumulation", self.grad_accumulation,
+                f"it prices FSDP's per-unit reduce-scatters of optimizer level 3, not level {self.optimizer_level}: "
+                "use optimizer level 3, or fused or separate",
             )  # fmt: skip
         if self.schedule is None:
             object.__setattr__(self, "schedule", default_schedule(self.interleave))

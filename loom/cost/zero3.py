@@ -16,7 +16,15 @@ from loom.cost.compute import DTYPE_BYTES
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 
-__all__ = ["UnitBytes", "embedding_unit_bytes", "head_unit_bytes", "layer_unit_bytes"]
+__all__ = [
+    "FlatCopyBytes",
+    "UnitBytes",
+    "embedding_unit_bytes",
+    "flat_copy_bytes",
+    "gradient_predivide_factor",
+    "head_unit_bytes",
+    "layer_unit_bytes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,3 +62,54 @@ def head_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     if model.tied_embeddings and plan.pp > 1:
         projection = model.vocab * model.hidden / t  # the last stage's own copy of the tied embedding
     return UnitBytes(dense=e * (model.norm_parameters() + projection))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlatCopyBytes:
+    """Memory traffic (reads plus writes) of one unit's gradients per micro-batch under PyTorch FSDP1
+    (`ParallelPlan.grad_accumulation = "flat_copy"`): `compute` on the compute stream, `reduce` on the
+    post-backward stream that the unit's reduce-scatter waits for."""
+
+    compute: float
+    reduce: float
+    reduce_kernels: int  # the post-backward stream's kernels (cast, divides, accumulation)
+
+
+def gradient_predivide_factor(world: int) -> int:
+    """FSDP's gradient pre-divide factor for a reduce-scatter over `world` ranks: the gradients are divided
+    by it before the collective and by `world / factor` after it, so that neither the sum nor the
+    pieces overflow in low precision (torch's `DefaultState._get_gradient_predivide_factor`)."""
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return factor
+
+
+def flat_copy_bytes(params: float, world: int, plan: ParallelPlan) -> FlatCopyBytes:
+    """Bytes PyTorch FSDP1 (torch 2.1, `use_orig_params`) moves per micro-batch for the gradients of a unit
+    of `params` parameters (unsharded, on one device) reduce-scattered over `world` ranks, beyond the
+    weight-gradient GEMMs and the collective (`torch/distributed/fsdp/_runtime_utils.py`,
+    `_post_backward_hook` and `_reduce_grad`):
+
+    - compute stream: the original parameters are views (`torch.split`) of the unit's flat parameter, so
+      autograd's split backward concatenates their `dtype` gradients into a new flat gradient (read, write);
+    - post-backward stream, before the reduce-scatter: the flat gradient cast to the reduce dtype
+      (`grad_dtype`; read `dtype`, write `grad_dtype`) when it differs, and divided in place by the
+      pre-divide factor when that is above 1;
+    - after it, on the `1/world` shard: the post-divide (when `world / factor` is above 1) and the sum into
+      the shard accumulated over the step's micro-batches (read both, write one; the first micro-batch
+      only keeps its shard), averaged over the micro-batches. Charged before the reduce-scatter too: the
+      post-backward stream runs one unit's work after another, so it delays the next unit's."""
+    e, g = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
+    factor, shard, n = gradient_predivide_factor(world), params / world, plan.micro_batches
+    passes = (  # (bytes, whether the pass runs) in the order the post-backward stream runs them
+        ((e + g) * params, plan.grad_precision != plan.dtype),
+        (2 * g * params, factor > 1),
+        (2 * g * shard, world / factor > 1),
+        (3 * g * shard * (n - 1) / n, n > 1),
+    )
+    return FlatCopyBytes(
+        compute=2 * e * params,
+        reduce=sum(nbytes for nbytes, runs in passes if runs),
+        reduce_kernels=sum(runs for _, runs in passes),
+    )

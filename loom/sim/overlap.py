@@ -8,6 +8,10 @@ issued when unit `i`'s compute starts (PyTorch FSDP's and Megatron FSDP's defaul
 backward's reduce-scatter of unit `i` is issued when its compute ends. The first all-gather has nothing to
 hide behind; later ones hide behind compute as far as compute is longer, and what is left over (the exposed
 remainder) lengthens the pass.
+
+A reduce-scatter may wait on work of a third stream (`prepare`): PyTorch FSDP1 casts and pre-divides each
+unit's gradients on its post-backward stream, which waits for the unit's compute, runs one unit's work at a
+time, and is waited on by the unit's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class ShardedPass:
     compute: float  # seconds of compute alone
     intervals: tuple[
         tuple[str, int, float, float], ...
-    ]  # (kind, unit, start, end): "compute", "all_gather", "reduce_scatter"
+    ]  # (kind, unit, start, end): "compute", "all_gather", "reduce_scatter", "prepare"
 
     @property
     def exposed(self) -> float:
@@ -42,12 +46,16 @@ def sharded_pass(
     scatter: Sequence[float] | None = None,
     *,
     prefetch: int = PREFETCH_DEPTH,
+    prepare: Sequence[float] | None = None,
 ) -> ShardedPass:
     """Play units with compute `compute[i]` after all-gathers `gather[i]` (and, in backward, reduce-scatters
-    `scatter[i]` after each compute) on two streams; see the module's docstring."""
+    `scatter[i]` after each compute, each after `prepare[i]` seconds of work on a stream of its own) on
+    two streams; see the module's docstring."""
     n = len(compute)
     if len(gather) != n or (scatter is not None and len(scatter) != n):
         raise ValueError("sharded_pass: compute, gather and scatter need one entry per unit")
+    if prepare is not None and (scatter is None or len(prepare) != n):
+        raise ValueError("sharded_pass: prepare needs scatter and one entry per unit")
     if prefetch < 1:
         raise ValueError(f"sharded_pass: prefetch depth must be >= 1, got {prefetch}")
     intervals: list[tuple[str, int, float, float]] = []
@@ -63,7 +71,7 @@ def sharded_pass(
 
     for unit in range(min(prefetch, n)):  # issued before the pass's first compute
         gathered[unit] = issue("all_gather", unit, 0.0, gather[unit])
-    compute_free = 0.0
+    compute_free = prepare_free = 0.0
     for unit in range(n):
         start = max(compute_free, gathered[unit])
         compute_free = start + compute[unit]
@@ -71,5 +79,9 @@ def sharded_pass(
         if unit + prefetch < n:
             gathered[unit + prefetch] = issue("all_gather", unit + prefetch, start, gather[unit + prefetch])
         if scatter is not None:
-            issue("reduce_scatter", unit, compute_free, scatter[unit])
+            ready = compute_free
+            if prepare is not None:
+                prepare_free = ready = max(prepare_free, compute_free) + prepare[unit]
+                intervals.append(("prepare", unit, ready - prepare[unit], ready))
+            issue("reduce_scatter", unit, ready, scatter[unit])
     return ShardedPass(end=max(compute_free, comm_free), compute=sum(compute), intervals=tuple(intervals))

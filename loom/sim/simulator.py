@@ -27,7 +27,13 @@ from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
-from loom.cost.zero3 import UnitBytes, embedding_unit_bytes, head_unit_bytes, layer_unit_bytes
+from loom.cost.zero3 import (
+    UnitBytes,
+    embedding_unit_bytes,
+    flat_copy_bytes,
+    head_unit_bytes,
+    layer_unit_bytes,
+)
 from loom.sim.engine import Playback, play
 from loom.sim.memory import chunk_parameters, stage_memory, stage_parameters
 from loom.sim.overlap import sharded_pass
@@ -160,16 +166,53 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
 
 
 def _grad_accumulation(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
-    """Seconds per micro-batch each virtual stage's backward spends adding its gradients into the
-    accumulation buffer when that is a pass of its own (`grad_accumulation = "separate"`): it reads the
-    fresh `dtype` gradients and reads and writes the `grad_dtype` buffer, memory-bound; 0 when fused."""
+    """Seconds per micro-batch each virtual stage's backward spends on memory-bound gradient passes of its
+    own: adding its gradients into the accumulation buffer (`grad_accumulation = "separate"`: it reads
+    the fresh `dtype` gradients and reads and writes the `grad_dtype` buffer), or copying each unit's
+    gradients into its flat gradient ("flat_copy", the compute stream's part of
+    `loom.cost.zero3.flat_copy_bytes`); 0 when fused."""
     if plan.grad_accumulation == "fused":
         return [0.0] * plan.virtual_stages
+    if plan.grad_accumulation == "flat_copy":
+        return [sum(_flat_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
     e, g = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
     return [
         memory_time(cluster.device, sum(chunk_parameters(model, plan, v)) * (e + 2 * g))
         for v in range(plan.virtual_stages)
     ]
+
+
+def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> list[UnitBytes]:
+    """The level-3 units of virtual stage `stage` in forward order, by their gathered bytes per device:
+    the embedding (first stage), its layers, the head (last stage)."""
+    units = [layer_unit_bytes(model, plan)] * plan.chunk_layers(model.layers)[stage]
+    if stage == 0:
+        units.insert(0, embedding_unit_bytes(model, plan))
+    if stage == plan.virtual_stages - 1:
+        units.append(head_unit_bytes(model, plan))
+    return units
+
+
+def _flat_copy_times(
+    model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, stage: int
+) -> tuple[list[float], list[float]]:
+    """Per unit of virtual stage `stage` (forward order) and micro-batch, the seconds FSDP1's gradient
+    handling takes on the compute stream and on the post-backward stream before the unit's reduce-scatter
+    (`loom.cost.zero3.flat_copy_bytes`; dense parameters over dp, experts over edp); zeros unless
+    `grad_accumulation = "flat_copy"`."""
+    units = _stage_units(model, plan, stage)
+    if plan.grad_accumulation != "flat_copy":
+        return [0.0] * len(units), [0.0] * len(units)
+    e, device = DTYPE_BYTES[plan.dtype], cluster.device
+    compute, reduce = [], []
+    for unit in units:
+        groups = ((unit.dense, plan.dp), (unit.expert, plan.edp))
+        parts = [flat_copy_bytes(nbytes / e, world, plan) for nbytes, world in groups if nbytes > 0]
+        compute.append(memory_time(device, sum(p.compute for p in parts)))
+        reduce.append(
+            memory_time(device, sum(p.reduce for p in parts), kernels=sum(p.reduce_kernels for p in parts))
+        )
+    return compute, reduce
 
 
 def _fsdp_exposed(
@@ -200,20 +243,18 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
     layer = (_total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute))
     embed = (_total(pieces.embed_fwd), _total(pieces.embed_bwd))
     head = (_total(pieces.head_fwd), _total(pieces.head_bwd))
-    layer_bytes = layer_unit_bytes(model, plan)
     forward, backward = [], []
     for stage, n in enumerate(chunks):
-        units = [(layer, layer_bytes)] * n
-        if stage == 0:
-            units.insert(0, (embed, embedding_unit_bytes(model, plan)))
-        if stage == len(chunks) - 1:
-            units.append((head, head_unit_bytes(model, plan)))
-        gather = [_unit_collective("all_gather", b, plan, cluster) for _, b in units]
+        costs = [embed] * (stage == 0) + [layer] * n + [head] * (stage == len(chunks) - 1)
+        units = _stage_units(model, plan, stage)
+        gather = [_unit_collective("all_gather", b, plan, cluster) for b in units]
         # gradients are reduce-scattered in their own precision (FSDP2's reduce_dtype)
         scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.dtype]
-        scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for _, b in units]
-        forward.append(sharded_pass([c[0] for c, _ in units], gather).end)
-        backward.append(sharded_pass([c[1] for c, _ in units][::-1], gather[::-1], scatter[::-1]).end)
+        scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
+        copy, prepare = _flat_copy_times(model, plan, cluster, stage)
+        forward.append(sharded_pass([c[0] for c in costs], gather).end)
+        computes = [c[1] + seconds for c, seconds in zip(costs, copy, strict=True)]
+        backward.append(sharded_pass(computes[::-1], gather[::-1], scatter[::-1], prepare=prepare[::-1]).end)
     return forward, backward
 
 
