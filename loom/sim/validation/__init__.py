@@ -140,16 +140,17 @@ def fsdp_cases() -> list[Case]:
     """MosaicML llm-foundry's published throughput of MPT models (125M to 70B) trained by PyTorch FSDP on 8
     to 512 A100s and H100s: every row with full sharding (ZeRO-3: optimizer level 3) or gradient and
     optimizer sharding (level 2), bf16, no CPU offload. They belong to the fit half of the split by source
-    (`split_by_source.csv`). MPT: ALiBi (no position table), no biases, no dropout, a tied head, LayerNorm; MosaicML's
-    runs use fused (flash) attention. Gradients are reduce-scattered in fp32: the benchmark script
+    (`split_by_source.csv`). MPT as llm-foundry's `MPTConfig` defaults left it for these runs (the benchmark
+    yamls set neither `no_bias` nor `alibi`): biases in every projection and LayerNorm, learned positions, no
+    dropout, a tied head, which gives every row's published NumParams exactly; the runs use fused attention. Gradients are reduce-scattered in fp32: the benchmark script
     (`scripts/train/benchmarking/submit_benchmarks.py`) leaves FSDP's `mixed_precision` at its 'DEFAULT',
     which Composer of the time maps to bf16 parameters and an fp32 `reduce_dtype`
     (`composer/trainer/mosaic_fsdp_utils.py`, `get_mixed_precision`). The runs used torch 2.1's FSDP1
     (`sweep.sh`'s image, llm-foundry's `torch>=2.1,<2.1.1`) with Composer 0.17's `use_orig_params`, whose
     full-shard rows copy, cast and pre-divide every unit's gradients in each micro-batch before its
     reduce-scatter (`grad_accumulation = "flat_copy"`; Composer syncs every micro-batch under FSDP, no
-    `no_sync`); its SHARD_GRAD_OP rows (level 2) keep loom's level-2 pricing. Compared on tokens/s over all devices
-    (tokens/s per GPU as published, times the GPUs), a number free of any FLOP-counting convention."""
+    `no_sync`); its SHARD_GRAD_OP rows (level 2) keep loom's level-2 pricing. Compared on tokens/s over all
+    devices (tokens/s per GPU as published, times the GPUs), a number free of any FLOP-counting convention."""
     out = []
     for row in read_rows("mosaicml2024"):
         if row["activation_cpu_offload"] == "True" or row["zero_stage"] not in ("2", "3"):
@@ -163,7 +164,7 @@ def fsdp_cases() -> list[Case]:
         )  # fmt: skip
         model = TransformerConfig(
             name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
-            vocab=int(row["vocab"]), ffn_hidden=int(row["ffn_hidden"]), biases=False, dropout=False,
+            vocab=int(row["vocab"]), ffn_hidden=int(row["ffn_hidden"]), dropout=False, learned_positions=int(row["seq"]),
         )  # fmt: skip
         out.append(
             Case(
