@@ -180,6 +180,12 @@ def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(cap
     assert "optimizer level 1 or more" in message
     assert main(["simulate", *GPT3, "--expert-tp", "3"]) == 1
     assert "--expert-tp 3: use a divisor of tp=8" in capsys.readouterr().err
+    assert main(["simulate", *GPT3, "--grad-accumulation", "flat_copy"]) == 1
+    message = capsys.readouterr().err
+    assert (
+        "--grad-accumulation flat_copy: it prices FSDP's per-unit reduce-scatters of optimizer level 3"
+        in message
+    )
 
 
 def test_another_systems_ways_apply_to_a_saved_plan(tmp_path, capsys):
