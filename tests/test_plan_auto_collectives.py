@@ -3,7 +3,8 @@ one SGD step issues on each rank, recorded (`CollectiveRecorder`: kind, mesh axe
 `model.loom.predicted_collectives` (the solution's `predicted_collectives`: its priced redistributions of every
 block, the parameters' gradients as `GradSync` reduces them, the even-batch check and the agreement), exactly,
 for an MLP, a small CNN and loom's GPT without a memory limit, and for the MLP under half its states (weights
-cut over dp and tp)."""
+cut over dp and tp). Hugging Face Llama and loom's GPT under half their states are not exact yet (strict
+xfail: docs/planner.md, "Not yet exact")."""
 
 from __future__ import annotations
 
@@ -121,6 +122,14 @@ def _check_predicted(results) -> None:
         )
 
 
+# strict: the day a change makes them exact, the mark must go (and docs/planner.md's list with it)
+NOT_EXACT = pytest.mark.xfail(
+    strict=True,
+    reason="under a memory limit DTensor picks strategies inside modules and carries pending gradients "
+    "back otherwise than the solver priced (docs/planner.md, 'Not yet exact')",
+)
+
+
 # 4 ranks, a capture and a search on rank 0 each; `make test` keeps the MLP cut under a memory limit
 @pytest.mark.parametrize(
     ("family", "limited"),
@@ -130,6 +139,8 @@ def _check_predicted(results) -> None:
         pytest.param("cnn", False, marks=pytest.mark.slow),
         pytest.param("gpt", False, marks=pytest.mark.slow),
         pytest.param("twice", False, marks=pytest.mark.slow),
+        pytest.param("llama", True, marks=[pytest.mark.slow, NOT_EXACT]),
+        pytest.param("gpt", True, marks=[pytest.mark.slow, NOT_EXACT]),
     ],
 )
 def test_an_automatic_plan_predicts_the_collectives_of_its_step(dist_run, family, limited):

@@ -26,7 +26,14 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
 On CPU (`device="cpu"`), DTensor runs an all-to-all as an all-gather of each rank's piece (gloo has no
 all-to-all), which is what is predicted there. Not predicted: optimizer levels above 0, several
 micro-batches, a parameter read by operators that leave its gradient in different layouts, a parameter
-read again after later ones (its gradient arrives, and is bucketed, earlier than predicted).
+read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
+DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
+operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
+weight), and a pending gradient carried back through the operators linear in it, summed over a tensor's
+readers, and moved where an operator cannot take it pending; and the collectives of loom's own
+`F.cross_entropy` (`loom.parallel.lift.local_cross_entropy`: for a mean, the count of kept targets summed
+over the mesh axes that cut the rows; the vocabulary-parallel path's per-row sums) (docs/planner.md,
+"Not yet exact").
 """
 
 from __future__ import annotations
