@@ -14,6 +14,7 @@ from rich.table import Table
 from loom.cli.simulate import _duration, _gib, positive_int
 from loom.cost.hardware import GIB, PROFILES, get_cluster
 from loom.cost.transformer import TransformerConfig
+from loom.files import byte_size
 from loom.plan.model_spec import CONTRACT, is_model_spec
 from loom.plan.outer import Candidate, SearchResult, search_plans, to_plan
 from loom.sim.presets import PRESETS, get_model, load_model_config
@@ -45,6 +46,8 @@ hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out 
 --out writes the best plan as a loom.plan.Plan (`loom simulate --plan plan.json` prices it again).
 exit status: 0 when a plan fits; 1 when none does (the reasons are printed); 2 for usage errors.
 """
+
+ONE_MODEL = "give one model: CONFIG.toml, --model NAME, --model MODULE:FUNCTION or --model-config FILE"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +83,7 @@ def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]
     if args.model and args.model.endswith(".toml"):
         args.config, args.model = args.config or args.model, None  # --model CONFIG.toml: the config's model
     if sum(bool(x) for x in (args.config, args.model, args.model_config)) > 1:
-        raise ValueError("give one model: CONFIG.toml, --model NAME or --model-config FILE")
+        raise ValueError(ONE_MODEL)
     if args.model_config:
         model, gpus, batch, seq = load_model_config(args.model_config), None, None, 2048
     elif args.config:
@@ -88,9 +91,16 @@ def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]
         model = config.model.transformer_config()
         gpus, batch, seq = config.train.workers, config.train.global_batch, config.data.seq_len
     elif args.model:
+        if args.model not in PRESETS:
+            raise ValueError(
+                f"unknown model {args.model!r}: give a preset ({', '.join(PRESETS)}), a CONFIG.toml, or a "
+                f"Python function that builds the model as MODULE:FUNCTION (e.g. mypkg.models:build)"
+            )
         model, gpus, batch, seq = get_model(args.model), None, None, 2048
     else:
-        raise ValueError("no model: give --model NAME (a preset), --model-config FILE or CONFIG.toml")
+        raise ValueError(
+            "no model: give --model NAME (a preset), --model MODULE:FUNCTION, --model-config FILE or CONFIG.toml"
+        )
     gpus, batch, seq = args.gpus or gpus, args.global_batch or batch, args.seq or seq
     if gpus is None:
         raise ValueError("--gpus is missing: give the devices to plan for, e.g. --gpus 64")
@@ -164,7 +174,7 @@ def _print_runners_up(console: Console, found: SearchResult, top: int, describe)
     for column in ("plan", "step", "memory", "why it lost"):
         table.add_column(column)
     for c in found.candidates[1 : top + 1]:
-        table.add_row(describe(c), _duration(c.step_s), _gib(c.memory_gib), found.why_lost(c))
+        table.add_row(describe(c), _duration(c.step_s), byte_size(c.memory_gib * GIB), found.why_lost(c))
     console.print(table)
 
 

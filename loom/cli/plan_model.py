@@ -9,9 +9,10 @@ import sys
 
 from rich.console import Console
 
-from loom.cli.plan import _json, _print_infeasible, _print_runners_up
-from loom.cli.simulate import _duration, _gib
+from loom.cli.plan import ONE_MODEL, _json, _print_infeasible, _print_runners_up
+from loom.cli.simulate import _duration
 from loom.cost.hardware import GIB, get_cluster
+from loom.files import byte_size
 from loom.plan.mesh_search import MeshSolution
 from loom.plan.outer import SearchResult
 
@@ -24,9 +25,7 @@ NOT_SEARCHED = (
 def _check(args: argparse.Namespace) -> None:
     """The options a Python model takes; a ValueError names the option and the fix."""
     if args.config or args.model_config:
-        raise ValueError(
-            "give one model: CONFIG.toml, --model NAME, --model MODULE:FUNCTION or --model-config FILE"
-        )
+        raise ValueError(ONE_MODEL)
     if args.gpus is None:
         raise ValueError("--gpus is missing: give the devices to plan for, e.g. --gpus 8")
     if args.seq is not None:
@@ -87,14 +86,14 @@ def print_mesh_search(console: Console, spec: str, found: SearchResult, top: int
     console.print(f"[bold]{spec}[/]: best plan {best.region}", highlight=False)
     console.print(
         f"  step {_duration(best.step_s)} (compute {_duration(s.compute_s)}, communication {_duration(s.comm_s)})"
-        f"{mfu}, memory {_gib(best.memory_gib)} per device (limit {found.memory_limit_gib:g} GiB)",
+        f"{mfu}, memory {byte_size(best.memory_gib * GIB)} per device (limit {byte_size(found.memory_limit_gib * GIB)})",
         highlight=False,
     )
     _print_layouts(console, best)
     for entry in best.redistributions():
         console.print(
             f"    {entry['direction']} {entry['kind']} over {entry['axis']}: {entry['count']} x, "
-            f"{_gib(entry['bytes'] / GIB)} in all, {_duration(entry['seconds'])}",
+            f"{byte_size(entry['bytes'])} in all, {_duration(entry['seconds'])}",
             highlight=False,
         )
     _print_runners_up(console, found, top, describe)

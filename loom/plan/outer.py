@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, ParallelPlan
 from loom.cost.transformer import TransformerConfig
+from loom.files import byte_size
 from loom.plan.outer_space import (
     LONG_SEQUENCE,
     Infeasible,
@@ -84,8 +85,7 @@ class SearchResult:
         # a tie below 0.05 GiB, or 5% of the best's memory for a small model
         if more <= min(0.05, 0.05 * best.memory_gib):
             return "as good (a tie)"
-        amount = f"{more:.1f} GiB" if more >= 0.1 else f"{more * 1024:.1f} MiB"
-        return f"as fast, {amount} more memory per device"
+        return f"as fast, {byte_size(more * GIB)} more memory per device"
 
 
 @dataclass(frozen=True)
