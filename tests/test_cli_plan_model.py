@@ -15,7 +15,10 @@ from equivalence import train_steps
 from loom.cli.main import main
 from loom.cost.hardware import GIB
 from loom.plan import Plan
+from loom.plan.capture import capture
+from loom.plan.model_spec import build_model
 from loom.plan.problem import OPTIMIZER_COPIES
+from loom.plan.space import strategy_space
 
 MODULE = "plan_model_mlp"
 WIDTH, ROWS = 16, 8
@@ -92,7 +95,9 @@ def test_a_python_model_is_planned_on_every_mesh_and_a_memory_limit_cuts_its_wei
         map(json.dumps, [{"dp": 8}, {"dp": 4, "tp": 2}, {"dp": 2, "tp": 4}, {"tp": 8}])
     )
     steps = [free["best"]["step_s"]] + [entry["step_s"] for entry in free["runners_up"]]
-    assert steps == sorted(steps) and all("slower" in e["why_lost"] or "as" in e["why_lost"] for e in free["runners_up"])
+    assert steps == sorted(steps) and all(
+        "slower" in e["why_lost"] or "as" in e["why_lost"] for e in free["runners_up"]
+    )
     assert free["best"]["memory_gib"] > STATES_GIB / 2  # the whole states fit: the weights stay whole
     assert free["best"]["mfu"] > 0
 
@@ -119,34 +124,35 @@ def test_the_report_names_the_layouts_the_runners_up_and_the_meshes_that_cannot_
 
 
 def one_device_and_plans(directory: str, plans: list[Plan]) -> list[tuple]:
-    """The MLP trained 3 SGD steps on one device and under each of `plans` (each data-parallel replica
-    reading its rows): per plan, the losses, first-step gradients and parameters after the last step of
-    both runs, and whether this rank holds a strict part of every weight."""
+    """The MLP trained 3 SGD steps on one device and under each of `plans` (`_one_device_and_plan`)."""
+    sys.path.insert(0, directory)
+    from plan_model_mlp import Regression
+
+    return [_one_device_and_plan(Regression, plan) for plan in plans]
+
+
+def _one_device_and_plan(model_class, plan: Plan) -> tuple:
+    """Both runs' losses, first-step gradients and parameters after the last step (each data-parallel
+    replica of the plan reading its rows), and whether this rank holds a strict part of every weight."""
     import copy
 
     import loom
 
-    sys.path.insert(0, directory)
-    from plan_model_mlp import Regression
-
-    found = []
-    for plan in plans:
-        torch.manual_seed(0)
-        reference = Regression(WIDTH)
-        model = copy.deepcopy(reference)
-        data = [(torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)) for _ in range(3)]
-        sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
-        expected = train_steps(reference, sgd(reference), data, lambda batch: reference(*batch))
-        mesh = loom.init(plan.mesh_sizes())  # dp kept at size 1: the axis the batch is split along
-        rows = lambda t, mesh=mesh: t.chunk(mesh.dp_size)[mesh.dp_rank()]
-        loom.parallelize(model, plan=plan)
-        actual = train_steps(model, sgd(model), data, lambda batch: model(rows(batch[0]), rows(batch[1])))
-        weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
-        found.append((expected, actual, all(p.to_local().numel() < p.numel() for p in weights)))
-    return found
+    torch.manual_seed(0)
+    reference = model_class(WIDTH)
+    model = copy.deepcopy(reference)
+    data = [(torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)) for _ in range(3)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    expected = train_steps(reference, sgd(reference), data, lambda batch: reference(*batch))
+    mesh = loom.init(plan.mesh_sizes())  # dp kept at size 1: the axis the batch is split along
+    rows = lambda t: t.chunk(mesh.dp_size)[mesh.dp_rank()]
+    loom.parallelize(model, plan=plan)
+    actual = train_steps(model, sgd(model), data, lambda batch: model(rows(batch[0]), rows(batch[1])))
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    return expected, actual, all(p.to_local().numel() < p.numel() for p in weights)
 
 
-@pytest.mark.slow  # 4 gloo ranks, two plans: about 30 s
+@pytest.mark.slow  # 4 gloo ranks, two plans: 10-33 s on the 2 shared cores
 def test_the_written_plan_and_a_runner_up_train_as_one_device(builder, dist_run, capsys):
     """The best plan on 4 devices under half the weights' states (written with --out), and the dp 2 x tp 2
     runner-up (from --json): each gives one device's losses, gradients and parameters after SGD."""
@@ -161,10 +167,25 @@ def test_the_written_plan_and_a_runner_up_train_as_one_device(builder, dist_run,
     for results in dist_run(4, one_device_and_plans, str(builder), plans):
         for plan, (expected, actual, cut) in zip(plans, results, strict=True):
             assert cut, plan.parameter_layouts
-            torch.testing.assert_close(torch.tensor(actual[0]), torch.tensor(expected[0]), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                torch.tensor(actual[0]), torch.tensor(expected[0]), rtol=1e-5, atol=1e-6
+            )
             for name in expected[1]:
                 torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-4, atol=1e-6)
                 torch.testing.assert_close(actual[2][name], expected[2][name], rtol=1e-4, atol=1e-6)
+
+
+def test_meshes_share_the_rules_answers_per_axis_size(builder):
+    """The space of dp 2 x tp 4 made with the answers dp 4 x tp 2 cached is the one made afresh."""
+    built = build_model(f"{MODULE}:build")
+    graph = capture(built.model, built.args)
+    asked: dict = {}
+    strategy_space(graph, {"dp": 4, "tp": 2}, cache=asked)
+    known = len(asked)
+    shared = strategy_space(graph, {"dp": 2, "tp": 4}, cache=asked)
+    assert len(asked) == known  # nothing new was asked
+    fresh = strategy_space(graph, {"dp": 2, "tp": 4})
+    assert {n: s.candidates for n, s in shared.ops.items()} == {n: s.candidates for n, s in fresh.ops.items()}
 
 
 @pytest.mark.parametrize(

@@ -70,16 +70,18 @@ def solve_model(
     mesh: Mapping[str, int],
     cluster: Cluster | str,
     memory_limit: float | None = None,
+    space: Any = None,
 ) -> tuple[Any, Plan]:
     """The operator-level solution of `model` (captured as `graph`) on `mesh`, priced on `cluster`, each
     device keeping at most `memory_limit` bytes when given, and its Plan: the local regions of the model's
     recipe keep their parameters whole (pinned) and join the Plan's strategies. Raises ValueError when no
-    layout fits (the message says how much the most sharded layouts need)."""
+    layout fits (the message says how much the most sharded layouts need). `space`: the graph's strategy space
+    on `mesh`, when already made (`loom.plan.space.strategy_space`)."""
     from loom.plan.problem import build_problem
     from loom.plan.solve import solve
     from loom.plan.to_plan import pins
 
-    problem = build_problem(graph, dict(mesh), cluster)
+    problem = build_problem(graph, dict(mesh), cluster, space)
     regions = local_regions(model)
     pinned = pins(problem, _replicated(model, regions)) if regions else None
     solution = None
@@ -180,6 +182,7 @@ def search_meshes(
     devices of `cluster`, each device under `memory_limit` bytes (default: its memory); a `SearchResult`
     of `MeshSolution`s, fastest first, and the infeasible meshes with their reason."""
     from loom.plan.outer import SearchResult
+    from loom.plan.space import strategy_space
 
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
@@ -188,11 +191,13 @@ def search_meshes(
     peak = cluster.device.peak(dtype) * gpus
     found, infeasible = [], []
     shapes = mesh_shapes(gpus)
+    asked: dict = {}  # DTensor's answers per operator and axis size, shared by every mesh's space
     for mesh in shapes:
         reason = _unsplit_batch(graph, mesh.get("dp", 1))
         if reason is None:
             try:
-                solution, plan = solve_model(model, graph, mesh, cluster, limit)
+                space = strategy_space(graph, mesh, cache=asked)
+                solution, plan = solve_model(model, graph, mesh, cluster, limit, space)
             except ValueError as error:
                 reason = str(error)
         if reason is not None:
