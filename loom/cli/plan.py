@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +23,13 @@ from loom.train.config import load_config
 
 NAME = "plan"
 HELP = "search the best parallel plan of a model on a cluster (no GPU needed)"
+PYTHON_MODEL = textwrap.fill(
+    "--model MODULE:FUNCTION plans any PyTorch model: the module is imported from the current directory or "
+    f"sys.path, and the function, called with no arguments on the meta device, must {CONTRACT}. Each dp x tp "
+    "mesh of --gpus is solved at the operator level (every operator's and parameter's layout); pipelines, "
+    "recomputation and optimizer levels are not searched for such a model.",
+    width=105,
+)
 DESCRIPTION = f"""\
 Search mesh shapes (dp, tp, pp; ep for experts), pipeline stages (uneven allowed), micro-batch size and
 count, optimizer level and recompute policy under a memory limit, each plan priced by loom's simulator.
@@ -36,10 +44,7 @@ examples:
   loom plan --model gpt3-175b --gpus 1024 --global-batch 1536 --top 10 --json
   loom plan --model mypkg.models:build --gpus 8 --global-batch 64 --memory-limit 40 --out plan.json
 
---model MODULE:FUNCTION plans any PyTorch model: the module is imported from the current directory or
-sys.path, and the function, called with no arguments on the meta device, must {CONTRACT}.
-Each dp x tp mesh of --gpus is solved at the operator level (every operator's and parameter's layout);
-pipelines, recomputation and optimizer levels are not searched for such a model.
+{PYTHON_MODEL}
 
 models: {", ".join(PRESETS)}
 hardware: {", ".join(PROFILES)}, or a profile file written by `loom bench --out FILE`

@@ -132,7 +132,10 @@ def execute(args: argparse.Namespace) -> int:
         print(f"loom plan: error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_json(found, args.top, _fields)))
+        report = _json(found, args.top, _fields)
+        # this search solves meshes rather than simulating plans: name its counts so
+        report["meshes"], report["solved"] = report.pop("considered"), report.pop("simulated")
+        print(json.dumps(report))
     if found.best is None:
         if not args.json:
             print(f"loom plan: no plan of {args.model} fits {args.gpus} x {cluster}:", file=sys.stderr)
