@@ -176,8 +176,11 @@ def test_the_written_plan_and_a_runner_up_train_as_one_device(builder, dist_run,
 
 
 def test_meshes_share_the_rules_answers_per_axis_size(builder):
-    """The space of dp 2 x tp 4 made with the answers dp 4 x tp 2 cached is the one made afresh."""
-    built = build_model(f"{MODULE}:build")
+    """The model is built on the meta device with its batch resized; the space of dp 2 x tp 4 made with
+    the answers dp 4 x tp 2 cached is the one made afresh."""
+    built = build_model(f"{MODULE}:build", global_batch=4)
+    assert all(p.is_meta for p in built.model.parameters())  # built on the meta device: no memory
+    assert [tuple(x.shape) for x in built.args] == [(4, WIDTH), (4, WIDTH)]  # dim 0 resized to the batch
     graph = capture(built.model, built.args)
     asked: dict = {}
     strategy_space(graph, {"dp": 4, "tp": 2}, cache=asked)

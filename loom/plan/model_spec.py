@@ -99,23 +99,27 @@ def _import(spec: str, module_name: str) -> Any:
 @contextlib.contextmanager
 def _current_directory_importable() -> Iterator[None]:
     """The current directory first on `sys.path` while importing, as `python -m` puts it."""
-    added = os.getcwd() not in sys.path and "" not in sys.path
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
     if added:
-        sys.path.insert(0, os.getcwd())
+        sys.path.insert(0, here)
     try:
         yield
     finally:
-        if added:
-            sys.path.remove(os.getcwd())
+        if added and here in sys.path:
+            sys.path.remove(here)
 
 
 def build_model(spec: str, global_batch: int | None = None) -> BuiltModel:
     """Call the function `spec` names on the meta device and check what it returns (see the module notes);
     with `global_batch`, dim 0 of every tensor input becomes that many rows (`with_batch`)."""
-    function = load_function(spec)
-    with torch.device("meta"):
+    # the current directory stays importable while the function runs: it may import its neighbours then
+    # (imported off the meta device: a library's import-time tensors must stay real)
+    with _current_directory_importable():
+        function = load_function(spec)
         try:
-            returned = function()
+            with torch.device("meta"):
+                returned = function()
         except Exception as error:  # noqa: BLE001 - the user's builder: name it and what it raised
             raise ValueError(
                 f"--model {spec!r}: calling it on the meta device raised {type(error).__name__}: {error}; it is "
