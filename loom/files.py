@@ -1,5 +1,5 @@
 """Reading the small JSON and TOML files a user points loom at (model shapes, hardware profiles), with errors
-that name the file, the problem and the fix instead of a traceback."""
+that name the file, the problem and the fix instead of a traceback; sizes in bytes as people read them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,19 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_table"]
+__all__ = ["byte_size", "read_table"]
+
+
+def byte_size(count: float) -> str:
+    """A byte count for people: "512 bytes", "62.1 KiB", "1.1 GiB"."""
+    if count < 1024:
+        return f"{count:.0f} bytes"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
 
 
 def read_table(path: str | Path, what: str) -> dict[str, Any]:

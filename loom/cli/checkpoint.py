@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loom.files import byte_size
+
 NAME = "checkpoint"
 HELP = (
     "list or verify checkpoints, export one as a single safetensors/.pt file (or a Hugging Face directory), "
@@ -193,21 +195,7 @@ def _manifest_summary(path: Path) -> str:
     files = read_manifest(path)["files"]
     size = sum(int(entry["size"]) for entry in files.values())
     algorithms = sorted({key for entry in files.values() for key in entry if key not in ("size", "rank")})
-    return (
-        f"manifest.json: {len(files)} files, {_size(size)}; sizes and {'/'.join(algorithms)} checksums match"
-    )
-
-
-def _size(count: int) -> str:
-    """A byte count for people: "62.1 KiB", "1.1 GiB"."""
-    if count < 1024:
-        return f"{count} bytes"
-    value = float(count)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} TiB"
+    return f"manifest.json: {len(files)} files, {byte_size(size)}; sizes and {'/'.join(algorithms)} checksums match"
 
 
 def _export(source: Path, out: Path, hf_config: Path | None = None) -> int:

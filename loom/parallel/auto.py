@@ -1,9 +1,9 @@
 """`loom.parallelize(model, mode="auto")`: the planner chooses the layouts, then they are applied as a Plan.
 
 Rank 0 captures the model on the example batch (at its global size: every data-parallel rank brings its
-own rows), builds the priced problem on the current mesh and solves it (`loom.plan.solve`, under `memory_limit`
-when given; the local regions of the model's recipe, Mixtral's experts, keep their parameters whole and
-run on each rank's rows); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
+own rows), builds the priced problem on the current mesh and solves it (`loom.plan.mesh_search.solve_model`,
+as `loom plan --model MODULE:FUNCTION` does per mesh, under `memory_limit` when given; the local regions of
+the model's recipe, Mixtral's experts, keep their parameters whole and run on each rank's rows); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
 even where the solver could break a tie differently. The capture traces with fake tensors: no parameter
 memory is allocated.
 """
@@ -14,7 +14,6 @@ import dataclasses
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
-from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any
 
@@ -31,7 +30,7 @@ from loom.layout.tensor_layout import TensorLayout
 from loom.plan import Plan
 from loom.shard import lay_out_inputs
 
-__all__ = ["auto_plan", "global_meta", "local_regions", "read_in_compute_layouts", "read_inputs_in"]
+__all__ = ["auto_plan", "global_meta", "read_in_compute_layouts", "read_inputs_in"]
 
 
 def auto_plan(
@@ -70,20 +69,12 @@ def _solve(
     model, mesh, args, kwargs, full_batch, memory_limit, cluster, bucket_mb
 ) -> tuple[str, list | None]:  # noqa: ANN001
     from loom.plan.capture import capture  # the planner's imports (torch.export, scipy) only when asked
-    from loom.plan.problem import build_problem
-    from loom.plan.solve import solve
-    from loom.plan.to_plan import pins
+    from loom.plan.mesh_search import solve_model
 
     factor = 1 if full_batch else mesh.dp_size
     graph = capture(model, tuple(_global(x, factor) for x in args),
                     {key: _global(value, factor) for key, value in kwargs.items()})  # fmt: skip
-    problem = build_problem(graph, dict(mesh.axis_sizes()), cluster)
-    regions = local_regions(model)
-    pinned = pins(problem, _replicated(model, regions)) if regions else None
-    solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
-    plan = solution.plan()
-    if regions:
-        plan = plan.replace(strategies={**plan.strategies, **regions})
+    solution, plan = solve_model(model, graph, dict(mesh.axis_sizes()), cluster, memory_limit)
     return plan.to_json(), _prediction(solution, mesh, bucket_mb, full_batch)
 
 
@@ -103,28 +94,6 @@ def _prediction(solution: Any, mesh: Mesh, bucket_mb: float, full_batch: bool) -
         )
         return None
     return [dataclasses.asdict(c) for c in predicted]
-
-
-def local_regions(model: nn.Module) -> dict[str, Any]:
-    """The module plan entries of the local regions the model's family recipe names (Mixtral's experts:
-    their routing has data-dependent shapes, which DTensor cannot run): they run on each rank's own rows with
-    replicated parameters, whatever the planner chose around them."""
-    from loom.models.recipes import known_recipe
-
-    recipe = known_recipe(model)
-    plan = recipe.tensor_plan if recipe is not None else {}
-    return {pattern: dict(entry) for pattern, entry in plan.items() if entry.get("local")}
-
-
-def _replicated(model: nn.Module, regions: dict[str, Any]) -> dict[str, Any]:
-    """Fixed strategies keeping every parameter of the local regions whole on every rank."""
-    fixed = {}
-    for path, module in model.named_modules():
-        if any(fnmatchcase(path, pattern) for pattern in regions):
-            whole = {name: ["None"] * p.ndim for name, p in module.named_parameters(recurse=False)}
-            if whole:
-                fixed[path] = {"parameter_plan": whole}
-    return fixed
 
 
 def _global(x: Any, batch_factor: int) -> Any:

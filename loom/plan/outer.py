@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, ParallelPlan
 from loom.cost.transformer import TransformerConfig
+from loom.files import byte_size
 from loom.plan.outer_space import (
     LONG_SEQUENCE,
     Infeasible,
@@ -44,10 +45,22 @@ class Candidate:
     plan: ParallelPlan
     result: SimResult
 
+    @property
+    def step_s(self) -> float:
+        """The simulated step time."""
+        return self.result.iteration_s
+
+    @property
+    def memory_gib(self) -> float:
+        """The simulated peak memory per device, GiB."""
+        return self.result.memory_per_device_gib
+
 
 @dataclass
 class SearchResult:
-    """The outer search's answer: fitting plans best first, the regions that cannot run, and its cost."""
+    """A search's answer: fitting candidates best first, the regions that cannot run, and its cost. The
+    outer search's candidates are `Candidate`s; the operator-level search over meshes
+    (`loom.plan.mesh_search`) gives `MeshSolution`s: both have `step_s` and `memory_gib`, which rank them."""
 
     candidates: list[Candidate]
     infeasible: list[Infeasible]
@@ -64,12 +77,15 @@ class SearchResult:
 
     def why_lost(self, candidate: Candidate) -> str:
         """Why `candidate` ranks below the best: slower by x%, or as fast with more memory."""
-        best = self.best.result
-        slower = candidate.result.iteration_s / best.iteration_s - 1
+        best = self.best
+        slower = candidate.step_s / best.step_s - 1
         if slower > 5e-4:
             return f"slower by {slower:.1%}"
-        more = candidate.result.memory_per_device_gib - best.memory_per_device_gib
-        return f"as fast, {more:.1f} GiB more memory per device" if more > 0.05 else "as good (a tie)"
+        more = candidate.memory_gib - best.memory_gib
+        # a tie below 0.05 GiB, or 5% of the best's memory for a small model
+        if more <= min(0.05, 0.05 * best.memory_gib):
+            return "as good (a tie)"
+        return f"as fast, {byte_size(more * GIB)} more memory per device"
 
 
 @dataclass(frozen=True)

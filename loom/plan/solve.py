@@ -26,6 +26,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from loom.cost.hardware import Cluster
+from loom.files import byte_size
 from loom.plan.graph import Graph
 from loom.plan.problem import Problem, build_problem, carries_gradient, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
@@ -273,7 +274,7 @@ def _infeasible(problem: Problem, memory_limit, pinned, message: str) -> str:
         least = sum(min(d.memory) for d in problem.decisions.values())
         if least > memory_limit:
             return (
-                f"no layout fits {memory_limit / 2**30:.3f} GiB per device: the most sharded layouts still need "
-                f"{least / 2**30:.3f} GiB; raise memory_limit, use a larger mesh, or recompute activations"
+                f"no layout fits {byte_size(memory_limit)} per device: the most sharded layouts still need "
+                f"{byte_size(least)}; raise memory_limit, use a larger mesh, or recompute activations"
             )
     return f"the planner's integer program has no solution ({message}); pinned decisions: {sorted(pinned)}"

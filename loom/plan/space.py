@@ -112,14 +112,19 @@ class StrategySpace:
 
 
 def strategy_space(
-    graph: Graph, mesh: Mapping[str, int], nodes: Iterable[str] | None = None
+    graph: Graph,
+    mesh: Mapping[str, int],
+    nodes: Iterable[str] | None = None,
+    cache: dict[str, tuple[Candidate, ...]] | None = None,
 ) -> StrategySpace:
     """The candidates of `nodes` (default: every op node; with repeated blocks, block 0 and the operators
-    outside the blocks, which stand for the whole model) on `mesh`."""
+    outside the blocks, which stand for the whole model) on `mesh`. `cache` (see `op_space`) may be shared
+    between the spaces of several meshes of one graph: an axis's candidates depend only on its size, so
+    dp 2 x tp 4 reuses what dp 4 x tp 2 asked DTensor's rules."""
     mesh = _checked_mesh(mesh)
     if nodes is None:
         nodes = _standing_nodes(graph)
-    cache: dict[str, tuple[Candidate, ...]] = {}
+    cache = {} if cache is None else cache
     return StrategySpace(mesh=mesh, ops={name: op_space(graph, name, mesh, cache) for name in nodes})
 
 

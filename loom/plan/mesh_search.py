@@ -1,0 +1,224 @@
+"""The operator-level search over mesh shapes: any captured model on `gpus` devices (`loom plan --model
+MODULE:FUNCTION`).
+
+For each mesh shape dp x tp of the devices, the operator-level problem (`loom.plan.problem`) is built on the
+cluster and solved (`solve_model`: the same path `loom.parallelize(mode="auto")` takes on a live mesh) under
+the memory limit; the solutions are ranked by predicted step time (then memory). A mesh whose solution
+cannot fit, or whose batch does not split over its dp ranks, is an infeasible region with the reason.
+
+Searched: the mesh shape and every operator's and parameter's layout on it (data, tensor and ZeRO-3-like
+parameter sharding all come out of the layouts). Not searched for such models: pipelines, recomputation,
+optimizer levels (the memory counts Adam's states whole at each parameter's layout: `OPTIMIZER_COPIES`),
+context parallelism and micro-batches (one step runs the whole batch); those are the outer search's, which
+needs a transformer's shape (`loom.plan.outer`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from loom.cost.hardware import GIB, Cluster
+from loom.plan.graph import Graph
+from loom.plan.outer_space import Infeasible
+from loom.plan.plan import Plan
+
+__all__ = [
+    "MeshSolution",
+    "local_regions",
+    "mesh_shapes",
+    "model_flops",
+    "search_meshes",
+    "solve_model",
+]
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def local_regions(model: nn.Module) -> dict[str, Any]:
+    """The module plan entries of the local regions the model's family recipe names (Mixtral's experts:
+    their routing has data-dependent shapes, which DTensor cannot run): they run on each rank's own rows with
+    replicated parameters, whatever the planner chose around them."""
+    from loom.models.recipes import known_recipe
+
+    recipe = known_recipe(model)
+    plan = recipe.tensor_plan if recipe is not None else {}
+    return {pattern: dict(entry) for pattern, entry in plan.items() if entry.get("local")}
+
+
+def _replicated(model: nn.Module, regions: Mapping[str, Any]) -> dict[str, Any]:
+    """Fixed strategies keeping every parameter of the local regions whole on every rank."""
+    fixed = {}
+    for path, module in model.named_modules():
+        if any(fnmatchcase(path, pattern) for pattern in regions):
+            whole = {name: ["None"] * p.ndim for name, p in module.named_parameters(recurse=False)}
+            if whole:
+                fixed[path] = {"parameter_plan": whole}
+    return fixed
+
+
+def solve_model(
+    model: nn.Module,
+    graph: Graph,
+    mesh: Mapping[str, int],
+    cluster: Cluster | str,
+    memory_limit: float | None = None,
+    space: Any = None,
+) -> tuple[Any, Plan]:
+    """The operator-level solution of `model` (captured as `graph`) on `mesh`, priced on `cluster`, each
+    device keeping at most `memory_limit` bytes when given, and its Plan: the local regions of the model's
+    recipe keep their parameters whole (pinned) and join the Plan's strategies. Raises ValueError when no
+    layout fits (the message says how much the most sharded layouts need). `space`: the graph's strategy space
+    on `mesh`, when already made (`loom.plan.space.strategy_space`)."""
+    from loom.plan.problem import build_problem
+    from loom.plan.solve import solve
+    from loom.plan.to_plan import pins
+
+    problem = build_problem(graph, dict(mesh), cluster, space)
+    regions = local_regions(model)
+    pinned = pins(problem, _replicated(model, regions)) if regions else None
+    solution = None
+    if memory_limit is not None:
+        # the unconstrained optimum, when it fits, is the constrained one, found without an integer
+        # program where the problem is a tree
+        free = solve(problem, pinned=pinned)
+        solution = free if free.memory_bytes <= memory_limit else None
+    if solution is None:
+        solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
+    plan = solution.plan()
+    if regions:
+        plan = plan.replace(strategies={**plan.strategies, **regions})
+    return solution, plan
+
+
+def mesh_shapes(gpus: int) -> list[dict[str, int]]:
+    """Every dp x tp mesh of `gpus` devices, data parallel first; axes of size 1 are left out (a plan's
+    absent axis is 1), one device is `{"dp": 1}`."""
+    shapes = []
+    for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        shape = {axis: size for axis, size in (("dp", gpus // tp), ("tp", tp)) if size > 1}
+        shapes.append(shape or {"dp": 1})
+    return shapes
+
+
+def region(mesh: Mapping[str, int]) -> str:
+    """A mesh as the search names it: "dp=2 tp=4" (an absent axis is 1)."""
+    return f"dp={mesh.get('dp', 1)} tp={mesh.get('tp', 1)}"
+
+
+def model_flops(graph: Graph) -> tuple[float, str]:
+    """Flops of one training step (forward and backward, the whole model) and the dtype most parameter
+    elements have (fp32, bf16, fp16), whose peak an MFU is taken against."""
+    flops = graph.total("flops") + graph.total("flops", backward=True)
+    sizes: Counter[str] = Counter()
+    for param in graph.params.values():
+        sizes[_DTYPES.get(param.info.dtype, "fp32")] += math.prod(param.info.shape)
+    return float(flops), (sizes.most_common(1)[0][0] if sizes else "fp32")
+
+
+@dataclass(frozen=True)
+class MeshSolution:
+    """One mesh shape's operator-level solution: `mesh` (axis sizes), the solver's `solution`, its `plan`
+    (a `loom.plan.Plan`, with its predicted step time and memory) and the MFU (None without flops)."""
+
+    mesh: dict[str, int]
+    solution: Any
+    plan: Plan
+    mfu: float | None
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time: compute and communication of the whole model (`Solution.cost_s`)."""
+        return self.solution.cost_s
+
+    @property
+    def memory_gib(self) -> float:
+        """Predicted memory per device: parameter states at their layouts and activations kept for backward."""
+        return self.solution.memory_bytes / GIB
+
+    @property
+    def region(self) -> str:
+        """The mesh as the search names it ("dp=2 tp=4")."""
+        return region(self.mesh)
+
+    def redistributions(self) -> list[dict[str, Any]]:
+        """The collectives the chosen layouts insert, grouped by direction, kind and mesh axis: count, bytes
+        and seconds (each edge of block 0 once, as `Solution.collectives` lists them)."""
+        groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for _, direction, step in self.solution.collectives():
+            key = (direction, step.kind, step.axis)
+            entry = groups.setdefault(
+                key,
+                {
+                    "direction": direction,
+                    "kind": step.kind,
+                    "axis": step.axis,
+                    "count": 0,
+                    "bytes": 0.0,
+                    "seconds": 0.0,
+                },
+            )
+            entry["count"] += 1
+            entry["bytes"] += step.nbytes
+            entry["seconds"] += step.seconds
+        return sorted(groups.values(), key=lambda e: -e["seconds"])
+
+
+def search_meshes(
+    model: nn.Module,
+    graph: Graph,
+    cluster: Cluster,
+    gpus: int,
+    memory_limit: float | None = None,
+) -> Any:
+    """Solve `model` (captured as `graph` at one step's whole batch) on every dp x tp mesh of `gpus`
+    devices of `cluster`, each device under `memory_limit` bytes (default: its memory); a `SearchResult`
+    of `MeshSolution`s, fastest first, and the infeasible meshes with their reason."""
+    from loom.plan.outer import SearchResult
+    from loom.plan.space import strategy_space
+
+    start = time.perf_counter()
+    cluster = cluster.with_size(gpus, cluster.gpus_per_node)
+    limit = memory_limit if memory_limit is not None else cluster.device.memory_gib * GIB
+    flops, dtype = model_flops(graph)
+    peak = cluster.device.peak(dtype) * gpus
+    found, infeasible = [], []
+    shapes = mesh_shapes(gpus)
+    asked: dict = {}  # DTensor's answers per operator and axis size, shared by every mesh's space
+    for mesh in shapes:
+        reason = _unsplit_batch(graph, mesh.get("dp", 1))
+        if reason is None:
+            try:
+                space = strategy_space(graph, mesh, cache=asked)
+                solution, plan = solve_model(model, graph, mesh, cluster, limit, space)
+            except ValueError as error:
+                reason = str(error)
+        if reason is not None:
+            infeasible.append(Infeasible(region(mesh), reason))
+            continue
+        mfu = flops / solution.cost_s / peak if flops and solution.cost_s > 0 else None
+        found.append(MeshSolution(mesh=mesh, solution=solution, plan=plan, mfu=mfu))
+    found.sort(key=lambda c: (c.step_s, c.memory_gib))
+    return SearchResult(
+        candidates=found, infeasible=infeasible, memory_limit_gib=limit / GIB, considered=len(shapes),
+        simulated=len(found), seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _unsplit_batch(graph: Graph, dp: int) -> str | None:
+    """Why the model's inputs cannot be split over `dp` ranks by rows (dim 0), or None when they can."""
+    for node in graph.nodes:
+        info = node.output(0) if node.kind == "input" else None
+        if info is not None and info.ndim and info.shape[0] % dp:
+            return (
+                f"input {graph.arguments.get(node.name) or node.name} has {info.shape[0]} rows, which do not "
+                f"split over dp={dp}; give --global-batch a multiple of {dp}"
+            )
+    return None
