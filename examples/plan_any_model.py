@@ -3,7 +3,7 @@ level (docs/planner.md, "`loom plan` for any model"). Run from the repository ro
 
     loom plan --model examples.plan_any_model:build --hardware h100-sxm --gpus 8 --memory-limit 4
 
-`build()` is called on the meta device, so the 1.2B parameters below take no memory here.
+`build()` is called on the meta device, so the 0.8B parameters below take no memory here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ResidualMLP(nn.Module):
 
 
 def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """The model (24 blocks of width 2048: 1.2B parameters) and one step's batch of 512 rows: dim 0 of each
+    """The model (24 blocks of width 2048: 0.81B parameters) and one step's batch of 512 rows: dim 0 of each
     input is the batch, which `--global-batch` resizes and the data-parallel ranks split."""
     model = ResidualMLP(features=1024, width=2048, layers=24, targets=16)
     return model, (torch.randn(512, 1024), torch.randn(512, 16))

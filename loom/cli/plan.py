@@ -96,11 +96,6 @@ def _inputs(args: argparse.Namespace) -> tuple[TransformerConfig, int, int, int]
         model = config.model.transformer_config()
         gpus, batch, seq = config.train.workers, config.train.global_batch, config.data.seq_len
     elif args.model:
-        if args.model not in PRESETS:
-            raise ValueError(
-                f"unknown model {args.model!r}: give a preset ({', '.join(PRESETS)}), a CONFIG.toml, or a "
-                f"Python function that builds the model as MODULE:FUNCTION (e.g. mypkg.models:build)"
-            )
         model, gpus, batch, seq = get_model(args.model), None, None, 2048
     else:
         raise ValueError(
@@ -149,7 +144,14 @@ def _json(found: SearchResult, top: int, fields) -> dict:
 
 
 def _simulated(c: Candidate) -> dict:
-    return {"plan": c.plan.to_dict(), "result": c.result.to_dict()}
+    """A transformer search's candidate: its step and memory (the keys both searches give), its
+    `ParallelPlan` and the simulator's result."""
+    return {
+        "step_s": c.step_s,
+        "memory_gib": c.memory_gib,
+        "plan": c.plan.to_dict(),
+        "result": c.result.to_dict(),
+    }
 
 
 def print_search(console: Console, model: TransformerConfig, found: SearchResult, top: int) -> None:

@@ -88,6 +88,7 @@ def print_mesh_search(console: Console, spec: str, found: SearchResult, top: int
         f"  step {_duration(best.step_s)} (compute {_duration(s.compute_s)}, communication {_duration(s.comm_s)})"
         f"{mfu}, memory {byte_size(best.memory_gib * GIB)} per device (limit {byte_size(found.memory_limit_gib * GIB)})",
         highlight=False,
+        soft_wrap=True,
     )
     _print_layouts(console, best)
     for entry in best.redistributions():
@@ -132,10 +133,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"loom plan: error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        report = _json(found, args.top, _fields)
-        # this search solves meshes rather than simulating plans: name its counts so
-        report["meshes"], report["solved"] = report.pop("considered"), report.pop("simulated")
-        print(json.dumps(report))
+        print(json.dumps(_json(found, args.top, _fields)))  # considered: meshes; simulated: meshes solved
     if found.best is None:
         if not args.json:
             print(f"loom plan: no plan of {args.model} fits {args.gpus} x {cluster}:", file=sys.stderr)

@@ -26,9 +26,11 @@ from typing import Any
 from torch import nn
 
 from loom.cost.hardware import GIB, Cluster
+from loom.files import byte_size
 from loom.plan.graph import Graph
-from loom.plan.outer_space import Infeasible
+from loom.plan.outer_space import Infeasible, divisors
 from loom.plan.plan import Plan
+from loom.plan.problem import DTYPE_NAMES
 
 __all__ = [
     "MeshSolution",
@@ -38,8 +40,6 @@ __all__ = [
     "search_meshes",
     "solve_model",
 ]
-
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def local_regions(model: nn.Module) -> dict[str, Any]:
@@ -84,14 +84,7 @@ def solve_model(
     problem = build_problem(graph, dict(mesh), cluster, space)
     regions = local_regions(model)
     pinned = pins(problem, _replicated(model, regions)) if regions else None
-    solution = None
-    if memory_limit is not None:
-        # the unconstrained optimum, when it fits, is the constrained one, found without an integer
-        # program where the problem is a tree
-        free = solve(problem, pinned=pinned)
-        solution = free if free.memory_bytes <= memory_limit else None
-    if solution is None:
-        solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
+    solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
     plan = solution.plan()
     if regions:
         plan = plan.replace(strategies={**plan.strategies, **regions})
@@ -102,7 +95,7 @@ def mesh_shapes(gpus: int) -> list[dict[str, int]]:
     """Every dp x tp mesh of `gpus` devices, data parallel first; axes of size 1 are left out (a plan's
     absent axis is 1), one device is `{"dp": 1}`."""
     shapes = []
-    for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+    for tp in divisors(gpus):
         shape = {axis: size for axis, size in (("dp", gpus // tp), ("tp", tp)) if size > 1}
         shapes.append(shape or {"dp": 1})
     return shapes
@@ -119,7 +112,7 @@ def model_flops(graph: Graph) -> tuple[float, str]:
     flops = graph.total("flops") + graph.total("flops", backward=True)
     sizes: Counter[str] = Counter()
     for param in graph.params.values():
-        sizes[_DTYPES.get(param.info.dtype, "fp32")] += math.prod(param.info.shape)
+        sizes[DTYPE_NAMES.get(param.info.dtype, "fp32")] += math.prod(param.info.shape)
     return float(flops), (sizes.most_common(1)[0][0] if sizes else "fp32")
 
 
@@ -132,6 +125,7 @@ class MeshSolution:
     solution: Any
     plan: Plan
     mfu: float | None
+    reserved_bytes: float = 0.0  # the device's memory no model can use (`Device.reserved_gib`)
 
     @property
     def step_s(self) -> float:
@@ -140,8 +134,9 @@ class MeshSolution:
 
     @property
     def memory_gib(self) -> float:
-        """Predicted memory per device: parameter states at their layouts and activations kept for backward."""
-        return self.solution.memory_bytes / GIB
+        """Predicted memory per device, as `loom simulate` counts it: parameter states at their layouts,
+        activations kept for backward, and the device's reserved memory (runtime context, allocator slack)."""
+        return (self.solution.memory_bytes + self.reserved_bytes) / GIB
 
     @property
     def region(self) -> str:
@@ -179,37 +174,56 @@ def search_meshes(
     memory_limit: float | None = None,
 ) -> Any:
     """Solve `model` (captured as `graph` at one step's whole batch) on every dp x tp mesh of `gpus`
-    devices of `cluster`, each device under `memory_limit` bytes (default: its memory); a `SearchResult`
-    of `MeshSolution`s, fastest first, and the infeasible meshes with their reason."""
+    devices of `cluster`, each device under `memory_limit` bytes (default: its memory; the device's reserved
+    memory counts against it, as in `loom simulate`); a `SearchResult` of `MeshSolution`s, fastest first,
+    and the infeasible meshes with their reason."""
     from loom.plan.outer import SearchResult
+    from loom.plan.solve import NoLayoutFits
     from loom.plan.space import strategy_space
 
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
     limit = memory_limit if memory_limit is not None else cluster.device.memory_gib * GIB
+    reserved = cluster.device.reserved_gib * GIB
     flops, dtype = model_flops(graph)
     peak = cluster.device.peak(dtype) * gpus
     found, infeasible = [], []
     shapes = mesh_shapes(gpus)
     asked: dict = {}  # DTensor's answers per operator and axis size, shared by every mesh's space
     for mesh in shapes:
-        reason = _unsplit_batch(graph, mesh.get("dp", 1))
+        reason = _unsplit_batch(graph, mesh.get("dp", 1)) or _no_room(limit, reserved)
         if reason is None:
             try:
                 space = strategy_space(graph, mesh, cache=asked)
-                solution, plan = solve_model(model, graph, mesh, cluster, limit, space)
+                solution, plan = solve_model(model, graph, mesh, cluster, limit - reserved, space)
+            except NoLayoutFits as error:
+                reason = (
+                    f"no layout fits {byte_size(limit)} per device: the most sharded layouts need "
+                    f"{byte_size(error.least + reserved)} with the device's reserved {byte_size(reserved)}; "
+                    "raise --memory-limit or --gpus"
+                )
             except ValueError as error:
                 reason = str(error)
         if reason is not None:
             infeasible.append(Infeasible(region(mesh), reason))
             continue
         mfu = flops / solution.cost_s / peak if flops and solution.cost_s > 0 else None
-        found.append(MeshSolution(mesh=mesh, solution=solution, plan=plan, mfu=mfu))
+        found.append(MeshSolution(mesh=mesh, solution=solution, plan=plan, mfu=mfu, reserved_bytes=reserved))
     found.sort(key=lambda c: (c.step_s, c.memory_gib))
     return SearchResult(
         candidates=found, infeasible=infeasible, memory_limit_gib=limit / GIB, considered=len(shapes),
         simulated=len(found), seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _no_room(limit: float, reserved: float) -> str | None:
+    """Why no model fits under `limit` bytes when the device reserves `reserved` of them, or None."""
+    if limit > reserved:
+        return None
+    return (
+        f"the memory limit {byte_size(limit)} leaves nothing beyond the device's reserved {byte_size(reserved)} "
+        "(runtime context, allocator slack): raise --memory-limit"
+    )
 
 
 def _unsplit_batch(graph: Graph, dp: int) -> str | None:

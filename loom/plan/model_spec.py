@@ -156,12 +156,23 @@ def _kind(value: Any) -> str:
 
 
 def with_batch(args: tuple, kwargs: dict[str, Any], rows: int) -> tuple[tuple, dict[str, Any]]:
-    """The inputs with dim 0 of every tensor of one dim or more resized to `rows`, as meta tensors (only
-    shapes and dtypes reach the planner)."""
+    """The inputs with dim 0 of every tensor of one dim or more resized to `rows`, wherever it sits in the
+    arguments (tuples, lists, dicts), as meta tensors that keep their dtype and `requires_grad` (only
+    shapes and dtypes reach the planner). A ValueError when no tensor input has a dim 0 to resize."""
+    resized_any = False
 
     def resized(x: Any) -> Any:
+        nonlocal resized_any
         if not isinstance(x, torch.Tensor) or not x.ndim:
             return x
-        return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device="meta")
+        resized_any = True
+        shape = (rows, *x.shape[1:])
+        return torch.empty(shape, dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
 
-    return tuple(resized(x) for x in args), {key: resized(x) for key, x in kwargs.items()}
+    args, kwargs = torch.utils._pytree.tree_map(resized, (tuple(args), dict(kwargs)))
+    if not resized_any:
+        raise ValueError(
+            f"--global-batch {rows}: no tensor input has a dim 0 (the batch) to resize; leave --global-batch "
+            "out and give the batch in the example inputs"
+        )
+    return args, kwargs

@@ -184,7 +184,8 @@ def search_plans(
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
     tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
     `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
-    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's). `context`:
+    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; FSDP1's
+    "flat_copy" holds the optimizer level at 3). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -193,8 +194,9 @@ def search_plans(
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
     limit = memory_limit / GIB if memory_limit is not None else cluster.device.memory_gib
+    optimizer_levels = _levels_for(grad_accumulation, optimizer_levels)
     base = ParallelPlan(
-        global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
+        optimizer_level=optimizer_levels[0], global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
         overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
         grad_dtype=grad_dtype, grad_accumulation=grad_accumulation, fp8_matmuls=fp8_matmuls,
     )  # fmt: skip
@@ -215,6 +217,19 @@ def search_plans(
         candidates=candidates, infeasible=infeasible, memory_limit_gib=limit, considered=len(options),
         simulated=len(candidates), seconds=time.perf_counter() - start, notes=notes,
     )  # fmt: skip
+
+
+def _levels_for(grad_accumulation: str, levels: tuple[int, ...]) -> tuple[int, ...]:
+    """The optimizer levels a system that accumulates gradients as `grad_accumulation` can run: FSDP1's
+    per-unit flat gradients ("flat_copy") exist only at level 3 (`ParallelPlan`)."""
+    if grad_accumulation != "flat_copy":
+        return levels
+    if 3 not in levels:
+        raise ValueError(
+            f"search_plans: grad_accumulation 'flat_copy' (FSDP1's per-unit gradients) runs at optimizer "
+            f"level 3 only, and optimizer_levels is {levels}: include 3, or hold 'fused' fixed"
+        )
+    return (3,)
 
 
 def _options(choices: tuple, space: tuple[list[Mesh], list[Infeasible]]) -> tuple[list, list[Infeasible]]:

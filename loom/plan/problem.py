@@ -47,7 +47,7 @@ OPTIMIZER_COPIES = 4
 BATCH_AXIS = "dp"
 """The mesh axis inputs arrive cut along (their rows), as `loom.parallelize` distributes a batch."""
 
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names -> the cost model's
 
 
 @dataclass(kw_only=True)
@@ -166,7 +166,7 @@ def _op_decision(
 def compute_time(node: Node, share: float, cluster: Cluster) -> float:
     """Seconds of `node`'s forward and backward on one device doing `share` of the work."""
     device = cluster.device
-    dtype = _DTYPES.get(node.outputs[0].dtype if node.outputs and node.outputs[0] else "", "fp32")
+    dtype = DTYPE_NAMES.get(node.outputs[0].dtype if node.outputs and node.outputs[0] else "", "fp32")
     flops_rate = device.peak(dtype) * device.matmul_efficiency
     bytes_rate = device.memory_bandwidth * device.memory_efficiency
     kernels = [(node.flops, node.bytes), *((op.flops, op.bytes) for op in node.backward)]

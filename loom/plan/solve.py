@@ -34,7 +34,7 @@ from loom.plan.space import Placements, StrategySpace
 from loom.plan.to_plan import pins, solution_plan
 from loom.plan.tree import tree_choice
 
-__all__ = ["Solution", "propagate", "search", "solve"]
+__all__ = ["NoLayoutFits", "Solution", "propagate", "search", "solve"]
 
 # HiGHS's tolerances are absolute (about 1e-7): seconds (1e-6 for a small collective) and bytes (1e9) would
 # drown in them, so the program counts microseconds and GiB.
@@ -150,18 +150,24 @@ def solve(
     memory_limit: float | None = None,
     time_limit: float = 60.0,
     gap: float = 1e-4,
+    method: str = "auto",
 ) -> Solution:
     """Solve `problem`: by dynamic programming when its decisions form a forest and no memory limit is
-    given (exact, `method="tree"`), else with HiGHS (`method="milp"`); `pinned` restricts some decisions
-    to some options."""
+    given or the forest's optimum fits under it (exact, `method="tree"`: the unconstrained optimum, when it
+    fits, is the constrained one), else with HiGHS (`method="milp"`; `method="milp"` asks for it always);
+    `pinned` restricts some decisions to some options. Raises `NoLayoutFits` when even the most sharded
+    layouts exceed `memory_limit`."""
+    if method not in ("auto", "milp"):
+        raise ValueError(f"solve: method {method!r} is not one of 'auto', 'milp'")
     pinned = pinned or {}
-    if memory_limit is None:
-        choice = tree_choice(problem, pinned)
-        if choice is not None:
-            total = _total(problem, choice)
-            return _solution(
-                problem, choice, total, total, 0.0, "tree", "exact dynamic programming over a forest"
-            )
+    choice = tree_choice(problem, pinned) if method == "auto" else None
+    if choice is not None:
+        total = _total(problem, choice)
+        tree = _solution(
+            problem, choice, total, total, 0.0, "tree", "exact dynamic programming over a forest"
+        )
+        if memory_limit is None or tree.memory_bytes <= memory_limit:
+            return tree
     cost, lower, upper, integral, rows, offsets = _program(problem, pinned)
     constraints = [LinearConstraint(*rows)]
     if memory_limit is not None:
@@ -177,7 +183,7 @@ def solve(
         options={"time_limit": time_limit, "mip_rel_gap": gap},
     )
     if result.x is None:
-        raise ValueError(_infeasible(problem, memory_limit, pinned, result.message))
+        _raise_infeasible(problem, memory_limit, pinned, result.message)
     choice = {
         name: int(np.argmax(result.x[offsets[name] : offsets[name] + len(d.options)]))
         for name, d in problem.decisions.items()
@@ -269,12 +275,24 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
     )
 
 
-def _infeasible(problem: Problem, memory_limit, pinned, message: str) -> str:
+class NoLayoutFits(ValueError):
+    """No layout of a problem fits its memory limit: even the most sharded layouts need `least` bytes per
+    device against `limit`. The message gives the library's remedies; a caller with other knobs (the
+    command line's options) words its own from `limit` and `least`."""
+
+    def __init__(self, limit: float, least: float) -> None:
+        self.limit, self.least = limit, least
+        super().__init__(
+            f"no layout fits {byte_size(limit)} per device: the most sharded layouts still need "
+            f"{byte_size(least)}; raise memory_limit, use a larger mesh, or recompute activations"
+        )
+
+
+def _raise_infeasible(problem: Problem, memory_limit, pinned, message: str) -> None:
     if memory_limit is not None:
         least = sum(min(d.memory) for d in problem.decisions.values())
         if least > memory_limit:
-            return (
-                f"no layout fits {byte_size(memory_limit)} per device: the most sharded layouts still need "
-                f"{byte_size(least)}; raise memory_limit, use a larger mesh, or recompute activations"
-            )
-    return f"the planner's integer program has no solution ({message}); pinned decisions: {sorted(pinned)}"
+            raise NoLayoutFits(memory_limit, least)
+    raise ValueError(
+        f"the planner's integer program has no solution ({message}); pinned decisions: {sorted(pinned)}"
+    )

@@ -64,7 +64,8 @@ def get_model(name: str) -> TransformerConfig:
     """A preset by name."""
     if name not in PRESETS:
         raise ValueError(
-            f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or give --model-config FILE)"
+            f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}), --model-config FILE, a CONFIG.toml, "
+            "or a Python function that builds the model as MODULE:FUNCTION (e.g. mypkg.models:build)"
         )
     return PRESETS[name]
 
