@@ -24,15 +24,15 @@ from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
     UnitBytes,
     embedding_unit_bytes,
-    flat_copy_bytes,
     head_unit_bytes,
     layer_unit_bytes,
+    unit_copy_bytes,
 )
 from loom.sim.engine import Playback, play
 from loom.sim.memory import chunk_parameters, stage_memory, stage_parameters
@@ -162,6 +162,9 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
     backward[-1] += _total(pieces.head_bwd)
     for v, seconds in enumerate(_grad_accumulation(model, plan, cluster)):
         backward[v] += seconds
+    for v, seconds in enumerate(_copy_out(model, plan, cluster)):
+        forward[v] += seconds
+        backward[v] += seconds
     return forward, backward
 
 
@@ -169,17 +172,24 @@ def _grad_accumulation(model: TransformerConfig, plan: ParallelPlan, cluster: Cl
     """Seconds per micro-batch each virtual stage's backward spends on memory-bound gradient passes of its
     own: adding its gradients into the accumulation buffer (`grad_accumulation = "separate"`: it reads
     the fresh `dtype` gradients and reads and writes the `grad_dtype` buffer), or copying each unit's
-    gradients into its flat gradient ("flat_copy", the compute stream's part of
-    `loom.cost.zero3.flat_copy_bytes`); 0 when fused."""
+    gradients into its flat gradient ("flat_copy") or into the reduce-scatter input ("copy_in_out"), the
+    compute stream's part of `loom.cost.zero3.unit_copy_bytes`; 0 when fused."""
     if plan.grad_accumulation == "fused":
         return [0.0] * plan.virtual_stages
-    if plan.grad_accumulation == "flat_copy":
-        return [sum(_flat_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
+    if plan.grad_accumulation in UNIT_COPIES:
+        return [sum(_unit_copy_times(model, plan, cluster, v)[1]) for v in range(plan.virtual_stages)]
     e, g = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
     return [
         memory_time(cluster.device, sum(chunk_parameters(model, plan, v)) * (e + 2 * g))
         for v in range(plan.virtual_stages)
     ]
+
+
+def _copy_out(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
+    """Seconds per micro-batch each virtual stage's forward, and again its backward, spends copying its
+    units' gathered parameters out of the all-gather buffers (FSDP2, `grad_accumulation = "copy_in_out"`:
+    the gather part of `loom.cost.zero3.unit_copy_bytes`); 0 for every other system."""
+    return [sum(_unit_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
 
 
 def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> list[UnitBytes]:
@@ -193,26 +203,28 @@ def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> li
     return units
 
 
-def _flat_copy_times(
+def _unit_copy_times(
     model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, stage: int
-) -> tuple[list[float], list[float]]:
-    """Per unit of virtual stage `stage` (forward order) and micro-batch, the seconds FSDP1's gradient
-    handling takes on the compute stream and on the post-backward stream before the unit's reduce-scatter
-    (`loom.cost.zero3.flat_copy_bytes`; dense parameters over dp, experts over edp); zeros unless
-    `grad_accumulation = "flat_copy"`."""
+) -> tuple[list[float], list[float], list[float]]:
+    """Per unit of virtual stage `stage` (forward order) and micro-batch, the seconds FSDP's copies take
+    (`loom.cost.zero3.unit_copy_bytes`; dense parameters over dp, experts over edp): on the compute stream
+    after each all-gather, on the compute stream after the unit's backward, and on the stream the unit's
+    reduce-scatter waits for; zeros unless `grad_accumulation` is "flat_copy" or "copy_in_out"."""
     units = _stage_units(model, plan, stage)
-    if plan.grad_accumulation != "flat_copy":
-        return [0.0] * len(units), [0.0] * len(units)
+    if plan.grad_accumulation not in UNIT_COPIES:
+        return [0.0] * len(units), [0.0] * len(units), [0.0] * len(units)
     e, device = DTYPE_BYTES[plan.dtype], cluster.device
-    compute, reduce = [], []
+    gather, compute, reduce = [], [], []
     for unit in units:
         groups = ((unit.dense, plan.dp), (unit.expert, plan.edp))
-        parts = [flat_copy_bytes(nbytes / e, world, plan) for nbytes, world in groups if nbytes > 0]
+        parts = [unit_copy_bytes(nbytes / e, world, plan) for nbytes, world in groups if nbytes > 0]
+        copied = sum(p.gather for p in parts)  # one copy-out kernel, none where FSDP1 gathers in place
+        gather.append(memory_time(device, copied, kernels=int(copied > 0)))
         compute.append(memory_time(device, sum(p.compute for p in parts)))
         reduce.append(
             memory_time(device, sum(p.reduce for p in parts), kernels=sum(p.reduce_kernels for p in parts))
         )
-    return compute, reduce
+    return gather, compute, reduce
 
 
 def _fsdp_exposed(
@@ -251,9 +263,9 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         # gradients are reduce-scattered in their own precision (FSDP2's reduce_dtype)
         scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.dtype]
         scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
-        copy, prepare = _flat_copy_times(model, plan, cluster, stage)
-        forward.append(sharded_pass([c[0] for c in costs], gather).end)
-        computes = [c[1] + seconds for c, seconds in zip(costs, copy, strict=True)]
+        copy_out, copy, prepare = _unit_copy_times(model, plan, cluster, stage)
+        forward.append(sharded_pass([c[0] + out for c, out in zip(costs, copy_out, strict=True)], gather).end)
+        computes = [c[1] + out + seconds for c, out, seconds in zip(costs, copy_out, copy, strict=True)]
         backward.append(sharded_pass(computes[::-1], gather[::-1], scatter[::-1], prepare=prepare[::-1]).end)
     return forward, backward
 
@@ -293,6 +305,7 @@ def _breakdown(
     rank: int,
     times: tuple,
     accumulation: list[float],
+    copy_out: list[float],
 ) -> dict[str, float]:
     tasks = plan.micro_batches * rank_layers  # layer-passes of one kind on this device
     parts: dict[str, float] = {}
@@ -309,6 +322,7 @@ def _breakdown(
             parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
     parts["recompute"] = tasks * _total(pieces.layer_recompute)
     parts["grad_accumulation"] = plan.micro_batches * sum(accumulation[rank :: plan.pp])
+    parts["param_copy_out"] = 2 * plan.micro_batches * sum(copy_out[rank :: plan.pp])  # forward and backward
     end, busy, sending, synced, done = times
     parts["pp_comm"] = sending  # blocking sends between stages (`ParallelPlan.overlap_p2p` False)
     parts["pipeline_bubble"] = max(0.0, end - busy - sending)
@@ -375,9 +389,9 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    accumulation = _grad_accumulation(model, plan, cluster)
+    accumulation, copy_out = _grad_accumulation(model, plan, cluster), _copy_out(model, plan, cluster)
     breakdown = _breakdown(
-        plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation
+        plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation, copy_out
     )
     # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
     breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))
