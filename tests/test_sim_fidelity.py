@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from loom.cost.collectives import group_span
+from loom.cost.collectives import collective_time, group_span
 from loom.cost.compute import fused_attention_time
 from loom.cost.hardware import Device, Link, get_cluster
 from loom.cost.layer import gemm_shapes
@@ -162,7 +162,7 @@ def test_fsdp2_copy_in_out_bytes_per_unit_and_micro_batch():
         compute=0, reduce=0, reduce_kernels=0
     )
     with pytest.raises(FieldError, match="grad_accumulation.*optimizer level 3"):
-        ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=2, grad_accumulation="copy_in_out")
+        ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=1, grad_accumulation="copy_in_out")
 
 
 def test_fsdp2_copies_are_memory_passes_on_the_compute_stream():
@@ -184,6 +184,36 @@ def test_fsdp2_copies_are_memory_passes_on_the_compute_stream():
     assert b.breakdown["fsdp_exposed_comm"] == pytest.approx(0.0, abs=1e-15)
     assert b.iteration_s - a.iteration_s == pytest.approx(14 * params / 1e12, rel=1e-9)
     assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
+
+
+def test_fsdp_shard_grad_op_runs_unit_by_unit_without_the_backward_gathers():
+    # compute and memory passes free, links of bandwidth only: every time left is a collective, and a
+    # collective's time is linear in its bytes, so the units' gathers sum to one gather of the whole model
+    fast = dataclasses.replace(DEVICE, peak_flops={"bf16": 1e30}, memory_bandwidth=1e30)
+    link = Link(name="slow", bandwidth=1e9, latency_s=0.0)
+    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=fast, intra=link, inter=link)
+    level2 = ParallelPlan(dp=8, global_batch=8, seq=64, optimizer_level=2, grad_dtype="fp32")
+    step_end = simulate(
+        GPT, level2, cluster
+    )  # loom's level 2: reduce after the backward, gather after the step
+    sgo = simulate(GPT, level2.replace(grad_accumulation="flat_copy"), cluster)  # FSDP1's SHARD_GRAD_OP
+    full = simulate(GPT, level2.replace(optimizer_level=3, grad_accumulation="flat_copy"), cluster)
+    span = group_span(8, 1, cluster.gpus_per_node)
+    params = 4 * LAYER + 128 * 64 + 128
+    gather = collective_time("all_gather", 2 * params, span, cluster)
+    scatter = collective_time("reduce_scatter", 4 * params, span, cluster)
+    assert gather > 0 and step_end.breakdown["dp_comm"] > 0 and sgo.breakdown["dp_comm"] == 0.0
+    # one micro-batch: the same collectives, gathered before each unit's forward and reduce-scattered
+    # after each unit's backward instead of at the step's end; FULL_SHARD gathers again for the backward
+    assert step_end.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
+    assert sgo.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
+    assert full.iteration_s == pytest.approx(2 * gather + scatter, rel=1e-9)
+    # four micro-batches: both FSDP strategies gather and reduce-scatter in every one of them
+    four = level2.replace(global_batch=32, grad_accumulation="flat_copy")
+    assert simulate(GPT, four, cluster).iteration_s == pytest.approx(4 * (gather + scatter), rel=1e-9)
+    assert simulate(GPT, level2.replace(global_batch=32), cluster).iteration_s == pytest.approx(
+        gather + scatter, rel=1e-9
+    )
 
 
 def test_fp32_all_reduce_of_the_whole_gradient():

@@ -164,8 +164,14 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
         backward[v] += seconds
     for v, seconds in enumerate(_copy_out(model, plan, cluster)):
         forward[v] += seconds
-        backward[v] += seconds
+        backward[v] += seconds * (_gathers(plan) - 1)
     return forward, backward
+
+
+def _gathers(plan: ParallelPlan) -> int:
+    """All-gathers of each unit per micro-batch: before its forward and again before its backward at
+    optimizer level 3; only before its forward where level 2 runs unit by unit (`unit_sharded`)."""
+    return 2 if plan.optimizer_level == 3 else 1
 
 
 def _grad_accumulation(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
@@ -248,10 +254,11 @@ def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cl
 
 
 def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[int]):
-    """Forward and backward task durations of each virtual stage under optimizer level 3: every unit
-    (embedding, layers, head) gathers its parameters before its forward and again before its backward, and
-    reduce-scatters its gradients after its backward, prefetched one unit ahead (`loom.sim.overlap`); a task
-    lasts until both its compute and its communication are done."""
+    """Forward and backward task durations of each virtual stage where the plan runs unit by unit
+    (`ParallelPlan.unit_sharded`): every unit (embedding, layers, head) gathers its parameters before its
+    forward and, at optimizer level 3, again before its backward, and reduce-scatters its gradients after
+    its backward, prefetched one unit ahead (`loom.sim.overlap`); a task lasts until both its compute and
+    its communication are done."""
     layer = (_total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute))
     embed = (_total(pieces.embed_fwd), _total(pieces.embed_bwd))
     head = (_total(pieces.head_fwd), _total(pieces.head_bwd))
@@ -265,6 +272,8 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
         copy_out, copy, prepare = _unit_copy_times(model, plan, cluster, stage)
         forward.append(sharded_pass([c[0] + out for c, out in zip(costs, copy_out, strict=True)], gather).end)
+        if _gathers(plan) == 1:  # level 2 unit by unit: the units stay gathered from forward to backward
+            gather, copy_out = [0.0] * len(units), [0.0] * len(units)
         computes = [c[1] + out + seconds for c, out, seconds in zip(costs, copy_out, copy, strict=True)]
         backward.append(sharded_pass(computes[::-1], gather[::-1], scatter[::-1], prepare=prepare[::-1]).end)
     return forward, backward
@@ -277,7 +286,7 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
     edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     comm_free = 0.0
-    if plan.optimizer_level < 3:
+    if not plan.unit_sharded:  # else every unit's reduce-scatter ran in the backward
         kind = plan.grad_collective
         for chunk in sorted(range(plan.interleave), key=lambda c: playback.chunk_done[rank][c]):
             ready = playback.chunk_done[rank][chunk] if plan.overlap_grad_sync else end
@@ -292,7 +301,7 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     # Adam reads gradients, reads and writes fp32 master weights and both moments, writes the parameters
     step_bytes = (dense + expert) * (2 * e + 2 * OPTIMIZER_BYTES / shard)
     done = synced + memory_time(cluster.device, step_bytes, kernels=4)
-    if plan.optimizer_level in (1, 2) and plan.dp > 1:
+    if plan.optimizer_level in (1, 2) and plan.dp > 1 and not plan.unit_sharded:
         done += collective_time("all_gather", e * dense, dp_span, cluster)
         done += collective_time("all_gather", e * expert, edp_span, cluster)
     return synced, done
@@ -322,7 +331,7 @@ def _breakdown(
             parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
     parts["recompute"] = tasks * _total(pieces.layer_recompute)
     parts["grad_accumulation"] = plan.micro_batches * sum(accumulation[rank :: plan.pp])
-    parts["param_copy_out"] = 2 * plan.micro_batches * sum(copy_out[rank :: plan.pp])  # forward and backward
+    parts["param_copy_out"] = _gathers(plan) * plan.micro_batches * sum(copy_out[rank :: plan.pp])
     end, busy, sending, synced, done = times
     parts["pp_comm"] = sending  # blocking sends between stages (`ParallelPlan.overlap_p2p` False)
     parts["pipeline_bubble"] = max(0.0, end - busy - sending)
@@ -369,7 +378,7 @@ def simulate(
     pieces = piece_costs(model, plan, cluster)
     forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
     rows = shards_as_rows(plan)  # gradients reduced, states sharded over dp x cp
-    if plan.optimizer_level == 3 and rows.dp > 1:
+    if rows.unit_sharded and rows.dp > 1:
         chunks = plan.chunk_layers(model.layers)
         forward, backward = _sharded_durations(model, rows, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)

@@ -160,7 +160,7 @@ def fsdp_cases() -> list[Case]:
             dp=gpus, micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
             seq=int(row["seq"]), recompute="full" if row["recompute"] == "full" else "none",
             optimizer_level=int(row["zero_stage"]), dtype="bf16", grad_dtype="fp32", flash_attention=True,
-            grad_accumulation="flat_copy" if row["zero_stage"] == "3" else "fused",
+            grad_accumulation="flat_copy",
         )  # fmt: skip
         model = TransformerConfig(
             name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
