@@ -8,13 +8,21 @@ import dataclasses
 
 import pytest
 
-from loom.cost.collectives import group_span
+from loom.cost.collectives import collective_time, group_span
 from loom.cost.compute import fused_attention_time
 from loom.cost.hardware import Device, Link, get_cluster
 from loom.cost.layer import gemm_shapes
 from loom.cost.plan import FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
-from loom.cost.zero3 import UnitBytes, flat_copy_bytes, gradient_predivide_factor, layer_unit_bytes
+from loom.cost.zero3 import (
+    UnitBytes,
+    UnitCopyBytes,
+    copy_in_out_bytes,
+    flat_copy_bytes,
+    gradient_predivide_factor,
+    layer_unit_bytes,
+    unit_copy_bytes,
+)
 from loom.sim import simulate
 from loom.sim.memory import chunk_parameters, stage_parameters
 from loom.sim.validation.published import jean_zay
@@ -125,6 +133,87 @@ def test_fsdp1_flat_copy_is_a_memory_pass_on_the_compute_stream():
     # at most every unit's preparation, 14 B per parameter and the shard's 8 + 9 B per 8 parameters
     assert 0 < exposed <= 4 * (params * 14 + params / 8 * (8 + 9)) / 1e12 * (1 + 1e-9)
     assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
+
+
+def test_fsdp2_copy_in_out_bytes_per_unit_and_micro_batch():
+    plan = ParallelPlan(
+        dp=8, global_batch=32, seq=64, optimizer_level=3, grad_dtype="fp32", grad_accumulation="copy_in_out"
+    )
+    # 1000 parameters over 8 ranks, 4 micro-batches, bf16 parameters reduced in fp32 (torchtitan): each
+    # all-gather's copy-out reads and writes bf16 (4 B); the copy-in reads bf16 and writes fp32 (6 B), no
+    # divide (NCCL's average); on the 125-parameter fp32 shard only the accumulation, 12 B in three of four
+    assert copy_in_out_bytes(1000, 8, plan) == UnitCopyBytes(
+        gather=4000, compute=6000, reduce=1125, reduce_kernels=1
+    )
+    assert unit_copy_bytes(1000, 8, plan) == copy_in_out_bytes(1000, 8, plan)
+    # fp16 reduced in fp16: pre-divide by 4 (4 B) waited for by the compute stream; on the shard the
+    # post-divide by 2 (4 B), the cast to the fp32 parameter (6 B) and the accumulation
+    fp16 = plan.replace(dtype="fp16", grad_dtype="")
+    assert copy_in_out_bytes(1000, 8, fp16) == UnitCopyBytes(
+        gather=4000, compute=4000 + 4000, reduce=500 + 750 + 1125, reduce_kernels=3
+    )
+    # bf16 reduced in bf16 over 2 ranks in one micro-batch: the copy-in, and the cast of the 500-parameter shard
+    plan = ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=3, grad_accumulation="copy_in_out")
+    assert copy_in_out_bytes(1000, 2, plan) == UnitCopyBytes(
+        gather=4000, compute=4000, reduce=3000, reduce_kernels=1
+    )
+    # the fused path copies nothing
+    assert unit_copy_bytes(1000, 2, plan.replace(grad_accumulation="fused")) == UnitCopyBytes(
+        compute=0, reduce=0, reduce_kernels=0
+    )
+    with pytest.raises(FieldError, match="grad_accumulation.*optimizer level 3"):
+        ParallelPlan(dp=2, global_batch=2, seq=64, optimizer_level=1, grad_accumulation="copy_in_out")
+
+
+def test_fsdp2_copies_are_memory_passes_on_the_compute_stream():
+    # links without cost: only the copies separate the two plans
+    ideal = Link(name="ideal", bandwidth=1e30, latency_s=0.0)
+    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=DEVICE, intra=ideal, inter=ideal)
+    fused = ParallelPlan(dp=8, global_batch=8, seq=64, optimizer_level=3, grad_dtype="fp32")
+    a, b = (
+        simulate(GPT, fused, cluster),
+        simulate(GPT, fused.replace(grad_accumulation="copy_in_out"), cluster),
+    )
+    # every unit (embedding, 4 layers, final norm) in one micro-batch: its gradients copied into fp32 (6 B)
+    # once, its parameters copied out of the bf16 all-gather (4 B) after the forward's and the backward's
+    params = 4 * LAYER + 128 * 64 + 128
+    assert b.breakdown["grad_accumulation"] == pytest.approx(6 * params / 1e12, rel=1e-12)
+    assert b.breakdown["param_copy_out"] == pytest.approx(2 * 4 * params / 1e12, rel=1e-12)
+    assert a.breakdown["grad_accumulation"] == a.breakdown["param_copy_out"] == 0.0
+    # one micro-batch reduced in fp32 into fp32 parameters: nothing runs beside the reduce-scatters
+    assert b.breakdown["fsdp_exposed_comm"] == pytest.approx(0.0, abs=1e-15)
+    assert b.iteration_s - a.iteration_s == pytest.approx(14 * params / 1e12, rel=1e-9)
+    assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
+
+
+def test_fsdp_shard_grad_op_runs_unit_by_unit_without_the_backward_gathers():
+    # compute and memory passes free, links of bandwidth only: every time left is a collective, and a
+    # collective's time is linear in its bytes, so the units' gathers sum to one gather of the whole model
+    fast = dataclasses.replace(DEVICE, peak_flops={"bf16": 1e30}, memory_bandwidth=1e30)
+    link = Link(name="slow", bandwidth=1e9, latency_s=0.0)
+    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=fast, intra=link, inter=link)
+    level2 = ParallelPlan(dp=8, global_batch=8, seq=64, optimizer_level=2, grad_dtype="fp32")
+    step_end = simulate(
+        GPT, level2, cluster
+    )  # loom's level 2: reduce after the backward, gather after the step
+    sgo = simulate(GPT, level2.replace(grad_accumulation="flat_copy"), cluster)  # FSDP1's SHARD_GRAD_OP
+    full = simulate(GPT, level2.replace(optimizer_level=3, grad_accumulation="flat_copy"), cluster)
+    span = group_span(8, 1, cluster.gpus_per_node)
+    params = 4 * LAYER + 128 * 64 + 128
+    gather = collective_time("all_gather", 2 * params, span, cluster)
+    scatter = collective_time("reduce_scatter", 4 * params, span, cluster)
+    assert gather > 0 and step_end.breakdown["dp_comm"] > 0 and sgo.breakdown["dp_comm"] == 0.0
+    # one micro-batch: the same collectives, gathered before each unit's forward and reduce-scattered
+    # after each unit's backward instead of at the step's end; FULL_SHARD gathers again for the backward
+    assert step_end.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
+    assert sgo.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
+    assert full.iteration_s == pytest.approx(2 * gather + scatter, rel=1e-9)
+    # four micro-batches: both FSDP strategies gather and reduce-scatter in every one of them
+    four = level2.replace(global_batch=32, grad_accumulation="flat_copy")
+    assert simulate(GPT, four, cluster).iteration_s == pytest.approx(4 * (gather + scatter), rel=1e-9)
+    assert simulate(GPT, level2.replace(global_batch=32), cluster).iteration_s == pytest.approx(
+        gather + scatter, rel=1e-9
+    )
 
 
 def test_fp32_all_reduce_of_the_whole_gradient():

@@ -17,11 +17,12 @@ def test_every_fsdp_row_is_a_case_that_simulates():
     # MPT as benchmarked (biases, learned positions, tied head) has exactly the published parameter count
     kept = [r for r in rows if r["activation_cpu_offload"] != "True"]
     assert [c.model.parameter_count() for c in cases] == [int(r["num_params"]) for r in kept]
-    # FSDP1's per-micro-batch gradient path on its full-shard rows
+    # FSDP1's per-micro-batch gradient path, unit by unit on its full-shard and SHARD_GRAD_OP rows alike
     assert {(c.plan.optimizer_level, c.plan.grad_accumulation) for c in cases} == {
         (3, "flat_copy"),
-        (2, "fused"),
+        (2, "flat_copy"),
     }
+    assert all(c.plan.unit_sharded for c in cases)
     for case in cases:
         result = simulate(case.model, case.plan, case.cluster)
         assert result.tokens_per_s > 0 and result.fits, case.label

@@ -22,3 +22,13 @@ def test_uneven_stages_follow_the_light_ends_rule():
     cases, _ = published_cases()
     bloom = next(c for c in cases if c.source.startswith("bigscience") and c.model.layers == 70)
     assert bloom.plan.stage_layers == (5, *[6] * 10, 5)  # embedding and head take a layer's slot each
+
+
+def test_torchtitan_rows_run_fsdp2_in_bf16_reduced_in_fp32():
+    # torchtitan's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and FSDP2's copy-in/copy-out
+    cases, _ = published_cases()
+    titan = [c for c in cases if c.source.startswith("torchtitan")]
+    assert len(titan) == 6
+    assert {(c.plan.dtype, c.plan.grad_precision, c.plan.grad_accumulation) for c in titan} == {
+        ("bf16", "fp32", "copy_in_out")
+    }

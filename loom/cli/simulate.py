@@ -180,8 +180,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     system.add_argument(
         "--grad-accumulation",
         choices=GRAD_ACCUMULATIONS,
-        help="fused into the weight-gradient GEMMs (default), a separate pass after each micro-batch, or "
-        "FSDP1's flat copy, cast and pre-divide before each unit's reduce-scatter (level 3)",
+        help="fused into the weight-gradient GEMMs (default), a separate pass after each micro-batch, "
+        "FSDP1's flat copy, cast and pre-divide before each unit's reduce-scatter, or FSDP2's copy-out "
+        "after each unit's all-gather and copy-in before its reduce-scatter (the last two at level 3, or "
+        "at level 2 run unit by unit: SHARD_GRAD_OP)",
     )
     system.add_argument(
         "--blocking-p2p",

@@ -14,9 +14,9 @@ its error separately. Re-running the fit prints the values to copy here.
 
 Refitted 2026-11-24 on 234 fit-half rows after the cost model priced fused attention's memory traffic,
 attention per GPU generation, how gradients are accumulated and reduced and experts' own tensor parallelism
-(docs/simulator.md): fit half mean |error| 7.9%, held-out (28 rows) 8.3% (7.5% and 8.1% now, after NCCL's
-ring for cross-node gathers, the sources' fp32 gradients, blocking pipeline sends and FSDP1's gradient path; a
-refit after those raised both, so these values stay). `MATMUL_KNEE` and
+(docs/simulator.md): fit half mean |error| 7.9%, held-out (28 rows) 8.3% (7.6% and 7.9% now, after NCCL's
+ring for cross-node gathers, the sources' fp32 gradients, blocking pipeline sends, FSDP1's gradient path and
+SHARD_GRAD_OP schedule and FSDP2's copies; refits after them raised both, so these values stay). `MATMUL_KNEE` and
 `MEMORY_EFFICIENCY` are not fitted: left free, the memory fraction falls to 0.63 (fit 6.7%, held-out 7.5%)
 because it then stands in for the elementwise bytes loom does not count in MosaicML's small models, and
 prices every other memory-bound kernel (optimizer steps, Megatron-LM's softmax and dropout) too slow.

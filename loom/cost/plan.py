@@ -26,6 +26,7 @@ __all__ = [
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
+    "UNIT_COPIES",
     "GRAD_DTYPES",
     "GRAD_REDUCES",
     "FieldError",
@@ -56,7 +57,9 @@ ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 """The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
 GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
 GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
-GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy")
+GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_in_out")
+# the accumulations whose copies run per level-3 unit (PyTorch FSDP1, FSDP2: `loom.cost.zero3.unit_copy_bytes`)
+UNIT_COPIES: tuple[str, ...] = ("flat_copy", "copy_in_out")
 
 
 class FieldError(ValueError):
@@ -137,9 +140,12 @@ class ParallelPlan:
     optimizer does before updating its shard); `grad_accumulation` whether the backward's weight-gradient
     GEMMs add into the accumulation buffer ("fused") or a memory-bound pass after each micro-batch's
     backward adds the `dtype` gradients into the `grad_dtype` buffer ("separate": DeepSpeed's bf16 optimizer)
-    or, at optimizer level 3, every micro-batch's backward copies each unit's gradients into a fresh flat
+    or, at optimizer level 2 or 3, every micro-batch's backward copies each unit's gradients into a fresh flat
     buffer, which is cast to `grad_dtype` and pre-divided before the unit's reduce-scatter, and the reduced
-    shard is added into the accumulated one ("flat_copy": PyTorch FSDP1, `loom.cost.zero3.flat_copy_bytes`).
+    shard is added into the accumulated one ("flat_copy": PyTorch FSDP1, `loom.cost.zero3.flat_copy_bytes`),
+    or every unit's gathered parameters are copied out of the all-gather buffer and its
+    gradients copied, and cast, into the reduce-scatter buffer ("copy_in_out": PyTorch FSDP2,
+    `loom.cost.zero3.copy_in_out_bytes`). Both also run level 2 unit by unit (`unit_sharded`).
 
     How activations travel between pipeline stages: `overlap_p2p` (loom's runtime, torch's pipelining and
     Megatron-Core's --overlap-p2p-communication) posts each send and goes on computing, so a transfer only
@@ -198,11 +204,11 @@ class ParallelPlan:
                    if self.optimizer_level == 0
                    else "shards gradients: use reduce_scatter, or optimizer level 0 or 1"),
             )  # fmt: skip
-        if self.grad_accumulation == "flat_copy" and self.optimizer_level != 3:
+        if self.grad_accumulation in UNIT_COPIES and self.optimizer_level < 2:
             raise FieldError(
                 owner, "grad_accumulation", self.grad_accumulation,
-                f"it prices FSDP's per-unit reduce-scatters of optimizer level 3, not level {self.optimizer_level}: "
-                "use optimizer level 3, or fused or separate",
+                f"it prices FSDP's per-unit reduce-scatters of optimizer level 3 (FULL_SHARD) or 2 "
+                f"(SHARD_GRAD_OP), not level {self.optimizer_level}: use optimizer level 2 or 3, or fused or separate",
             )  # fmt: skip
         if self.schedule is None:
             object.__setattr__(self, "schedule", default_schedule(self.interleave))
@@ -250,6 +256,17 @@ class ParallelPlan:
     def grad_collective(self) -> str:
         """The collective that synchronises gradients at levels 0-2 (`grad_reduce`, or the level's own)."""
         return self.grad_reduce or ("all_reduce" if self.optimizer_level == 0 else "reduce_scatter")
+
+    @property
+    def unit_sharded(self) -> bool:
+        """Whether parameters are all-gathered and gradients reduce-scattered unit by unit around each
+        micro-batch's passes: optimizer level 3, or level 2 under PyTorch FSDP (`grad_accumulation` in
+        `UNIT_COPIES`: FSDP1's SHARD_GRAD_OP, FSDP2 without resharding after forward), which gathers each
+        unit before its forward and keeps it gathered for its backward. Otherwise level 2 reduces the
+        gradients after the backward and gathers the parameters after the optimizer step."""
+        return self.optimizer_level == 3 or (
+            self.optimizer_level == 2 and self.grad_accumulation in UNIT_COPIES
+        )
 
     @property
     def grad_precision(self) -> str:

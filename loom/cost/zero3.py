@@ -17,13 +17,15 @@ from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig
 
 __all__ = [
-    "FlatCopyBytes",
     "UnitBytes",
+    "UnitCopyBytes",
+    "copy_in_out_bytes",
     "embedding_unit_bytes",
     "flat_copy_bytes",
     "gradient_predivide_factor",
     "head_unit_bytes",
     "layer_unit_bytes",
+    "unit_copy_bytes",
 ]
 
 
@@ -65,14 +67,16 @@ def head_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FlatCopyBytes:
-    """Memory traffic (reads plus writes) of one unit's gradients per micro-batch under PyTorch FSDP1
-    (`ParallelPlan.grad_accumulation = "flat_copy"`): `compute` on the compute stream, `reduce` on the
-    post-backward stream that the unit's reduce-scatter waits for."""
+class UnitCopyBytes:
+    """Memory traffic (reads plus writes) of one unit's tensors per micro-batch through PyTorch FSDP beyond
+    its GEMMs and collectives (`ParallelPlan.grad_accumulation`): `gather` on the compute stream after each
+    of the unit's all-gathers, `compute` on the compute stream (or on a stream it waits for) after the
+    unit's backward, `reduce` on the stream the unit's reduce-scatter waits for."""
 
     compute: float
     reduce: float
-    reduce_kernels: int  # the post-backward stream's kernels (cast, divides, accumulation)
+    reduce_kernels: int  # the reduce stream's kernels (cast, divides, accumulation)
+    gather: float = 0.0
 
 
 def gradient_predivide_factor(world: int) -> int:
@@ -85,7 +89,7 @@ def gradient_predivide_factor(world: int) -> int:
     return factor
 
 
-def flat_copy_bytes(params: float, world: int, plan: ParallelPlan) -> FlatCopyBytes:
+def flat_copy_bytes(params: float, world: int, plan: ParallelPlan) -> UnitCopyBytes:
     """Bytes PyTorch FSDP1 (torch 2.1, `use_orig_params`) moves per micro-batch for the gradients of a unit
     of `params` parameters (unsharded, on one device) reduce-scattered over `world` ranks, beyond the
     weight-gradient GEMMs and the collective (`torch/distributed/fsdp/_runtime_utils.py`,
@@ -108,8 +112,53 @@ def flat_copy_bytes(params: float, world: int, plan: ParallelPlan) -> FlatCopyBy
         (2 * g * shard, world / factor > 1),
         (3 * g * shard * (n - 1) / n, n > 1),
     )
-    return FlatCopyBytes(
+    return UnitCopyBytes(
         compute=2 * e * params,
         reduce=sum(nbytes for nbytes, runs in passes if runs),
         reduce_kernels=sum(runs for _, runs in passes),
     )
+
+
+def copy_in_out_bytes(params: float, world: int, plan: ParallelPlan) -> UnitCopyBytes:
+    """Bytes PyTorch FSDP2 (`fully_shard`, torch 2.4: torchtitan's runs) moves per micro-batch for a unit of
+    `params` parameters (unsharded, on one device) sharded over `world` ranks, beyond the GEMMs and the
+    collectives (`torch/distributed/_composable/fsdp/_fsdp_collectives.py`):
+
+    - gather, on the compute stream after each all-gather (`foreach_all_gather_copy_out`): every parameter
+      is a tensor of its own, sharded on dim 0, so `split_with_sizes_copy` copies the `dtype` all-gather
+      output into the unsharded parameters (read, write);
+    - compute, after the unit's backward (`foreach_reduce_scatter_copy_in`): the `dtype` gradients are
+      copied into the reduce-scatter input, cast to the reduce dtype (`grad_dtype`) by the same kernel
+      (read `dtype`, write `grad_dtype`), and pre-divided there only in fp16 (fp32 and bf16 divide inside
+      NCCL's `ReduceOp.AVG`); until June 2024 (pytorch#129721) this ran on the reduce-scatter stream, but
+      the compute stream waits for it (`current_stream.wait_event(copy_in_event)`), so it is charged there;
+    - reduce, on the `1/world` shard after the collective: the post-divide (fp16), the cast to the fp32
+      sharded parameter's dtype when the reduce dtype differs, and the sum into the gradient accumulated
+      over the step's micro-batches (read both, write one; the first micro-batch only keeps its shard),
+      averaged over the micro-batches; charged before the reduce-scatter, as `flat_copy_bytes` does, since
+      the reduce-scatter stream runs one unit's work after another."""
+    e, g, master = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision], DTYPE_BYTES["fp32"]
+    divides = plan.grad_precision == "fp16"
+    factor, shard, n = gradient_predivide_factor(world), params / world, plan.micro_batches
+    passes = (  # on the shard, in the order the reduce-scatter stream runs them
+        (2 * g * shard, divides and world / factor > 1),
+        ((g + master) * shard, plan.grad_precision != "fp32"),
+        (3 * master * shard * (n - 1) / n, n > 1),
+    )
+    predivide = 2 * g * params if divides and factor > 1 else 0.0
+    return UnitCopyBytes(
+        gather=2 * e * params,
+        compute=(e + g) * params + predivide,
+        reduce=sum(nbytes for nbytes, runs in passes if runs),
+        reduce_kernels=sum(runs for _, runs in passes),
+    )
+
+
+def unit_copy_bytes(params: float, world: int, plan: ParallelPlan) -> UnitCopyBytes:
+    """The per-unit copies of `plan.grad_accumulation`'s system: FSDP1's flat gradient ("flat_copy",
+    `flat_copy_bytes`), FSDP2's copy-in and copy-out ("copy_in_out", `copy_in_out_bytes`); none otherwise."""
+    if plan.grad_accumulation == "flat_copy":
+        return flat_copy_bytes(params, world, plan)
+    if plan.grad_accumulation == "copy_in_out":
+        return copy_in_out_bytes(params, world, plan)
+    return UnitCopyBytes(compute=0.0, reduce=0.0, reduce_kernels=0)

@@ -24,15 +24,15 @@ from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
     UnitBytes,
     embedding_unit_bytes,
-    flat_copy_bytes,
     head_unit_bytes,
     layer_unit_bytes,
+    unit_copy_bytes,
 )
 from loom.sim.engine import Playback, play
 from loom.sim.memory import chunk_parameters, stage_memory, stage_parameters
@@ -162,24 +162,40 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
     backward[-1] += _total(pieces.head_bwd)
     for v, seconds in enumerate(_grad_accumulation(model, plan, cluster)):
         backward[v] += seconds
+    for v, seconds in enumerate(_copy_out(model, plan, cluster)):
+        forward[v] += seconds
+        backward[v] += seconds * (_gathers(plan) - 1)
     return forward, backward
+
+
+def _gathers(plan: ParallelPlan) -> int:
+    """All-gathers of each unit per micro-batch: before its forward and again before its backward at
+    optimizer level 3; only before its forward where level 2 runs unit by unit (`unit_sharded`)."""
+    return 2 if plan.optimizer_level == 3 else 1
 
 
 def _grad_accumulation(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
     """Seconds per micro-batch each virtual stage's backward spends on memory-bound gradient passes of its
     own: adding its gradients into the accumulation buffer (`grad_accumulation = "separate"`: it reads
     the fresh `dtype` gradients and reads and writes the `grad_dtype` buffer), or copying each unit's
-    gradients into its flat gradient ("flat_copy", the compute stream's part of
-    `loom.cost.zero3.flat_copy_bytes`); 0 when fused."""
+    gradients into its flat gradient ("flat_copy") or into the reduce-scatter input ("copy_in_out"), the
+    compute stream's part of `loom.cost.zero3.unit_copy_bytes`; 0 when fused."""
     if plan.grad_accumulation == "fused":
         return [0.0] * plan.virtual_stages
-    if plan.grad_accumulation == "flat_copy":
-        return [sum(_flat_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
+    if plan.grad_accumulation in UNIT_COPIES:
+        return [sum(_unit_copy_times(model, plan, cluster, v)[1]) for v in range(plan.virtual_stages)]
     e, g = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
     return [
         memory_time(cluster.device, sum(chunk_parameters(model, plan, v)) * (e + 2 * g))
         for v in range(plan.virtual_stages)
     ]
+
+
+def _copy_out(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
+    """Seconds per micro-batch each virtual stage's forward, and again its backward, spends copying its
+    units' gathered parameters out of the all-gather buffers (FSDP2, `grad_accumulation = "copy_in_out"`:
+    the gather part of `loom.cost.zero3.unit_copy_bytes`); 0 for every other system."""
+    return [sum(_unit_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
 
 
 def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> list[UnitBytes]:
@@ -193,26 +209,28 @@ def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> li
     return units
 
 
-def _flat_copy_times(
+def _unit_copy_times(
     model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, stage: int
-) -> tuple[list[float], list[float]]:
-    """Per unit of virtual stage `stage` (forward order) and micro-batch, the seconds FSDP1's gradient
-    handling takes on the compute stream and on the post-backward stream before the unit's reduce-scatter
-    (`loom.cost.zero3.flat_copy_bytes`; dense parameters over dp, experts over edp); zeros unless
-    `grad_accumulation = "flat_copy"`."""
+) -> tuple[list[float], list[float], list[float]]:
+    """Per unit of virtual stage `stage` (forward order) and micro-batch, the seconds FSDP's copies take
+    (`loom.cost.zero3.unit_copy_bytes`; dense parameters over dp, experts over edp): on the compute stream
+    after each all-gather, on the compute stream after the unit's backward, and on the stream the unit's
+    reduce-scatter waits for; zeros unless `grad_accumulation` is "flat_copy" or "copy_in_out"."""
     units = _stage_units(model, plan, stage)
-    if plan.grad_accumulation != "flat_copy":
-        return [0.0] * len(units), [0.0] * len(units)
+    if plan.grad_accumulation not in UNIT_COPIES:
+        return [0.0] * len(units), [0.0] * len(units), [0.0] * len(units)
     e, device = DTYPE_BYTES[plan.dtype], cluster.device
-    compute, reduce = [], []
+    gather, compute, reduce = [], [], []
     for unit in units:
         groups = ((unit.dense, plan.dp), (unit.expert, plan.edp))
-        parts = [flat_copy_bytes(nbytes / e, world, plan) for nbytes, world in groups if nbytes > 0]
+        parts = [unit_copy_bytes(nbytes / e, world, plan) for nbytes, world in groups if nbytes > 0]
+        copied = sum(p.gather for p in parts)  # one copy-out kernel, none where FSDP1 gathers in place
+        gather.append(memory_time(device, copied, kernels=int(copied > 0)))
         compute.append(memory_time(device, sum(p.compute for p in parts)))
         reduce.append(
             memory_time(device, sum(p.reduce for p in parts), kernels=sum(p.reduce_kernels for p in parts))
         )
-    return compute, reduce
+    return gather, compute, reduce
 
 
 def _fsdp_exposed(
@@ -236,10 +254,11 @@ def _unit_collective(kind: str, unit: UnitBytes, plan: ParallelPlan, cluster: Cl
 
 
 def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[int]):
-    """Forward and backward task durations of each virtual stage under optimizer level 3: every unit
-    (embedding, layers, head) gathers its parameters before its forward and again before its backward, and
-    reduce-scatters its gradients after its backward, prefetched one unit ahead (`loom.sim.overlap`); a task
-    lasts until both its compute and its communication are done."""
+    """Forward and backward task durations of each virtual stage where the plan runs unit by unit
+    (`ParallelPlan.unit_sharded`): every unit (embedding, layers, head) gathers its parameters before its
+    forward and, at optimizer level 3, again before its backward, and reduce-scatters its gradients after
+    its backward, prefetched one unit ahead (`loom.sim.overlap`); a task lasts until both its compute and
+    its communication are done."""
     layer = (_total(pieces.layer_fwd), _total(pieces.layer_bwd) + _total(pieces.layer_recompute))
     embed = (_total(pieces.embed_fwd), _total(pieces.embed_bwd))
     head = (_total(pieces.head_fwd), _total(pieces.head_bwd))
@@ -251,9 +270,11 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         # gradients are reduce-scattered in their own precision (FSDP2's reduce_dtype)
         scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.dtype]
         scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
-        copy, prepare = _flat_copy_times(model, plan, cluster, stage)
-        forward.append(sharded_pass([c[0] for c in costs], gather).end)
-        computes = [c[1] + seconds for c, seconds in zip(costs, copy, strict=True)]
+        copy_out, copy, prepare = _unit_copy_times(model, plan, cluster, stage)
+        forward.append(sharded_pass([c[0] + out for c, out in zip(costs, copy_out, strict=True)], gather).end)
+        if _gathers(plan) == 1:  # level 2 unit by unit: the units stay gathered from forward to backward
+            gather, copy_out = [0.0] * len(units), [0.0] * len(units)
+        computes = [c[1] + out + seconds for c, out, seconds in zip(costs, copy_out, copy, strict=True)]
         backward.append(sharded_pass(computes[::-1], gather[::-1], scatter[::-1], prepare=prepare[::-1]).end)
     return forward, backward
 
@@ -265,7 +286,7 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     dp_span = group_span(plan.dp, plan.tp, cluster.gpus_per_node)
     edp_span = group_span(plan.edp, plan.etp * plan.ep, cluster.gpus_per_node)
     comm_free = 0.0
-    if plan.optimizer_level < 3:
+    if not plan.unit_sharded:  # else every unit's reduce-scatter ran in the backward
         kind = plan.grad_collective
         for chunk in sorted(range(plan.interleave), key=lambda c: playback.chunk_done[rank][c]):
             ready = playback.chunk_done[rank][chunk] if plan.overlap_grad_sync else end
@@ -280,7 +301,7 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     # Adam reads gradients, reads and writes fp32 master weights and both moments, writes the parameters
     step_bytes = (dense + expert) * (2 * e + 2 * OPTIMIZER_BYTES / shard)
     done = synced + memory_time(cluster.device, step_bytes, kernels=4)
-    if plan.optimizer_level in (1, 2) and plan.dp > 1:
+    if plan.optimizer_level in (1, 2) and plan.dp > 1 and not plan.unit_sharded:
         done += collective_time("all_gather", e * dense, dp_span, cluster)
         done += collective_time("all_gather", e * expert, edp_span, cluster)
     return synced, done
@@ -293,6 +314,7 @@ def _breakdown(
     rank: int,
     times: tuple,
     accumulation: list[float],
+    copy_out: list[float],
 ) -> dict[str, float]:
     tasks = plan.micro_batches * rank_layers  # layer-passes of one kind on this device
     parts: dict[str, float] = {}
@@ -309,6 +331,7 @@ def _breakdown(
             parts[name] = parts.get(name, 0.0) + plan.micro_batches * value
     parts["recompute"] = tasks * _total(pieces.layer_recompute)
     parts["grad_accumulation"] = plan.micro_batches * sum(accumulation[rank :: plan.pp])
+    parts["param_copy_out"] = _gathers(plan) * plan.micro_batches * sum(copy_out[rank :: plan.pp])
     end, busy, sending, synced, done = times
     parts["pp_comm"] = sending  # blocking sends between stages (`ParallelPlan.overlap_p2p` False)
     parts["pipeline_bubble"] = max(0.0, end - busy - sending)
@@ -355,7 +378,7 @@ def simulate(
     pieces = piece_costs(model, plan, cluster)
     forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
     rows = shards_as_rows(plan)  # gradients reduced, states sharded over dp x cp
-    if plan.optimizer_level == 3 and rows.dp > 1:
+    if rows.unit_sharded and rows.dp > 1:
         chunks = plan.chunk_layers(model.layers)
         forward, backward = _sharded_durations(model, rows, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
@@ -375,9 +398,9 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    accumulation = _grad_accumulation(model, plan, cluster)
+    accumulation, copy_out = _grad_accumulation(model, plan, cluster), _copy_out(model, plan, cluster)
     breakdown = _breakdown(
-        plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation
+        plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation, copy_out
     )
     # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
     breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))

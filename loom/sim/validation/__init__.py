@@ -147,9 +147,12 @@ def fsdp_cases() -> list[Case]:
     which Composer of the time maps to bf16 parameters and an fp32 `reduce_dtype`
     (`composer/trainer/mosaic_fsdp_utils.py`, `get_mixed_precision`). The runs used torch 2.1's FSDP1
     (`sweep.sh`'s image, llm-foundry's `torch>=2.1,<2.1.1`) with Composer 0.17's `use_orig_params`, whose
-    full-shard rows copy, cast and pre-divide every unit's gradients in each micro-batch before its
-    reduce-scatter (`grad_accumulation = "flat_copy"`; Composer syncs every micro-batch under FSDP, no
-    `no_sync`); its SHARD_GRAD_OP rows (level 2) keep loom's level-2 pricing. Compared on tokens/s over all
+    rows copy, cast and pre-divide every unit's gradients in each micro-batch before its reduce-scatter
+    (`grad_accumulation = "flat_copy"`; Composer syncs every micro-batch under FSDP, no `no_sync`). Its
+    SHARD_GRAD_OP rows (level 2) run unit by unit too (`ParallelPlan.unit_sharded`): FSDP1 gathers each
+    unit before its forward and keeps it for its backward (`_should_free_in_backward` frees it only in
+    the post-backward while gradients are synced), whose post-backward hook reduce-scatters the unit's
+    gradients as under FULL_SHARD; nothing is left for the step's end. Compared on tokens/s over all
     devices (tokens/s per GPU as published, times the GPUs), a number free of any FLOP-counting convention."""
     out = []
     for row in read_rows("mosaicml2024"):
@@ -160,7 +163,7 @@ def fsdp_cases() -> list[Case]:
             dp=gpus, micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
             seq=int(row["seq"]), recompute="full" if row["recompute"] == "full" else "none",
             optimizer_level=int(row["zero_stage"]), dtype="bf16", grad_dtype="fp32", flash_attention=True,
-            grad_accumulation="flat_copy" if row["zero_stage"] == "3" else "fused",
+            grad_accumulation="flat_copy",
         )  # fmt: skip
         model = TransformerConfig(
             name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),

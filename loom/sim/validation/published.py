@@ -18,6 +18,8 @@ origin. Rules applied to every row of a source, never per row:
   publish only a time per iteration are compared on it.
 - BigScience BLOOM: the cluster its README describes (`jean_zay`: 4 Omni-Path links per node) and DeepSpeed's
   bf16 optimizer (fp32 gradients accumulated in a pass of their own and all-reduced whole).
+- torchtitan: FSDP2 with bf16 parameters and fp32 gradient reduction (`grad_dtype`), its copy-in and
+  copy-out (`grad_accumulation = "copy_in_out"`).
 - Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); rows
   whose DeepEP dispatch crosses nodes are left out (DeepEP sends a token once per node, loom prices a flat
   all-to-all).
@@ -182,7 +184,11 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
 
 
 def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
-    """torchtitan's FSDP2 runs of Llama 2 and 3 on 64 A100 80GB (docs/performance.md)."""
+    """torchtitan's FSDP2 runs of Llama 2 and 3 on 64 A100 80GB (docs/performance.md, its A100 tables added
+    on 2024-04-18 with torchtitan 395a526 on torch 2.4.0.dev20240412): `MixedPrecisionPolicy(param_dtype=
+    bf16, reduce_dtype=fp32)` (`parallelize_llama.py`), so gradients are reduce-scattered in fp32, and
+    FSDP2 copies every unit's parameters out of its all-gather buffer and its gradients, cast to fp32, into
+    its reduce-scatter buffer (`grad_accumulation = "copy_in_out"`)."""
     stem, out, skipped = "torchtitan2024_a100_performance", [], []
     recompute = {"none": "none", "full": "full", "selective op": "selective"}
     for row in _rows(stem):
@@ -199,7 +205,8 @@ def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=int(row["tp"]), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute[row["recompute"]],
-            optimizer_level=int(row["zero_stage"]), flash_attention=True, dtype="bf16",
+            optimizer_level=int(row["zero_stage"]), flash_attention=True, dtype="bf16", grad_dtype="fp32",
+            grad_accumulation="copy_in_out",
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
