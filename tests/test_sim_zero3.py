@@ -93,5 +93,14 @@ def test_reduce_scatter_waits_for_its_prepared_gradients():
         ("reduce_scatter", 1, 8.0, 9.0),
     ]
     assert run.end == 9.0
+    # a long scatter of unit 0 (4-7) holds the post-backward stream it was issued from: unit 1 computes
+    # 4-5 but is prepared only 7-10 (not 5-8), then scattered 10-11
+    run = sharded_pass([1.0, 1.0], [2.0, 2.0], [3.0, 1.0], prepare=[0.5, 3.0])
+    assert [(k, u, s, e) for k, u, s, e in run.intervals if k in ("prepare", "reduce_scatter")] == [
+        ("prepare", 0, 3.0, 3.5),
+        ("reduce_scatter", 0, 4.0, 7.0),
+        ("prepare", 1, 7.0, 10.0),
+        ("reduce_scatter", 1, 10.0, 11.0),
+    ]
     with pytest.raises(ValueError, match="prepare needs scatter"):
         sharded_pass([1.0], [1.0], prepare=[1.0])

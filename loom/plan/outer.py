@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, ParallelPlan
+from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, UNIT_COPIES, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.files import byte_size
 from loom.plan.outer_space import (
@@ -184,8 +184,8 @@ def search_plans(
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
     tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
     `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
-    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; FSDP1's
-    "flat_copy" holds the optimizer level at 3). `context`:
+    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; PyTorch
+    FSDP's `UNIT_COPIES` try levels 2 and 3 only). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -220,16 +220,18 @@ def search_plans(
 
 
 def _levels_for(grad_accumulation: str, levels: tuple[int, ...]) -> tuple[int, ...]:
-    """The optimizer levels a system that accumulates gradients as `grad_accumulation` can run: FSDP1's
-    per-unit flat gradients ("flat_copy") exist only at level 3 (`ParallelPlan`)."""
-    if grad_accumulation != "flat_copy":
+    """The optimizer levels a system that accumulates gradients as `grad_accumulation` can run: PyTorch
+    FSDP's per-unit gradient copies (`UNIT_COPIES`) exist only at levels 2 and 3 (`ParallelPlan`)."""
+    if grad_accumulation not in UNIT_COPIES:
         return levels
-    if 3 not in levels:
+    kept = tuple(level for level in levels if level >= 2)
+    if not kept:
         raise ValueError(
-            f"search_plans: grad_accumulation 'flat_copy' (FSDP1's per-unit gradients) runs at optimizer "
-            f"level 3 only, and optimizer_levels is {levels}: include 3, or hold 'fused' fixed"
+            f"search_plans: grad_accumulation {grad_accumulation!r} (PyTorch FSDP's per-unit gradients) runs at "
+            f"optimizer levels 2 and 3 only, and optimizer_levels is {levels}: include 2 or 3, or hold 'fused' "
+            "fixed"
         )
-    return (3,)
+    return kept
 
 
 def _options(choices: tuple, space: tuple[list[Mesh], list[Infeasible]]) -> tuple[list, list[Infeasible]]:

@@ -11,7 +11,9 @@ remainder) lengthens the pass.
 
 A reduce-scatter may wait on work of a third stream (`prepare`): PyTorch FSDP1 casts and pre-divides each
 unit's gradients on its post-backward stream, which waits for the unit's compute, runs one unit's work at a
-time, and is waited on by the unit's reduce-scatter.
+time, and is waited on by the unit's reduce-scatter. The reduce-scatter is issued from that stream
+(`_reduce_grad` under `torch.cuda.stream(post_backward_stream)`), which then waits for it: the next unit's
+preparation starts when this unit's reduce-scatter has ended.
 """
 
 from __future__ import annotations
@@ -83,5 +85,7 @@ def sharded_pass(
             if prepare is not None:
                 prepare_free = ready = max(prepare_free, compute_free) + prepare[unit]
                 intervals.append(("prepare", unit, ready - prepare[unit], ready))
-            issue("reduce_scatter", unit, ready, scatter[unit])
+            scattered = issue("reduce_scatter", unit, ready, scatter[unit])
+            if prepare is not None:  # issued from the post-backward stream, which waits for it to end
+                prepare_free = scattered
     return ShardedPass(end=max(compute_free, comm_free), compute=sum(compute), intervals=tuple(intervals))
