@@ -129,6 +129,9 @@ def _check_predicted(results) -> None:
         pytest.param("mlp", False, marks=pytest.mark.slow),
         pytest.param("cnn", False, marks=pytest.mark.slow),
         pytest.param("gpt", False, marks=pytest.mark.slow),
+        pytest.param("gpt2", False, marks=pytest.mark.slow),
+        pytest.param("llama", False, marks=pytest.mark.slow),
+        pytest.param("mixtral", False, marks=pytest.mark.slow),
         pytest.param("twice", False, marks=pytest.mark.slow),
     ],
 )
