@@ -120,15 +120,17 @@ def dtensor_moves(
     """The per-axis changes (axis index, from, to) DTensor's greedy redistribution makes, in its order
     (`torch.distributed.tensor._redistribute`, `generate_greedy_transform_infos`): when the source is cut
     at all, from the innermost axis out, each axis straight to its target, or whole first where a cut of
-    the same tensor dim on an outer axis must change first (nested cuts); then from the outermost axis in,
-    whatever is left."""
+    the same tensor dim on an outer axis must change first (nested cuts, a strided cut changed to a plain
+    one among them); then from the outermost axis in, whatever is left."""
     current, moves = list(source), []
     if _cuts(current, sizes) > 1:
         for a in reversed(range(len(sizes))):
             want = target[a]
             if isinstance(want, Shard):
-                before = [i for i in range(a) if _cuts_dim(current[i], want.dim)]
-                after = [i for i in range(a) if _cuts_dim(target[i], want.dim)]
+                # the outer cuts of that dim, as they are and as they must be (a strided cut is not the
+                # plain cut of the same dim: its pieces lie elsewhere)
+                before = [(i, current[i]) for i in range(a) if _cuts_dim(current[i], want.dim)]
+                after = [(i, target[i]) for i in range(a) if _cuts_dim(target[i], want.dim)]
                 if before != after:
                     want = Replicate()
             if current[a] != want:
@@ -142,7 +144,7 @@ def dtensor_moves(
 
 
 def _cuts_dim(placement: Placement, dim: int) -> bool:
-    return isinstance(placement, Shard) and placement.dim == dim
+    return is_cut(placement) and placement.dim == dim
 
 
 # collectives DTensor merges over the flattened group of consecutive mesh axes (never its all-to-alls)
