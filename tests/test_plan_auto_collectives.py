@@ -2,8 +2,9 @@
 one SGD step issues on each rank, recorded (`CollectiveRecorder`: kind, mesh axes, bytes, calls), equal
 `model.loom.predicted_collectives` (the solution's `predicted_collectives`: its priced redistributions of every
 block, the parameters' gradients as `GradSync` reduces them, the even-batch check and the agreement), exactly,
-for an MLP, a small CNN and loom's GPT without a memory limit, and for the MLP under half its states (weights
-cut over dp and tp)."""
+for an MLP, a small CNN, loom's GPT and Hugging Face GPT-2, Llama and Mixtral without a memory limit (their
+labels, shifted and flattened on the way to the loss, priced as DTensor moves strided cuts), and for the
+MLP under half its states (weights cut over dp and tp)."""
 
 from __future__ import annotations
 

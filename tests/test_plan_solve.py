@@ -383,7 +383,11 @@ def _ran(recorder, axes):
     """The collectives a recorder saw, as a Counter of (kind, axis, bytes), or the error's text."""
     from collections import Counter
 
-    return f"{type(recorder).__name__}: {recorder}" if isinstance(recorder, Exception) else Counter(recorder.summary(axes))
+    return (
+        f"{type(recorder).__name__}: {recorder}"
+        if isinstance(recorder, Exception)
+        else Counter(recorder.summary(axes))
+    )
 
 
 @pytest.mark.slow  # 4 ranks, 48 moves
@@ -422,4 +426,7 @@ def test_a_strided_cut_is_priced_apart_from_a_whole_tensor():
     steps = redistribution(512.0, strided, (R, R), MESH, cluster)
     assert [(s.axis, s.kind, s.nbytes) for s in steps] == [("dp", "all_gather", 512.0)]  # the whole, gathered
     both = redistribution(512.0, (strided[0], strided[0]), (R, R), MESH, cluster)
-    assert [(s.axis, s.kind, s.nbytes) for s in both] == [("tp", "all_gather", 256.0), ("dp", "all_gather", 512.0)]
+    assert [(s.axis, s.kind, s.nbytes) for s in both] == [
+        ("tp", "all_gather", 256.0),
+        ("dp", "all_gather", 512.0),
+    ]
