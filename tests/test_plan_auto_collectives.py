@@ -2,9 +2,10 @@
 one SGD step issues on each rank, recorded (`CollectiveRecorder`: kind, mesh axes, bytes, calls), equal
 `model.loom.predicted_collectives` (the solution's `predicted_collectives`: its priced redistributions of every
 block, the parameters' gradients as `GradSync` reduces them, the even-batch check and the agreement), exactly,
-for an MLP, a small CNN and loom's GPT without a memory limit, and for the MLP under half its states (weights
-cut over dp and tp). Hugging Face Llama and loom's GPT under half their states are not exact yet (strict
-xfail: docs/planner.md, "Not yet exact")."""
+for an MLP, a small CNN, loom's GPT and Hugging Face GPT-2, Llama and Mixtral without a memory limit (their
+labels, shifted and flattened on the way to the loss, priced as DTensor moves strided cuts), and for the
+MLP under half its states (weights cut over dp and tp). Hugging Face Llama and loom's GPT under half their
+states are not exact yet (strict xfail: docs/planner.md, "Not yet exact")."""
 
 from __future__ import annotations
 
@@ -139,6 +140,9 @@ NOT_EXACT = pytest.mark.xfail(
         pytest.param("mlp", False, marks=pytest.mark.slow),
         pytest.param("cnn", False, marks=pytest.mark.slow),
         pytest.param("gpt", False, marks=pytest.mark.slow),
+        pytest.param("gpt2", False, marks=pytest.mark.slow),
+        pytest.param("llama", False, marks=pytest.mark.slow),
+        pytest.param("mixtral", False, marks=pytest.mark.slow),
         pytest.param("twice", False, marks=pytest.mark.slow),
         pytest.param("llama", True, marks=[pytest.mark.slow, NOT_EXACT]),
         pytest.param("gpt", True, marks=[pytest.mark.slow, NOT_EXACT]),

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
-from loom.plan.redistribute import axis_spans, gradient_layouts, redistribution
+from loom.plan.redistribute import axis_spans, gradient_layouts, is_cut, redistribution
 from loom.plan.space import Candidate, Placements, StrategySpace, layouts, strategy_space
 
 __all__ = [
@@ -195,7 +195,7 @@ def _is_parameter(graph: Graph, ref: Ref) -> bool:
 
 def local_bytes(info: TensorInfo, placements: Placements, mesh: Mapping[str, int]) -> float:
     """Bytes of one device's slice of `info` laid out as `placements` on `mesh`."""
-    cuts = math.prod(n for p, n in zip(placements, mesh.values(), strict=True) if isinstance(p, Shard))
+    cuts = math.prod(n for p, n in zip(placements, mesh.values(), strict=True) if is_cut(p))
     return info.nbytes / cuts
 
 
@@ -257,10 +257,17 @@ def _price(nbytes, out, required, split, grads, mesh, cluster, spans) -> float:
     return seconds
 
 
-def _code(placements: Placements) -> tuple[int, ...]:
-    """Placements as plain numbers (a dim for a cut, -1 whole, -2 partial): cheap to hash, so that
-    every block's edges, which repeat the same few sizes and layouts, are priced once."""
-    return tuple(p.dim if isinstance(p, Shard) else -2 if p.is_partial() else -1 for p in placements)
+def _code(placements: Placements) -> tuple[int | tuple[int, int], ...]:
+    """Placements as plain numbers (a dim for a cut, (dim, split factor) for a strided cut, -1 whole, -2
+    partial): cheap to hash, so that every block's edges, which repeat the same few sizes and layouts, are
+    priced once. A strided cut has a code of its own: read as whole, its moves were priced as free."""
+    return tuple(
+        p.dim if isinstance(p, Shard)
+        else (p.dim, p.split_factor) if is_cut(p)
+        else -2 if p.is_partial()
+        else -1
+        for p in placements
+    )  # fmt: skip
 
 
 def carries_gradient(graph: Graph, ref: Ref, target: str) -> bool:

@@ -12,6 +12,14 @@ order DTensor's redistribution changes them (`dtensor_moves`):
 | `Shard(i)` -> `Shard(j)` | all-to-all |
 | `Shard(i)` -> `Partial` | all-gather (then a local zero-fill) |
 | `Replicate` -> `Shard(i)` or `Partial` | nothing: each device keeps its slice (or its share of the sum) |
+| `_StridedShard` -> anything, anything cut -> `_StridedShard` | all-gather (DTensor goes through `Replicate`) |
+| `Partial` -> `_StridedShard` | all-reduce (then each device keeps its strided piece) |
+
+A `_StridedShard` is DTensor's cut of a dim made by flattening a tensor cut along a later dim (a view of
+labels cut along the sequence, `(4, 16) -> (64,)`): each device holds `1/size` of it like a `Shard`
+(`is_cut`), but DTensor moves it only through a whole tensor, one axis at a time, never over a flattened
+group. DTensor plans moves with one by its graph-based planner, which on the moves of one cut dim takes the
+greedy order followed here (`tests/test_plan_solve.py` compares both).
 
 Consecutive axes that run the same collective on the same change (`Shard(0)` -> `Replicate` on dp and on
 tp; pending sums made whole on both) run it once, over the flattened group of those axes ("dp+tp"), as
@@ -32,13 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.hardware import Cluster
 from loom.plan.space import Placements
 
-__all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "redistribution"]
+__all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "is_cut", "redistribution"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,15 +120,17 @@ def dtensor_moves(
     """The per-axis changes (axis index, from, to) DTensor's greedy redistribution makes, in its order
     (`torch.distributed.tensor._redistribute`, `generate_greedy_transform_infos`): when the source is cut
     at all, from the innermost axis out, each axis straight to its target, or whole first where a cut of
-    the same tensor dim on an outer axis must change first (nested cuts); then from the outermost axis in,
-    whatever is left."""
+    the same tensor dim on an outer axis must change first (nested cuts, a strided cut changed to a plain
+    one among them); then from the outermost axis in, whatever is left."""
     current, moves = list(source), []
     if _cuts(current, sizes) > 1:
         for a in reversed(range(len(sizes))):
             want = target[a]
             if isinstance(want, Shard):
-                before = [i for i in range(a) if _cuts_dim(current[i], want.dim)]
-                after = [i for i in range(a) if _cuts_dim(target[i], want.dim)]
+                # the outer cuts of that dim, as they are and as they must be (a strided cut is not the
+                # plain cut of the same dim: its pieces lie elsewhere)
+                before = [(i, current[i]) for i in range(a) if _cuts_dim(current[i], want.dim)]
+                after = [(i, target[i]) for i in range(a) if _cuts_dim(target[i], want.dim)]
                 if before != after:
                     want = Replicate()
             if current[a] != want:
@@ -134,7 +144,7 @@ def dtensor_moves(
 
 
 def _cuts_dim(placement: Placement, dim: int) -> bool:
-    return isinstance(placement, Shard) and placement.dim == dim
+    return is_cut(placement) and placement.dim == dim
 
 
 # collectives DTensor merges over the flattened group of consecutive mesh axes (never its all-to-alls)
@@ -146,11 +156,13 @@ def _merges(run: tuple[tuple, list[int], float], change: tuple, axis: int) -> bo
     on the next axis in its order (all-gathers inward-out, reduce-scatters outward-in, all-reduces
     either), over a group loom flattens (consecutive axes).
 
+    A move from or to a `_StridedShard` never merges: DTensor runs it axis by axis.
+
     Not followed: DTensor does not flatten a reduce-scatter onto a tensor dim the flattened group does not
     divide evenly, and runs it axis by axis; the moves are priced from bytes alone (no shapes), so such a
     reduce-scatter is predicted as one collective where two run."""
     kind, (last_change, axes, _) = change[0], run
-    if kind not in _MERGED or last_change != change:
+    if kind not in _MERGED or last_change != change or _strided(change):
         return False
     if kind == "all_gather":
         return axis == axes[-1] - 1
@@ -176,10 +188,16 @@ def _span(
     return group_span(math.prod(sizes[a] for a in axes), stride, cluster.gpus_per_node)
 
 
+def _strided(change: tuple) -> bool:
+    """Whether a change (kind, source key, target) moves from or to a `_StridedShard`."""
+    return isinstance(change[1], _StridedShard) or isinstance(change[2], _StridedShard)
+
+
 def _kind(have: Placement, want: Placement) -> str | None:
     if have == want or isinstance(have, Replicate):
         return None
     if isinstance(have, Partial):
+        # to a strided cut: summed whole first (DTensor's `_reduce_value`), then each keeps its piece
         return (
             "reduce_scatter"
             if isinstance(want, Shard)
@@ -187,11 +205,19 @@ def _kind(have: Placement, want: Placement) -> str | None:
             if isinstance(want, Partial)
             else "all_reduce"
         )
+    if isinstance(have, _StridedShard) or isinstance(want, _StridedShard):
+        return "all_gather"  # DTensor goes through a whole tensor, then keeps the piece wanted
     return "all_to_all" if isinstance(want, Shard) else "all_gather"
 
 
+def is_cut(placement: Placement) -> bool:
+    """Whether `placement` cuts the tensor, each device holding one part along its axis: a `Shard`, or
+    DTensor's `_StridedShard` (which torch does not make a `Shard`)."""
+    return isinstance(placement, Shard | _StridedShard)
+
+
 def _cuts(placements: Sequence[Placement], sizes: Sequence[int]) -> int:
-    return math.prod(size for p, size in zip(placements, sizes, strict=True) if isinstance(p, Shard))
+    return math.prod(size for p, size in zip(placements, sizes, strict=True) if is_cut(p))
 
 
 def gradient_layouts(
