@@ -199,3 +199,12 @@ def test_another_systems_ways_apply_to_a_saved_plan(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert (data["plan"]["overlap_p2p"], data["plan"]["grad_dtype"]) == (False, "fp32")
     assert data["breakdown"]["pp_comm"] > 0
+
+
+def test_torchtitan_op_recompute_is_priced_not_planned(capsys):
+    flags = ["simulate", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "4096"]
+    flags += ["--optimizer-level", "3", "--recompute", "torchtitan_op"]
+    assert main([*flags, "--flash-attention", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert main(flags) == 1  # torchtitan's policy saves the fused attention kernel's outputs
+    assert "--recompute torchtitan_op: " in capsys.readouterr().err

@@ -32,3 +32,14 @@ def test_torchtitan_rows_run_fsdp2_in_bf16_reduced_in_fp32():
     assert {(c.plan.dtype, c.plan.grad_precision, c.plan.grad_accumulation) for c in titan} == {
         ("bf16", "fp32", "copy_in_out")
     }
+
+
+def test_torchtitan_selective_op_rows_are_priced_as_its_op_level_policy():
+    # `selective_ac_option = "op"`: every second mm recomputed (TransformerConfig.op_sac_matmuls), not
+    # Korthikanti's attention-core recomputation
+    cases, _ = published_cases()
+    titan = {c.label: c.plan.recompute for c in cases if c.source.startswith("torchtitan")}
+    assert {label for label, policy in titan.items() if policy == "torchtitan_op"} == {
+        label for label in titan if " selective op " in label
+    }
+    assert len([p for p in titan.values() if p == "torchtitan_op"]) == 3

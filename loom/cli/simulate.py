@@ -21,7 +21,15 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
-from loom.cost.plan import GRAD_ACCUMULATIONS, GRAD_DTYPES, GRAD_REDUCES, FieldError, ParallelPlan, light_ends
+from loom.cost.plan import (
+    GRAD_ACCUMULATIONS,
+    GRAD_DTYPES,
+    GRAD_REDUCES,
+    PRICED_RECOMPUTE,
+    FieldError,
+    ParallelPlan,
+    light_ends,
+)
 from loom.cost.slow_links import SlowLinkComparison, compare_sync
 from loom.cost.transformer import TransformerConfig
 from loom.plan import (
@@ -145,7 +153,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--seq", type=positive_int, metavar="N", help=f"sequence length (default {DEFAULT_SEQ})"
     )
-    plan.add_argument("--recompute", choices=RECOMPUTE, help="default none")
+    plan.add_argument(
+        "--recompute", choices=PRICED_RECOMPUTE,
+        help="default none; torchtitan_op prices torchtitan's op-level selective activation checkpointing "
+        "(every other matmul's output saved, all else recomputed; needs --flash-attention), which loom does not run",
+    )  # fmt: skip
     plan.add_argument("--sequence-parallel", action="store_true")
     plan.add_argument("--optimizer-level", type=int, choices=OPTIMIZER_LEVELS, help="default 0")
     plan.add_argument(
@@ -312,7 +324,7 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
     plan = Plan(
         dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=args.attention or "ulysses",
         schedule=args.schedule or default_schedule(interleave),
-        virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=args.recompute or "none",
+        virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=_loom_recompute(args),
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
         precision=args.dtype or "bf16", stages=_stage_layers(args.stage_layers, layers, pp * interleave),
     )  # fmt: skip
@@ -365,10 +377,18 @@ def _plan(
     return priced, args.gpus or priced.devices
 
 
+def _loom_recompute(args: argparse.Namespace) -> str:
+    """The Plan's recompute policy: `--recompute` when loom runs it, else none (a policy only the simulator
+    prices, another system's, is set on the priced plan by `_with_system`)."""
+    return args.recompute if args.recompute in RECOMPUTE else "none"
+
+
 def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
-    """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`); a value the plan cannot take
-    is an impossible plan that names the flag."""
+    """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`, and a `--recompute` policy
+    that only the simulator prices); a value the plan cannot take is an impossible plan that names the flag."""
     given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
+    if args.recompute is not None and args.recompute != _loom_recompute(args):
+        given["recompute"] = args.recompute
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
     try:

@@ -17,6 +17,7 @@ mask hides skipped (the head-tail cut gives every rank and every step the same w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
@@ -35,7 +36,7 @@ from loom.cost.traffic import (
     stage_gather_bytes,
     stage_stream_bytes,
 )
-from loom.cost.transformer import TransformerConfig
+from loom.cost.transformer import ROW_PARALLEL, TransformerConfig
 
 __all__ = ["Costs", "PieceCosts", "cp_span", "gemm_shapes", "piece_costs"]
 
@@ -164,20 +165,12 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     plan = shards_as_rows(plan)  # with cp > 1, what follows is token-local: priced on the rank's rows
     # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
     dt = "fp8" if plan.fp8_matmuls else plan.dtype
-    dev, e, t = cluster.device, DTYPE_BYTES[plan.dtype], plan.tp
-    h, f, tokens = model.hidden, model.ffn, plan.seq * plan.micro_batch
-    replicated = tokens / t if plan.sequence_parallel else tokens
-    routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
-    # with etp < tp each rank routes and permutes only its own tp / etp share of them
-    own = routed * plan.etp / t if model.is_moe else routed
+    dev = cluster.device
     matmul = sum(
         matmul_time(dev, m, k, n, dtype=dt, batch=batch) for m, k, n, batch in _layer_gemms(model, plan)
     )
-    residual = (3 * e + (1 if model.dropout else 0)) * replicated * h * 2  # (dropout +) residual add, twice
-    norms = 2 * e * replicated * h * 2
-    activation = (3 if model.gated_mlp else 2) * e * routed * f / t
-    permute = 4 * e * own * h if model.is_moe else 0.0
-    elementwise = memory_time(dev, residual + norms + activation + permute, kernels=6)
+    moved = _elementwise_bytes(model, plan)
+    elementwise = memory_time(dev, sum(moved.values()), kernels=6)
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
@@ -185,6 +178,56 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
         "ep_comm": _ep_comm(model, plan, cluster, "forward"),
     }
     return costs, core
+
+
+def _elementwise_bytes(model: TransformerConfig, plan: ParallelPlan) -> Costs:
+    """Bytes the memory-bound kernels of one layer's forward move on one rank (`plan` with its rows as
+    `_layer_forward` prices them), by kernel: the two residual adds (and dropouts), the two norms, the MLP's
+    activation (and gate) and a mixture's permutations."""
+    e, t, h = DTYPE_BYTES[plan.dtype], plan.tp, model.hidden
+    tokens = plan.seq * plan.micro_batch
+    replicated = tokens / t if plan.sequence_parallel else tokens
+    routed = tokens * model.top_k  # token-expert pairs this tensor-parallel group computes
+    # with etp < tp each rank routes and permutes only its own tp / etp share of them
+    own = routed * plan.etp / t if model.is_moe else routed
+    dropout = 1 if model.dropout else 0  # a byte mask per element
+    return {
+        "residual": (3 * e + dropout) * replicated * h * 2,  # (dropout +) residual add, twice
+        "norms": 2 * e * replicated * h * 2,
+        "activation": (3 if model.gated_mlp else 2) * e * routed * model.ffn / t,
+        "permute": 4 * e * own * h if model.is_moe else 0.0,
+    }
+
+
+def _op_sac_recompute(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    """What torchtitan's op-level selective checkpointing re-runs of one layer in its backward, on one rank.
+
+    The matmuls it does not save (`TransformerConfig.op_sac_matmuls`: wk, wo, w3 of a Llama layer), each its
+    own GEMM as torchtitan's separate linears run them; every memory-bound kernel (norms, activation, the
+    first residual add), as no elementwise op is in its save list; and the tensor-parallel collectives other
+    than the reduce-scatters it saves (sequence parallelism's all-gathers). The fused attention kernel is
+    saved. torch's non-reentrant checkpoint stops recomputing once the last tensor the backward needs is
+    rebuilt (`set_checkpoint_early_stop`, on by default): w2's input, so the layer's last residual add and,
+    without sequence parallelism, the MLP's all-reduce after w2 are not re-run."""
+    dt, t, tokens = plan.dtype, plan.tp, plan.seq * plan.micro_batch
+    matmul = sum(
+        matmul_time(cluster.device, tokens, k / t if name in ROW_PARALLEL else k,
+                    n if name in ROW_PARALLEL else n / t, dtype=dt)
+        for name, k, n in model.op_sac_matmuls()[1]
+    )  # fmt: skip
+    moved = _elementwise_bytes(model, plan)
+    moved["residual"] /= 2  # the first of the two residual adds
+    rerun = []
+    for c in layer_collectives(model, plan):
+        if c.phase == "forward" and c.kind == "all_gather":
+            rerun.append(c)
+        elif c.phase == "forward" and c.kind == "all_reduce" and c.count > 1:
+            rerun.append(dataclasses.replace(c, count=c.count - 1))  # the MLP's comes after the stop
+    return {
+        "matmul": matmul,
+        "elementwise": memory_time(cluster.device, sum(moved.values()), kernels=5),
+        "tp_comm": _comm(rerun, "forward", plan, cluster),
+    }
 
 
 def _cp_comm(
@@ -259,6 +302,8 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         recompute = dict(fwd)  # the whole forward again, its collectives included
     elif plan.recompute == "selective":
         recompute = {"matmul": 0.0, "elementwise": _total(core)}  # attention core; priced as one lump
+    elif plan.recompute == "torchtitan_op":
+        recompute = _op_sac_recompute(model, plan, cluster)  # cp is 1 (`ParallelPlan` checks it)
     else:
         recompute = {}
     rows = shards_as_rows(plan)  # with cp > 1 the rest is token-local: priced on the rank's rows

@@ -18,7 +18,7 @@ sequence, ring attention none: it works block by block, as a fused kernel does).
 from __future__ import annotations
 
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, check_choice, check_sizes
-from loom.cost.transformer import TransformerConfig
+from loom.cost.transformer import ROW_PARALLEL, TransformerConfig
 
 __all__ = [
     "GRAD_BYTES",
@@ -26,6 +26,7 @@ __all__ = [
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "model_state_bytes",
+    "op_sac_saved_bytes",
 ]
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # mixed-precision Adam, the ZeRO paper's K = 12
@@ -74,6 +75,8 @@ def layer_activation_bytes(
     replicated = tokens / t if sequence_parallel else tokens  # norms, dropouts: sharded only with SP
     if recompute == "full":
         return e * replicated * h  # only the layer's input
+    if recompute == "torchtitan_op":
+        return e * replicated * h + op_sac_saved_bytes(model, tokens, t, sequence_parallel, dtype_bytes)
     q, kv = model.heads * d, model.kv * d
     mask = 1 if model.dropout else 0  # one byte per element
     outside = (
@@ -92,3 +95,20 @@ def layer_activation_bytes(
     # GELU keeps its input and the down projection's input; SwiGLU keeps gate and up outputs and their product
     mlp = e * local * f * (3 if model.gated_mlp else 2) * model.top_k
     return outside + qkv + scores + mlp
+
+
+def op_sac_saved_bytes(
+    model: TransformerConfig, tokens: float, t: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 2
+) -> float:
+    """Bytes of op outputs torchtitan's op-level selective checkpointing keeps for one layer's backward on one
+    tensor-parallel rank, besides the layer's input that the checkpoint holds (`TransformerConfig.
+    op_sac_matmuls`): the saved matmuls' outputs (a row-parallel one is a partial sum over the whole width),
+    the flash attention kernel's output and fp32 log-sum-exp, and with sequence parallelism the two
+    reduce-scatters' outputs. Its cache keeps them all until the backward, needed or not (w2's output is)."""
+    e, local = dtype_bytes, tokens / t
+    matmuls = sum(
+        e * tokens * (n if name in ROW_PARALLEL else n / t) for name, _, n in model.op_sac_matmuls()[0]
+    )
+    attention = e * local * model.heads * model.head_dim + 4 * local * model.heads
+    scattered = 2 * e * local * model.hidden if sequence_parallel and t > 1 else 0.0
+    return matmuls + attention + scattered

@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "OPTIMIZER_LEVELS",
     "PRECISIONS",
+    "PRICED_RECOMPUTE",
     "RECOMPUTE",
     "SCHEDULES",
     "SCHEDULE_VIRTUAL",
@@ -49,7 +50,15 @@ SCHEDULE_VIRTUAL: dict[str, tuple[int, int | None]] = {
 }
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_VIRTUAL)
 SIMULATED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # those the simulator plays
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE: tuple[str, ...] = (
+    "none",
+    "selective",
+    "full",
+)  # what loom's runtime runs (and its planner searches)
+# what the simulator prices: loom's policies and other systems' ("torchtitan_op": torchtitan's op-level
+# selective checkpointing, which saves the outputs of every other matmul and of the fused attention kernels and
+# recomputes the rest; `loom.cost.transformer.TransformerConfig.op_sac_matmuls`). Never a planner choice.
+PRICED_RECOMPUTE: tuple[str, ...] = (*RECOMPUTE, "torchtitan_op")
 OPTIMIZER_LEVELS: tuple[int, ...] = (0, 1, 2, 3)  # MindSpore's optimizer levels, ZeRO's stages
 LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
@@ -147,6 +156,9 @@ class ParallelPlan:
     gradients copied, and cast, into the reduce-scatter buffer ("copy_in_out": PyTorch FSDP2,
     `loom.cost.zero3.copy_in_out_bytes`). Both also run level 2 unit by unit (`unit_sharded`).
 
+    `recompute` is one of `PRICED_RECOMPUTE`: loom's policies (`RECOMPUTE`) or "torchtitan_op", torchtitan's
+    op-level selective checkpointing, priced for its published runs and never chosen by loom's planner.
+
     How activations travel between pipeline stages: `overlap_p2p` (loom's runtime, torch's pipelining and
     Megatron-Core's --overlap-p2p-communication) posts each send and goes on computing, so a transfer only
     delays the stage waiting for it; False: every send holds its device until the transfer ends (Megatron-LM
@@ -188,7 +200,16 @@ class ParallelPlan:
         sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "cp")
         check_sizes(owner, {name: getattr(self, name) for name in sizes})
         check_choice(owner, "attention", self.attention, ATTENTIONS)
-        check_choice(owner, "recompute", self.recompute, RECOMPUTE)
+        check_choice(owner, "recompute", self.recompute, PRICED_RECOMPUTE)
+        if self.recompute == "torchtitan_op" and (
+            not self.flash_attention or self.cp > 1 or self.fp8_matmuls
+        ):
+            # its save list names the fused attention kernels and aten.mm (float8 linears run aten._scaled_mm)
+            raise FieldError(
+                owner, "recompute", self.recompute,
+                "torchtitan's op-level checkpointing is priced with fused attention, bf16/fp16 linears and no "
+                f"context parallelism: set flash_attention, cp = 1 and no fp8_matmuls, or use one of {RECOMPUTE}",
+            )  # fmt: skip
         check_choice(owner, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
         check_choice(owner, "dtype", self.dtype, PRECISIONS)
         check_choice(owner, "grad_dtype", self.grad_dtype, GRAD_DTYPES)

@@ -11,10 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from loom.cost.plan import RECOMPUTE, check_choice
+from loom.cost.plan import PRICED_RECOMPUTE, FieldError, check_choice
 from loom.models.config import NORMS, GPTConfig
 
 __all__ = [
+    "Matmul",
+    "ROW_PARALLEL",
     "TransformerConfig",
     "transformer_config",
     "hf_transformer_config",
@@ -22,6 +24,11 @@ __all__ = [
     "megatron_parameter_count",
     "megatron_recompute_flops",
 ]
+
+Matmul = tuple[str, int, int]  # a linear layer: (name, input features, output features)
+# the linear layers tensor parallelism cuts by their input features (row-parallel: each rank's output is a
+# partial sum of the whole width); the others it cuts by their output features (torchtitan's layer plan)
+ROW_PARALLEL: tuple[str, ...] = ("wo", "w2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,13 +159,41 @@ class TransformerConfig:
         )
         return 3.0 * per_token * batch * seq
 
+    def op_sac_matmuls(self) -> tuple[list[Matmul], list[Matmul]]:
+        """One layer's linear layers as (name, input features, output features) in the order its forward runs
+        them, split into those torchtitan's op-level selective checkpointing saves and those it recomputes.
+
+        Its policy (`torchtitan/parallelisms/parallelize_llama.py` at 395a526, `_custom_policy` with
+        `no_recompute_list`) saves the outputs of `aten.mm`, of the flash and memory-efficient attention
+        kernels and of the functional reduce-scatter, "except every second mm", counting the layer's mm calls
+        from 1 (a fresh count per checkpointed layer and per mode: forward and recompute); every other op is
+        recomputed. The Llama forward calls wq, wk, wv (`Attention.forward`), wo, then w1, w3, w2
+        (`FeedForward.forward`: `w2(silu(w1(x)) * w3(x))`), so wq, wv, w1 and w2 are saved, wk, wo and w3
+        recomputed. Bias-free linears only: a linear with a bias runs `aten.addmm`, which the policy neither
+        counts nor saves; and no mixture of experts (torchtitan's Llama had none)."""
+        if self.is_moe or self.biases or self.fused_qkv:
+            raise FieldError(
+                "TransformerConfig", "recompute", "torchtitan_op",
+                f"{self.name!r} is not torchtitan's dense, bias-free Llama layer (separate wq, wk, wv, no "
+                "experts): price it with none, selective or full",
+            )  # fmt: skip
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv * self.head_dim, self.ffn
+        mlp = [("w1", h, f), ("w3", h, f), ("w2", f, h)] if self.gated_mlp else [("w1", h, f), ("w2", f, h)]
+        order = [("wq", h, q), ("wk", h, kv), ("wv", h, kv), ("wo", q, h), *mlp]
+        return order[0::2], order[1::2]  # the 1st, 3rd, ... mm saved; the 2nd, 4th, ... recomputed
+
     def recompute_flops(self, batch: int, seq: int, recompute: str) -> float:
-        """Extra forward FLOPs that recomputation adds: the whole layers ('full') or attention cores ('selective')."""
-        check_choice("recompute_flops", "recompute", recompute, RECOMPUTE)
+        """Extra forward FLOPs that recomputation adds: the whole layers ('full'), attention cores
+        ('selective') or the matmuls torchtitan's op-level policy does not save ('torchtitan_op': its fused
+        attention kernel is saved)."""
+        check_choice("recompute_flops", "recompute", recompute, PRICED_RECOMPUTE)
         if recompute == "none":
             return 0.0
         layer = self.layer_forward_flops_per_token(seq)
-        per_layer = layer["dense"] + layer["attention"] if recompute == "full" else layer["attention"]
+        if recompute == "torchtitan_op":
+            per_layer = sum(2.0 * k * n for _, k, n in self.op_sac_matmuls()[1])
+        else:
+            per_layer = layer["dense"] + layer["attention"] if recompute == "full" else layer["attention"]
         return per_layer * self.layers * batch * seq
 
     def hardware_flops(self, batch: int, seq: int, recompute: str) -> float:

@@ -190,7 +190,9 @@ def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
     FSDP2 copies every unit's parameters out of its all-gather buffer and its gradients, cast to fp32, into
     its reduce-scatter buffer (`grad_accumulation = "copy_in_out"`)."""
     stem, out, skipped = "torchtitan2024_a100_performance", [], []
-    recompute = {"none": "none", "full": "full", "selective op": "selective"}
+    # "selective op": torchtitan's op-level selective checkpointing (`--activation_checkpoint.mode selective
+    # --activation_checkpoint.selective_ac_option op`), priced as it ran (`TransformerConfig.op_sac_matmuls`)
+    recompute = {"none": "none", "full": "full", "selective op": "torchtitan_op"}
     for row in _rows(stem):
         label = f"{row['model']} {row['recompute']} {row['precision']}"
         reason = "no hardware profile for the H100 94GB HBM2e (lower clocks; peak not published)"
