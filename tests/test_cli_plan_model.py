@@ -171,7 +171,15 @@ def test_the_written_plan_and_a_runner_up_train_as_one_device(builder, dist_run,
     """The best plan on 4 devices under half the weights' states (written with --out), and the dp 2 x tp 2
     runner-up (from --json): each gives one device's losses, gradients and parameters after SGD."""
     out = builder / "plan.json"
-    argv = ["plan", "--model", f"{MODULE}:build", "--gpus", "4", "--memory-limit", repr(STATES_GIB / 2)]
+    argv = [
+        "plan",
+        "--model",
+        f"{MODULE}:build",
+        "--gpus",
+        "4",
+        "--memory-limit",
+        repr(RESERVED_GIB + STATES_GIB / 2),
+    ]
     assert main([*argv, "--out", str(out), "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     runner_up = next(e for e in found["runners_up"] if e["mesh"] == {"dp": 2, "tp": 2})

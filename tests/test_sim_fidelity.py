@@ -263,3 +263,16 @@ def test_jean_zay_has_four_omni_path_links_per_node():
     cluster = jean_zay()
     assert cluster.inter.bandwidth == 4 * 12.5e9 / 8 == 6.25e9  # bytes/s per GPU
     assert cluster.device.name == "a100-80gb" and cluster.gpus_per_node == 8
+
+
+@pytest.mark.parametrize(("level", "accumulation"), [(3, "fused"), (2, "flat_copy")])
+def test_sharded_experts_sync_over_their_own_data_parallel_group_without_a_dense_one(level, accumulation):
+    """dp 1, tp 8, ep 2 with experts whole (edp 4): the experts' units are gathered and reduce-scattered over
+    edp even though the dense parameters have no data-parallel group."""
+    from loom.sim.presets import get_model
+
+    plan = ParallelPlan(dp=1, tp=8, ep=2, expert_tp=1, optimizer_level=level, grad_accumulation=accumulation,
+                        global_batch=16, seq=4096)  # fmt: skip
+    assert plan.edp == 4
+    result = simulate(get_model("mixtral-8x7b"), plan, get_cluster("h100-sxm", 8))
+    assert result.breakdown["fsdp_exposed_comm"] > 0

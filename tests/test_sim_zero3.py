@@ -104,3 +104,16 @@ def test_reduce_scatter_waits_for_its_prepared_gradients():
     ]
     with pytest.raises(ValueError, match="prepare needs scatter"):
         sharded_pass([1.0], [1.0], prepare=[1.0])
+
+
+def test_a_pass_without_gathers_waits_on_no_earlier_scatter():
+    # units kept gathered from the forward (level 2 unit by unit): computes 0-1, 1-2, 2-3; the long scatter of
+    # unit 0 (1-6) delays only the later scatters (6-6.1, 6.1-6.2), never a compute
+    run = sharded_pass([1.0, 1.0, 1.0], None, [5.0, 0.1, 0.1])
+    assert [(k, u, s, e) for k, u, s, e in run.intervals if k == "compute"] == [
+        ("compute", 0, 0.0, 1.0), ("compute", 1, 1.0, 2.0), ("compute", 2, 2.0, 3.0),
+    ]  # fmt: skip
+    assert run.end == pytest.approx(6.2)
+    assert sharded_pass([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [5.0, 0.1, 0.1]).end == pytest.approx(
+        7.1
+    )  # queued gathers

@@ -28,6 +28,7 @@ __all__ = [
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
     "UNIT_COPIES",
+    "UNIT_COPY_LEVELS",
     "GRAD_DTYPES",
     "GRAD_REDUCES",
     "FieldError",
@@ -67,8 +68,10 @@ ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
 GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_in_out")
-# the accumulations whose copies run per level-3 unit (PyTorch FSDP1, FSDP2: `loom.cost.zero3.unit_copy_bytes`)
+# the accumulations whose copies run per sharded unit (PyTorch FSDP1, FSDP2: `loom.cost.zero3.unit_copy_bytes`),
+# and the optimizer levels at which those systems shard units (SHARD_GRAD_OP: 2, FULL_SHARD: 3)
 UNIT_COPIES: tuple[str, ...] = ("flat_copy", "copy_in_out")
+UNIT_COPY_LEVELS: tuple[int, ...] = (2, 3)
 
 
 class FieldError(ValueError):
@@ -225,7 +228,7 @@ class ParallelPlan:
                    if self.optimizer_level == 0
                    else "shards gradients: use reduce_scatter, or optimizer level 0 or 1"),
             )  # fmt: skip
-        if self.grad_accumulation in UNIT_COPIES and self.optimizer_level < 2:
+        if self.grad_accumulation in UNIT_COPIES and self.optimizer_level not in UNIT_COPY_LEVELS:
             raise FieldError(
                 owner, "grad_accumulation", self.grad_accumulation,
                 f"it prices FSDP's per-unit reduce-scatters of optimizer level 3 (FULL_SHARD) or 2 "

@@ -408,6 +408,11 @@ def step_collectives(
     targets (`counted_loss`, Hugging Face's) or a plain mean (loom's GPT). With pp > 1: one `Trainer` step
     of a rank of pipeline rank `pp_rank` under `schedule` (default the plan's), in `accumulation` runs
     (`pipeline_collectives`)."""
+    if plan.grad_accumulation != "fused":
+        raise ValueError(
+            f"step_collectives predicts loom's own runtime, whose gradients accumulate fused; grad_accumulation "
+            f"{plan.grad_accumulation!r} prices another system's run (loom simulate): use 'fused'"
+        )
     if plan.cp > 1 and plan.pp > 1:
         raise ValueError("step_collectives predicts context parallelism without pipelines (pp = 1)")
     if plan.pp > 1:

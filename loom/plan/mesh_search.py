@@ -139,6 +139,11 @@ class MeshSolution:
         return (self.solution.memory_bytes + self.reserved_bytes) / GIB
 
     @property
+    def reserved_gib(self) -> float:
+        """The device's reserved memory within `memory_gib`."""
+        return self.reserved_bytes / GIB
+
+    @property
     def region(self) -> str:
         """The mesh as the search names it ("dp=2 tp=4")."""
         return region(self.mesh)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, UNIT_COPIES, ParallelPlan
+from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, UNIT_COPIES, UNIT_COPY_LEVELS, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.files import byte_size
 from loom.plan.outer_space import (
@@ -52,8 +52,13 @@ class Candidate:
 
     @property
     def memory_gib(self) -> float:
-        """The simulated peak memory per device, GiB."""
+        """The simulated peak memory per device, GiB (the device's reserved memory included)."""
         return self.result.memory_per_device_gib
+
+    @property
+    def reserved_gib(self) -> float:
+        """The device's reserved memory within `memory_gib` (the same for every plan on the device)."""
+        return self.result.memory_breakdown_gib.get("reserved", 0.0)
 
 
 @dataclass
@@ -82,8 +87,8 @@ class SearchResult:
         if slower > 5e-4:
             return f"slower by {slower:.1%}"
         more = candidate.memory_gib - best.memory_gib
-        # a tie below 0.05 GiB, or 5% of the best's memory for a small model
-        if more <= min(0.05, 0.05 * best.memory_gib):
+        # a tie below 0.05 GiB, or 5% of the best's own memory (its reserved part aside) for a small model
+        if more <= min(0.05, 0.05 * (best.memory_gib - best.reserved_gib)):
             return "as good (a tie)"
         return f"as fast, {byte_size(more * GIB)} more memory per device"
 
@@ -224,7 +229,7 @@ def _levels_for(grad_accumulation: str, levels: tuple[int, ...]) -> tuple[int, .
     FSDP's per-unit gradient copies (`UNIT_COPIES`) exist only at levels 2 and 3 (`ParallelPlan`)."""
     if grad_accumulation not in UNIT_COPIES:
         return levels
-    kept = tuple(level for level in levels if level >= 2)
+    kept = tuple(level for level in levels if level in UNIT_COPY_LEVELS)
     if not kept:
         raise ValueError(
             f"search_plans: grad_accumulation {grad_accumulation!r} (PyTorch FSDP's per-unit gradients) runs at "
@@ -269,5 +274,6 @@ def to_plan(candidate: Candidate) -> Plan:
         dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule,
         virtual_stages=p.interleave, micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=p.dtype,
-        predicted_step_s=r.iteration_s, predicted_memory_bytes=int(r.memory_per_device_gib * GIB),
+        predicted_step_s=r.iteration_s,
+        predicted_memory_bytes=int((r.memory_per_device_gib - r.memory_breakdown_gib.get("reserved", 0.0)) * GIB),
     )  # fmt: skip

@@ -96,6 +96,10 @@ class Plan:
     on their inputs as those arrive, by DTensor's rules (an automatic plan's layouts are priced so: its
     parameter layouts and module strategies are the only ones); false, each primitive applies its strategy.
     `recompute` applies to every block unless `recompute_modules` names a policy for a module pattern.
+    `predicted_step_s` and `predicted_memory_bytes`: what the planner that wrote the plan predicted, the
+    memory being the model's own bytes per device (parameters, gradients, optimizer states, activations),
+    without the device's reserved memory (runtime context, allocator slack) that `loom simulate` and
+    `loom plan` add to what they print: the quantity `loom.parallelize(mode="auto", memory_limit=)` bounds.
     """
 
     dp: int = -1

@@ -44,17 +44,18 @@ class ShardedPass:
 
 def sharded_pass(
     compute: Sequence[float],
-    gather: Sequence[float],
+    gather: Sequence[float] | None,
     scatter: Sequence[float] | None = None,
     *,
     prefetch: int = PREFETCH_DEPTH,
     prepare: Sequence[float] | None = None,
 ) -> ShardedPass:
-    """Play units with compute `compute[i]` after all-gathers `gather[i]` (and, in backward, reduce-scatters
+    """Play units with compute `compute[i]` after all-gathers `gather[i]` (None: the units are gathered
+    already, as in a backward that keeps them from its forward; and, in backward, reduce-scatters
     `scatter[i]` after each compute, each after `prepare[i]` seconds of work on a stream of its own) on
     two streams; see the module's docstring."""
     n = len(compute)
-    if len(gather) != n or (scatter is not None and len(scatter) != n):
+    if (gather is not None and len(gather) != n) or (scatter is not None and len(scatter) != n):
         raise ValueError("sharded_pass: compute, gather and scatter need one entry per unit")
     if prepare is not None and (scatter is None or len(prepare) != n):
         raise ValueError("sharded_pass: prepare needs scatter and one entry per unit")
@@ -71,14 +72,14 @@ def sharded_pass(
         intervals.append((kind, unit, start, comm_free))
         return comm_free
 
-    for unit in range(min(prefetch, n)):  # issued before the pass's first compute
+    for unit in range(min(prefetch, n) if gather is not None else 0):  # issued before the first compute
         gathered[unit] = issue("all_gather", unit, 0.0, gather[unit])
     compute_free = prepare_free = 0.0
     for unit in range(n):
         start = max(compute_free, gathered[unit])
         compute_free = start + compute[unit]
         intervals.append(("compute", unit, start, compute_free))
-        if unit + prefetch < n:
+        if gather is not None and unit + prefetch < n:
             gathered[unit + prefetch] = issue("all_gather", unit + prefetch, start, gather[unit + prefetch])
         if scatter is not None:
             ready = compute_free

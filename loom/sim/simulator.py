@@ -169,8 +169,8 @@ def _stage_durations(model: TransformerConfig, plan: ParallelPlan, cluster: Clus
 
 
 def _gathers(plan: ParallelPlan) -> int:
-    """All-gathers of each unit per micro-batch: before its forward and again before its backward at
-    optimizer level 3; only before its forward where level 2 runs unit by unit (`unit_sharded`)."""
+    """All-gathers of each unit per micro-batch of a unit-sharded plan (`unit_sharded`): before its forward
+    and again before its backward at optimizer level 3; only before its forward at level 2."""
     return 2 if plan.optimizer_level == 3 else 1
 
 
@@ -199,7 +199,7 @@ def _copy_out(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) ->
 
 
 def _stage_units(model: TransformerConfig, plan: ParallelPlan, stage: int) -> list[UnitBytes]:
-    """The level-3 units of virtual stage `stage` in forward order, by their gathered bytes per device:
+    """The sharded units (`unit_sharded`) of virtual stage `stage` in forward order, by their gathered bytes per device:
     the embedding (first stage), its layers, the head (last stage)."""
     units = [layer_unit_bytes(model, plan)] * plan.chunk_layers(model.layers)[stage]
     if stage == 0:
@@ -236,7 +236,7 @@ def _unit_copy_times(
 def _fsdp_exposed(
     plan: ParallelPlan, rank: int, plain: tuple[list, list], sharded: tuple[list, list]
 ) -> float:
-    """Seconds pipeline rank `rank` spends per iteration waiting on level-3 all-gathers and reduce-scatters
+    """Seconds pipeline rank `rank` spends per iteration waiting on the sharded units' all-gathers and reduce-scatters
     that compute did not hide (its tasks' sharded durations beyond their compute)."""
     stages = range(rank, plan.virtual_stages, plan.pp)
     extra = sum(sharded[k][v] - plain[k][v] for k in (0, 1) for v in stages)
@@ -272,10 +272,11 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
         copy_out, copy, prepare = _unit_copy_times(model, plan, cluster, stage)
         forward.append(sharded_pass([c[0] + out for c, out in zip(costs, copy_out, strict=True)], gather).end)
+        regathered = gather[::-1]
         if _gathers(plan) == 1:  # level 2 unit by unit: the units stay gathered from forward to backward
-            gather, copy_out = [0.0] * len(units), [0.0] * len(units)
+            regathered, copy_out = None, [0.0] * len(units)
         computes = [c[1] + out + seconds for c, out, seconds in zip(costs, copy_out, copy, strict=True)]
-        backward.append(sharded_pass(computes[::-1], gather[::-1], scatter[::-1], prepare=prepare[::-1]).end)
+        backward.append(sharded_pass(computes[::-1], regathered, scatter[::-1], prepare=prepare[::-1]).end)
     return forward, backward
 
 
@@ -378,7 +379,7 @@ def simulate(
     pieces = piece_costs(model, plan, cluster)
     forward, backward = plain = _stage_durations(model, plan, cluster, pieces)
     rows = shards_as_rows(plan)  # gradients reduced, states sharded over dp x cp
-    if rows.unit_sharded and rows.dp > 1:
+    if rows.unit_sharded and (rows.dp > 1 or rows.edp > 1):  # dense units over dp, experts over edp
         chunks = plan.chunk_layers(model.layers)
         forward, backward = _sharded_durations(model, rows, cluster, pieces, chunks)
     orders = device_orders(plan.schedule, plan.pp, plan.interleave, plan.micro_batches)
@@ -402,7 +403,7 @@ def simulate(
     breakdown = _breakdown(
         plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation, copy_out
     )
-    # exposed level-3 communication lengthens the tasks (busy time) beyond the compute the rows above count
+    # exposed communication of sharded units lengthens the tasks (busy time) beyond the compute the rows above count
     breakdown["fsdp_exposed_comm"] = _fsdp_exposed(plan, slowest, plain, (forward, backward))
     return SimResult(
         iteration_s=iteration,
