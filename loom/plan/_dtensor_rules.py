@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 from torch.utils import _pytree as pytree
 
-__all__ = ["PRIVATE_API", "Proposal", "axis_mesh", "check", "propose"]
+__all__ = ["PRIVATE_API", "Proposal", "axis_mesh", "check", "is_cut", "is_strided", "propose"]
 
 PRIVATE_API = (
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
@@ -43,10 +43,24 @@ PRIVATE_API = (
     "torch.distributed.tensor._op_schema.OpSchema",
     "torch.distributed.tensor._op_schema.OutputSharding.output_spec / .redistribute_schema",
     "DeviceMesh(..., _init_backend=False, _rank=0)",
+    "torch.distributed.tensor.placement_types._StridedShard (a view's cut of a flattened dim)",
 )
 """The private pieces of torch this module relies on (what `check` verifies)."""
 
 aten = torch.ops.aten
+
+
+def is_strided(placement: Placement) -> bool:
+    """Whether `placement` is DTensor's `_StridedShard`: the cut of a dim made by flattening a tensor cut along
+    a later dim (a view's output). Asked before `Shard` everywhere: torch made it a `Shard` subclass before
+    it isolated it (pytorch#167887), so `isinstance(p, Shard)` alone answers differently across versions."""
+    return isinstance(placement, _StridedShard)
+
+
+def is_cut(placement: Placement) -> bool:
+    """Whether `placement` cuts the tensor, each device holding one part along its axis: a `Shard` or a
+    strided cut (`is_strided`)."""
+    return isinstance(placement, Shard) or is_strided(placement)
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,9 @@ def check() -> list[str]:
         from torch.distributed.tensor._op_schema import OpSchema, OutputSharding  # noqa: F401
     except ImportError as error:
         problems.append(f"DTensor's spec classes moved: {error}")
+    strided = _StridedShard(0, split_factor=2)
+    if (strided.dim, strided.split_factor) != (0, 2):
+        problems.append("_StridedShard(dim, split_factor=) no longer keeps its dim and split factor")
     if problems:
         return problems
     from torch.distributed.tensor import Partial, Shard

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
+from loom.plan._dtensor_rules import is_strided
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
 from loom.plan.redistribute import axis_spans, gradient_layouts, is_cut, redistribution
 from loom.plan.space import Candidate, Placements, StrategySpace, layouts, strategy_space
@@ -262,8 +263,8 @@ def _code(placements: Placements) -> tuple[int | tuple[int, int], ...]:
     partial): cheap to hash, so that every block's edges, which repeat the same few sizes and layouts, are
     priced once. A strided cut has a code of its own: read as whole, its moves were priced as free."""
     return tuple(
-        p.dim if isinstance(p, Shard)
-        else (p.dim, p.split_factor) if is_cut(p)
+        (p.dim, p.split_factor) if is_strided(p)
+        else p.dim if isinstance(p, Shard)
         else -2 if p.is_partial()
         else -1
         for p in placements

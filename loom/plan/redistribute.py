@@ -40,10 +40,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.hardware import Cluster
+from loom.plan._dtensor_rules import is_cut, is_strided
 from loom.plan.space import Placements
 
 __all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "is_cut", "redistribution"]
@@ -190,14 +191,15 @@ def _span(
 
 def _strided(change: tuple) -> bool:
     """Whether a change (kind, source key, target) moves from or to a `_StridedShard`."""
-    return isinstance(change[1], _StridedShard) or isinstance(change[2], _StridedShard)
+    return is_strided(change[1]) or is_strided(change[2])
 
 
 def _kind(have: Placement, want: Placement) -> str | None:
     if have == want or isinstance(have, Replicate):
         return None
     if isinstance(have, Partial):
-        # to a strided cut: summed whole first (DTensor's `_reduce_value`), then each keeps its piece
+        if is_strided(want):  # summed whole first (DTensor's `_reduce_value`), then each keeps its piece
+            return "all_reduce"
         return (
             "reduce_scatter"
             if isinstance(want, Shard)
@@ -205,15 +207,9 @@ def _kind(have: Placement, want: Placement) -> str | None:
             if isinstance(want, Partial)
             else "all_reduce"
         )
-    if isinstance(have, _StridedShard) or isinstance(want, _StridedShard):
+    if is_strided(have) or is_strided(want):
         return "all_gather"  # DTensor goes through a whole tensor, then keeps the piece wanted
     return "all_to_all" if isinstance(want, Shard) else "all_gather"
-
-
-def is_cut(placement: Placement) -> bool:
-    """Whether `placement` cuts the tensor, each device holding one part along its axis: a `Shard`, or
-    DTensor's `_StridedShard` (which torch does not make a `Shard`)."""
-    return isinstance(placement, Shard | _StridedShard)
 
 
 def _cuts(placements: Sequence[Placement], sizes: Sequence[int]) -> int:

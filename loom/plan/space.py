@@ -264,7 +264,7 @@ def _share(node: Node, infos: list[TensorInfo], ins: Sequence[Placement], outs: 
 
 def _local(info: TensorInfo, placement: Placement, size: int) -> tuple[int, ...]:
     shape = list(info.shape)
-    if isinstance(placement, Shard):
+    if _dtensor_rules.is_cut(placement):
         shape[placement.dim] = -(-shape[placement.dim] // size)
     return tuple(shape)
 
@@ -311,7 +311,7 @@ def _fits(info: TensorInfo, placements: Placements, sizes: Sequence[int]) -> boo
     """No dim is cut into more parts than it has, and the parts are even."""
     cuts = [1] * info.ndim
     for placement, size in zip(placements, sizes, strict=True):
-        if isinstance(placement, Shard):
+        if _dtensor_rules.is_cut(placement):
             if placement.dim >= info.ndim:
                 return False
             cuts[placement.dim] *= size
@@ -344,6 +344,8 @@ def _standing_nodes(graph: Graph) -> list[str]:
 
 
 def _short(placement: Placement) -> str:
+    if _dtensor_rules.is_strided(placement):
+        return f"S({placement.dim}/{placement.split_factor})"
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Partial):

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from loom.plan._dtensor_rules import is_strided
 from loom.plan.graph import Graph
 from loom.plan.plan import Plan
 from loom.plan.problem import requirement
@@ -59,9 +60,14 @@ def _axis_of_size(cuts: int, mesh: Mapping[str, int], used: dict, spec: Any, whe
 
 
 def tensor_spec(ps: Placements, ndim: int, mesh: Mapping[str, int]) -> list | None:
-    """The tensor map of placements (None when some axis holds a partial sum, which a spec cannot say)."""
+    """The tensor map of placements (None when some axis holds a partial sum, which a spec cannot say). Only
+    views make strided cuts, and no spec is written of a view's output: one here is a planner bug."""
     if any(isinstance(p, Partial) for p in ps):
         return None
+    if any(is_strided(p) for p in ps):
+        raise ValueError(
+            f"tensor_spec: a strided cut {ps} has no tensor spec (only a view's output is cut so)"
+        )
     per_dim: list[list[str]] = [[] for _ in range(ndim)]
     for axis, p in zip(mesh, ps, strict=True):
         if isinstance(p, Shard):
