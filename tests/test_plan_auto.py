@@ -395,7 +395,9 @@ class _DTensorProducts(torch.overrides.TorchFunctionMode):
 
 def _pending_inputs() -> tuple[torch.Tensor, list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(4, 6, 8, generator=generator), [torch.randn(8, 4, generator=generator) for _ in range(3)]
+    return torch.randn(4, 6, 8, generator=generator), [
+        torch.randn(8, 4, generator=generator) for _ in range(3)
+    ]
 
 
 def test_a_matmul_of_pending_inputs_sums_them_and_computes_as_one_device(dist_run):

@@ -246,7 +246,10 @@ class BatchMatMul(MatMul):
             parts = math.prod(sizes[axis] for axis in (*layout.dim_axes[k], *layout.partial))
             onto = layout.partial if tensor.shape[k] % parts == 0 else ()
             target = TensorLayout(
-                tuple(tuple(sorted((*axes, *onto))) if dim == k else axes for dim, axes in enumerate(layout.dim_axes))
+                tuple(
+                    tuple(sorted((*axes, *onto))) if dim == k else axes
+                    for dim, axes in enumerate(layout.dim_axes)
+                )
             )
             summed.append(to_layout(tensor, target, mesh, f"{self.name} input {name}"))
         return tuple(summed)
