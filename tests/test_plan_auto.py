@@ -352,6 +352,78 @@ def test_a_matmul_of_unlike_inputs_moves_the_smaller_and_computes_as_one_device(
         torch.testing.assert_close(w_grad, w.grad, rtol=RTOL, atol=GRAD_ATOL)
 
 
+def pending_inputs_case() -> tuple:
+    """loom.ops BatchMatMuls following their inputs as attention's do under the planner's layouts on dp x tp:
+    the activation's batch cut over tp and features over dp, projection weights cut along that contracted
+    dim over dp, so queries, keys and values are pending sums over dp; then queries x keys and scores x
+    values, each a product of two pending sums. The placements, the output, and the gradients of the
+    activation and the weights, whole."""
+    from loom.layout import TensorLayout, to_layout
+    from loom.ops import BatchMatMul
+
+    mesh = loom.init(MESH)
+    x, weights = _pending_inputs()
+    xd = to_layout(x.clone().requires_grad_(), TensorLayout(((1,), (), (0,))), mesh)  # canonical: dp, tp
+    wds = [to_layout(w.clone().requires_grad_(), TensorLayout(((0,), ())), mesh) for w in weights]
+    for t in (xd, *wds):
+        t.retain_grad()
+    project, scores, mix = BatchMatMul(), BatchMatMul(transpose_b=True), BatchMatMul()
+    for matmul in (project, scores, mix):
+        matmul.mesh, matmul.follow_inputs = mesh, True
+    with _DTensorProducts() as products:
+        q, k, v = (project(xd, w) for w in wds)
+        pending = [str(t.placements) for t in (q, k, v)]
+        out = mix(scores(q, k), v)
+    assert not products.seen, f"DTensor's matmul rule ran: {products.seen}"
+    (out * out).sum().backward()
+    pending.append(str(out.placements))
+    return pending, loom.full(out), loom.full(xd.grad), [loom.full(w.grad) for w in wds]
+
+
+class _DTensorProducts(torch.overrides.TorchFunctionMode):
+    """Records each torch.matmul given a DTensor (left to DTensor's rule rather than computed locally)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.matmul and any(isinstance(a, torch.distributed.tensor.DTensor) for a in args):
+            self.seen.append(", ".join(str(getattr(a, "placements", "plain")) for a in args))
+        return func(*args, **(kwargs or {}))
+
+
+def _pending_inputs() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(4, 6, 8, generator=generator), [
+        torch.randn(8, 4, generator=generator) for _ in range(3)
+    ]
+
+
+def test_a_matmul_of_pending_inputs_sums_them_and_computes_as_one_device(dist_run):
+    """Each pending input is reduce-scattered onto its contracted dim by the primitive itself (DTensor's rule,
+    on 8 ranks' 3-D meshes, spent minutes choosing), and the products are one device's."""
+    x, weights = _pending_inputs()
+    x.requires_grad_()
+    for w in weights:
+        w.requires_grad_()
+    q, k, v = (x @ w for w in weights)
+    out = (q @ k.mT) @ v
+    (out * out).sum().backward()
+    # three chained products sum in another order than one device's: fp32 rounding relative to each
+    # tensor's largest entry (a few hundred for the output), not to the entry itself
+    close = lambda got, want: torch.testing.assert_close(  # noqa: E731
+        got, want, rtol=RTOL, atol=RTOL * want.abs().max().item()
+    )
+    for pending, got, x_grad, w_grads in dist_run(4, pending_inputs_case):
+        # q, k, v, and the output: pending over dp, its batch cut over tp, as the local products leave it
+        assert pending == ["(Partial(sum), Shard(dim=0))"] * 4, pending
+        close(got, out.detach())
+        close(x_grad, x.grad)
+        for w_grad, w in zip(w_grads, weights, strict=True):
+            close(w_grad, w.grad)
+
+
 class _Branchy(nn.Module):
     """A model whose forward branches on a tensor's value: no graph can hold it."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -194,10 +195,15 @@ class BatchMatMul(MatMul):
                     seen.setdefault(label, set()).add(dim_axes)
         used = [axis for dim_axes in axes.values() for axis in dim_axes]
         pending = any(p.is_partial() for t in (x, w) for p in t.placements)
-        if pending or len(used) != len(set(used)) or any(len(cuts) > 1 for cuts in seen.values()):
+        if pending:
+            # a pending input (the automatic planner's projections with a cut contracted dim) is summed here
+            # as the planner prices it; DTensor's rule would search every strategy over the mesh for it
+            summed = self._summed(x, w, x_labels, w_labels)
+            return super().compute(x, w) if summed is None else self.compute(*summed)
+        if len(used) != len(set(used)) or any(len(cuts) > 1 for cuts in seen.values()):
             # inputs no strategy laid out alike (the automatic planner's layouts): the local product cannot
             # say its output; the smaller input takes the other's cuts, or DTensor's rule moves them
-            fitted = self._fitted(x, w, x_labels, w_labels) if not pending else None
+            fitted = self._fitted(x, w, x_labels, w_labels)
             if fitted is None or (fitted[0] is x and fitted[1] is w):  # nothing moved: no local product
                 return super().compute(x, w)
             return self.compute(*fitted)
@@ -213,6 +219,40 @@ class BatchMatMul(MatMul):
             shape=torch.Size([*batch, i, j]),
             stride=torch.empty(0).new_empty([*batch, i, j]).stride(),
         )
+
+    def _summed(self, x: DTensor, w: DTensor, x_labels: str, w_labels: str) -> tuple | None:
+        """`x` and `w` with each pending sum reduce-scattered onto that input's contracted dim (all-reduced
+        where the dim does not divide by the cuts), then laid out alike by `compute`; None when not both are
+        DTensors on this primitive's mesh.
+
+        The planner prices a pending input of a product as one reduce-scatter on the edge into it (the
+        edges run through the views between, which carry the pending sum at run time). Onto the contracted
+        dim, both inputs of a product of two pending sums (queries and keys after projections whose
+        contracted dim is cut over dp) end cut alike there, and the product is pending again, as the
+        planner chose. DTensor's own matmul rule, given a pending input on a mesh of 3 or more dims, prices
+        every expanded strategy with its graph-based redistribution planner: minutes for one product of
+        loom's GPT on 8 ranks (docs/planner.md, "8 ranks")."""
+        mesh = self.mesh
+        if mesh is None or not isinstance(w, DTensor) or x.device_mesh != mesh.device_mesh:
+            return None
+        sizes = mesh.device_mesh.shape
+        summed = []
+        for name, tensor, labels in (("x", x, x_labels), ("w", w, w_labels)):
+            layout = layout_of(tensor)
+            if not layout.partial:
+                summed.append(tensor)
+                continue
+            k = labels.index("k")
+            parts = math.prod(sizes[axis] for axis in (*layout.dim_axes[k], *layout.partial))
+            onto = layout.partial if tensor.shape[k] % parts == 0 else ()
+            target = TensorLayout(
+                tuple(
+                    tuple(sorted((*axes, *onto))) if dim == k else axes
+                    for dim, axes in enumerate(layout.dim_axes)
+                )
+            )
+            summed.append(to_layout(tensor, target, mesh, f"{self.name} input {name}"))
+        return tuple(summed)
 
     def _fitted(self, x: DTensor, w: DTensor, x_labels: str, w_labels: str) -> tuple | None:
         """`x` and `w` with the smaller one moved to the other's cuts of their shared dims, its own dims
