@@ -208,3 +208,26 @@ def test_torchtitan_op_recompute_is_priced_not_planned(capsys):
     assert json.loads(capsys.readouterr().out)["fits"] is True
     assert main(flags) == 1  # torchtitan's policy saves the fused attention kernel's outputs
     assert "--recompute torchtitan_op: " in capsys.readouterr().err
+
+
+def test_tp_comm_overlap_hides_tensor_parallel_collectives_and_needs_sequence_parallelism(capsys):
+    """--tp-comm-overlap sets `overlap_tp_comm`: less tp_comm exposed; refused, naming the flag, where
+    sequence parallelism is off."""
+
+    def priced(*flags: str) -> dict:
+        assert main(["simulate", *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain, overlapped = priced(*GPT3), priced(*GPT3, "--tp-comm-overlap")
+    assert overlapped["plan"]["overlap_tp_comm"] and not plain["plan"]["overlap_tp_comm"]
+    assert 0 < overlapped["breakdown"]["tp_comm"] < plain["breakdown"]["tp_comm"]
+    assert overlapped["iteration_s"] < plain["iteration_s"]
+    without_sp = [flag for flag in GPT3 if flag != "--sequence-parallel"]
+    assert main(["simulate", *without_sp, "--recompute", "full", "--tp-comm-overlap"]) == 1
+    message = capsys.readouterr().err
+    assert "--tp-comm-overlap True: it overlaps sequence parallelism's all-gathers" in message, message
+    assert main(["simulate", *GPT3, "--tp-comm-overlap", "--gpus-per-node", "4"]) == 1
+    message = capsys.readouterr().err
+    assert (
+        "--tp-comm-overlap: overlap_tp_comm: Transformer Engine's userbuffers exchange over NVLink" in message
+    )

@@ -43,3 +43,14 @@ def test_torchtitan_selective_op_rows_are_priced_as_its_op_level_policy():
         label for label in titan if " selective op " in label
     }
     assert len([p for p in titan.values() if p == "torchtitan_op"]) == 3
+
+
+def test_tp_comm_overlap_is_set_where_the_system_ran_it():
+    # NeMo's and Megatron-Bridge's perf recipes overlap tp communication with the GEMMs wherever tp > 1; the
+    # ModelZoo's yaml does not, nor did Megatron-LM of 2021-22 (no Transformer Engine), BLOOM or torchtitan
+    cases, _ = published_cases()
+    overlapped = {(c.source, c.label) for c in cases if c.plan.overlap_tp_comm}
+    assert overlapped == {
+        (c.source, c.label) for c in cases if c.source.startswith("nvidia") and c.plan.tp > 1
+    }
+    assert {label.split()[0] for _, label in overlapped} == {"llama3_70b"}

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
+from loom.cost.layer import check_tp_overlap
 from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
@@ -114,7 +115,8 @@ MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
-SYSTEM_FLAGS += ("scatter_gather_p2p",)
+SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap")
+FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +208,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--scatter-gather-p2p",
         action="store_true",
         help="each tp rank sends 1/tp of a stage's activations, gathered over tp on arrival",
+    )
+    system.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="sequence parallelism's all-gathers and reduce-scatters pipelined with the GEMMs in chunks "
+        "(Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers; needs --sequence-parallel, tp > 1)",
     )
     slow = parser.add_argument_group(
         "replicas over a slow link (the plan above is one replica): synchronous data parallelism vs DiLoCo"
@@ -391,12 +399,16 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
         given["recompute"] = args.recompute
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
+    for flag, field in FLAG_FIELDS.items():
+        if flag in given:
+            given[field] = given.pop(flag)
     try:
         return plan.replace(**given)
     except FieldError as error:
         if error.key not in given:
             raise
-        raise PlanError([f"--{error.key.replace('_', '-')} {error.value}: {error.fix}"]) from None
+        flag = next((flag for flag, field in FLAG_FIELDS.items() if field == error.key), error.key)
+        raise PlanError([f"--{flag.replace('_', '-')} {error.value}: {error.fix}"]) from None
 
 
 def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:
@@ -409,6 +421,14 @@ def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:
                 f"use --hardware with fp8 ({', '.join(with_fp8)}), or leave out --fp8-matmuls"
             ]
         )
+
+
+def _check_tp_overlap(plan: ParallelPlan, cluster: Cluster) -> None:
+    """`--tp-comm-overlap` needs the tp group inside a node (`loom.cost.layer.check_tp_overlap`)."""
+    try:
+        check_tp_overlap(plan, cluster)
+    except ValueError as exc:
+        raise PlanError([f"--tp-comm-overlap: {exc}"]) from None
 
 
 def _json(
@@ -469,7 +489,8 @@ def _print(
         f"[bold]{model.name}[/] ({_count(model.parameter_count())} parameters) on {cluster.gpus} x {cluster.name} "
         f"({cluster.gpus_per_node} per node): dp {p.dp} tp {p.tp} pp {p.pp} interleave {p.interleave} ep {p.ep}, "
         f"micro-batch {p.micro_batch} x {p.micro_batches}, global batch {p.global_batch} x {p.seq} tokens, "
-        f"recompute {p.recompute}{', sequence parallel' if p.sequence_parallel else ''}, "
+        f"recompute {p.recompute}{', sequence parallel' if p.sequence_parallel else ''}"
+        f"{' (tp communication overlapped with GEMMs)' if p.overlap_tp_comm else ''}, "
         f"optimizer level {p.optimizer_level}, {p.schedule}"
         + (f", cp {p.cp} ({p.attention} attention)" if p.cp > 1 else "")
     )
@@ -604,6 +625,7 @@ def execute(args: argparse.Namespace) -> int:
         plan, gpus = _plan(args, config, saved, model.layers)
         cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
         _check_fp8(plan, cluster, args.hardware)
+        _check_tp_overlap(plan, cluster)
         result = simulate(model, plan, cluster, record=bool(args.timeline))
     except PlanError as exc:
         if args.json:

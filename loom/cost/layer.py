@@ -2,8 +2,9 @@
 
 Each piece is a dict of named components in seconds, so that the simulator can report where time goes:
 "matmul" (GEMMs), "elementwise" (memory-bound kernels: norms, activations, softmax, dropout, residuals),
-"tp_comm" (tensor/sequence-parallel collectives, not overlapped, as in Megatron; the collectives are those
-`loom.cost.traffic` predicts, priced one by one), "ep_comm" (expert-parallel all-to-alls) and "cp_comm"
+"tp_comm" (tensor/sequence-parallel collectives, the ones `loom.cost.traffic` predicts, priced one by one,
+not overlapped, as in Megatron without --tp-comm-overlap; with `ParallelPlan.overlap_tp_comm` what
+`overlapped_tp_time` leaves exposed), "ep_comm" (expert-parallel all-to-alls) and "cp_comm"
 (context-parallel attention's exchanges over the cp group, `loom.cost.context`: what compute leaves
 exposed). Backward runs two GEMMs per forward GEMM (input and weight gradients) and moves about twice the
 bytes of each elementwise kernel.
@@ -35,14 +36,19 @@ from loom.cost.traffic import (
     shards_as_rows,
     stage_gather_bytes,
     stage_stream_bytes,
+    stream_bytes,
 )
 from loom.cost.transformer import ROW_PARALLEL, TransformerConfig
 
-__all__ = ["Costs", "PieceCosts", "cp_span", "gemm_shapes", "piece_costs"]
+__all__ = [
+    "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "gemm_shapes", "overlapped_tp_time",
+    "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
+]  # fmt: skip
 
 Costs = dict[str, float]
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
+UB_PIPELINE_SPLITS = 4  # Transformer Engine's `initialize_ub` default num_splits for its "pipeline" method
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,20 +170,101 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     core = _attention_core(model, plan, cluster)
     plan = shards_as_rows(plan)  # with cp > 1, what follows is token-local: priced on the rank's rows
     # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
-    dt = "fp8" if plan.fp8_matmuls else plan.dtype
-    dev = cluster.device
-    matmul = sum(
-        matmul_time(dev, m, k, n, dtype=dt, batch=batch) for m, k, n, batch in _layer_gemms(model, plan)
-    )
+    matmul = sum(_linear_times(model, plan, cluster))
     moved = _elementwise_bytes(model, plan)
-    elementwise = memory_time(dev, sum(moved.values()), kernels=6)
+    elementwise = memory_time(cluster.device, sum(moved.values()), kernels=6)
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
-        "tp_comm": _comm(layer_collectives(model, plan), "forward", plan, cluster),
+        "tp_comm": _layer_tp_comm(model, plan, cluster, "forward"),
         "ep_comm": _ep_comm(model, plan, cluster, "forward"),
     }
     return costs, core
+
+
+def _linear_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
+    """Seconds of each linear layer's forward GEMM of one layer on one rank, in `_layer_gemms`' order (query/
+    key/value, output projection, MLP in, MLP out, router); fp8 recipes run them in fp8."""
+    dt = "fp8" if plan.fp8_matmuls else plan.dtype
+    return [
+        matmul_time(cluster.device, m, k, n, dtype=dt, batch=batch)
+        for m, k, n, batch in _layer_gemms(model, plan)
+    ]
+
+
+def _layer_tp_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
+    """Seconds of one layer's tensor-parallel collectives in `phase` left on its critical path: all of them,
+    one after the other, or with `overlap_tp_comm` the sequence-parallel ones of each overlapped block hidden
+    behind the GEMMs they are pipelined with (`overlapped_tp_time`)."""
+    exposed = _comm(layer_collectives(model, plan), phase, plan, cluster)
+    if not plan.overlap_tp_comm:
+        return exposed
+    check_tp_overlap(plan, cluster)
+    span = _span("tp", plan, cluster)
+    nbytes = stream_bytes(model, plan)
+    gather, scatter = (
+        collective_time(kind, nbytes, span, cluster) for kind in ("all_gather", "reduce_scatter")
+    )
+    times = _linear_times(model, plan, cluster)
+    # (column-parallel GEMM, row-parallel GEMM) of each block Transformer Engine's userbuffers serve: the
+    # attention's, and a dense MLP's (a mixture's experts run TE's grouped linears, which have none)
+    blocks = [(times[0], times[1])] + ([] if model.is_moe else [(times[2], times[3])])
+    for column, row in blocks:
+        # the pair was priced above one after the other; what is left exposed is the overlapped time beyond
+        # the GEMMs it runs beside (priced in "matmul"): forward the two GEMMs, backward the row-parallel
+        # one's input gradient and the column-parallel one's weight gradient, each its forward's time
+        exposed += overlapped_tp_time(column, row, gather, scatter, plan.tp, phase) - (column + row)
+        exposed -= gather + scatter
+    return exposed
+
+
+def check_tp_overlap(plan: ParallelPlan, cluster: Cluster) -> None:
+    """A ValueError naming the fix when `plan.overlap_tp_comm` cannot run on `cluster`: userbuffers map the
+    tp ranks' buffers into each other over NVLink, so the tp group must fit in a node."""
+    if plan.overlap_tp_comm and _span("tp", plan, cluster).crosses_nodes:
+        raise ValueError(
+            f"overlap_tp_comm: Transformer Engine's userbuffers exchange over NVLink, so the tp group must fit in "
+            f"a node (tp={plan.tp}, {cluster.gpus_per_node} GPUs per node): lower tp, or leave overlap_tp_comm off"
+        )
+
+
+def overlapped_tp_time(
+    column: float, row: float, gather: float, scatter: float, tp: int, phase: str
+) -> float:
+    """Seconds of one tensor-parallel block's overlapped GEMMs and collectives under Transformer Engine's
+    userbuffers (`initialize_ub`'s default methods, which NeMo's and Megatron-Bridge's H100 configs keep):
+    `column`, `row` the block's column- and row-parallel GEMMs (one pass, seconds), `gather`, `scatter` its
+    sequence-parallel all-gather and reduce-scatter of the stream over `tp` ranks.
+
+    forward: the all-gather before the column-parallel GEMM is a ring exchange (`ring_exchange_time`), the
+    reduce-scatter after the row-parallel GEMM is pipelined in `UB_PIPELINE_SPLITS` chunks
+    (`pipelined_scatter_time`). backward: the output gradient's all-gather before the row-parallel GEMM's
+    input gradient is a ring exchange again; the column-parallel input gradient's reduce-scatter runs whole
+    beside that layer's weight-gradient GEMM ("bulk": the longer of the two). No slowdown of the GEMMs while
+    they share the GPU with the communication kernels is priced (none is published)."""
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"overlapped_tp_time: phase {phase!r} is not 'forward' or 'backward'")
+    if phase == "forward":
+        return ring_exchange_time(column, gather, tp) + pipelined_scatter_time(
+            row, scatter, UB_PIPELINE_SPLITS
+        )
+    return ring_exchange_time(row, gather, tp) + max(column, scatter)
+
+
+def ring_exchange_time(gemm: float, gather: float, tp: int) -> float:
+    """Seconds of a GEMM on an all-gathered input done as userbuffers' ring exchange: tp steps, each the GEMM
+    of one rank's chunk (gemm / tp) while the next chunk arrives from the neighbour (gather / (tp - 1) per
+    hop); the first chunk is the rank's own, so only the last GEMM chunk cannot overlap a transfer."""
+    step, hop = gemm / tp, gather / (tp - 1)
+    return (tp - 1) * max(step, hop) + step
+
+
+def pipelined_scatter_time(gemm: float, scatter: float, splits: int) -> float:
+    """Seconds of a GEMM whose output is reduce-scattered in `splits` chunks (userbuffers' "pipeline"):
+    each chunk's reduce-scatter runs beside the next chunk's GEMM; the first GEMM chunk and the last
+    reduce-scatter chunk cannot overlap anything."""
+    step, piece = gemm / splits, scatter / splits
+    return step + (splits - 1) * max(step, piece) + piece
 
 
 def _elementwise_bytes(model: TransformerConfig, plan: ParallelPlan) -> Costs:
@@ -315,7 +402,7 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         _embedding(model, rows, cluster),
         _head(model, rows, cluster),
     )
-    layer_bwd["tp_comm"] = _comm(layer_collectives(model, rows), "backward", rows, cluster)
+    layer_bwd["tp_comm"] = _layer_tp_comm(model, rows, cluster, "backward")
     layer_bwd["ep_comm"] = _ep_comm(model, rows, cluster, "backward")
     return PieceCosts(
         layer_fwd=fwd,

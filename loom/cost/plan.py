@@ -168,6 +168,11 @@ class ParallelPlan:
     of 2021-22 waited on its batched sends and receives and synchronised the device after each). With
     `scatter_gather_p2p` (Megatron-LM's --scatter-gather-tensors-in-pipeline) each tensor-parallel rank
     sends 1/tp of the stream and the receiving stage all-gathers it over tp; loom sends it whole.
+
+    `overlap_tp_comm` (Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers) splits each
+    transformer layer's sequence-parallel all-gathers and reduce-scatters into chunks pipelined with the
+    linear layers' GEMMs (`loom.cost.layer.overlapped_tp_time`); it needs sequence parallelism over tp > 1,
+    as Megatron asserts. loom's runtime does not run it.
     """
 
     dp: int = 1
@@ -197,6 +202,7 @@ class ParallelPlan:
     grad_accumulation: str = "fused"  # one of GRAD_ACCUMULATIONS
     overlap_p2p: bool = True  # see the class docstring
     scatter_gather_p2p: bool = False
+    overlap_tp_comm: bool = False  # see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -212,6 +218,14 @@ class ParallelPlan:
                 owner, "recompute", self.recompute,
                 "torchtitan's op-level checkpointing is priced with fused attention, bf16/fp16 linears and no "
                 f"context parallelism: set flash_attention, cp = 1 and no fp8_matmuls, or use one of {RECOMPUTE}",
+            )  # fmt: skip
+        if self.overlap_tp_comm and not (self.sequence_parallel and self.tp > 1):
+            # Megatron: "Tensor parallel communication/GEMM overlap can happen only when sequence
+            # parallelism is enabled" (and it turns sequence parallelism off at tp 1)
+            raise FieldError(
+                owner, "overlap_tp_comm", self.overlap_tp_comm,
+                f"it overlaps sequence parallelism's all-gathers and reduce-scatters with the GEMMs (tp={self.tp}, "
+                f"sequence_parallel={self.sequence_parallel}): set sequence_parallel with tp > 1, or leave it False",
             )  # fmt: skip
         check_choice(owner, "optimizer_level", self.optimizer_level, OPTIMIZER_LEVELS)
         check_choice(owner, "dtype", self.dtype, PRECISIONS)

@@ -90,6 +90,7 @@ __all__ = [
     "stage_layers",
     "stage_gather_bytes",
     "stage_stream_bytes",
+    "stream_bytes",
     "step_collectives",
     "summary",
 ]
@@ -153,8 +154,9 @@ def _times(items: Iterable[StepCollective], n: int) -> list[StepCollective]:
     return [dataclasses.replace(c, count=c.count * n) for c in items]
 
 
-def _stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
-    """The residual stream of one micro-batch on one data-parallel replica (tokens x hidden)."""
+def stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
+    """The residual stream of one micro-batch on one data-parallel replica (tokens x hidden): what each
+    sequence-parallel all-gather and reduce-scatter of a layer moves."""
     return DTYPE_BYTES[plan.dtype] * plan.micro_batch * plan.seq * model.hidden
 
 
@@ -164,19 +166,19 @@ def stage_stream_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
     moves plain tensors between stages and does not split them over tp), with sequence parallelism its cut
     of the sequence, with `scatter_gather_p2p` its 1/tp share (`stage_gather_bytes` rebuilds the stream).
     `loom.cost.layer` prices pipeline sends with it."""
-    return _stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel or plan.scatter_gather_p2p else 1)
+    return stream_bytes(model, plan) // (plan.tp if plan.sequence_parallel or plan.scatter_gather_p2p else 1)
 
 
 def stage_gather_bytes(model: TransformerConfig, plan: ParallelPlan) -> int:
     """The all-gather over tp that rebuilds a received stream sent in 1/tp shares (`scatter_gather_p2p`
     without sequence parallelism, whose layers take the cut stream as it is); 0 when none runs."""
     split = plan.scatter_gather_p2p and not plan.sequence_parallel and plan.tp > 1
-    return _stream_bytes(model, plan) if split else 0
+    return stream_bytes(model, plan) if split else 0
 
 
 def _norm_backward(model: TransformerConfig, plan: ParallelPlan, count: int, source: str) -> list:
     """Summing `count` pending input gradients over tp where they meet a norm's backward."""
-    nbytes, sp = _stream_bytes(model, plan), plan.sequence_parallel
+    nbytes, sp = stream_bytes(model, plan), plan.sequence_parallel
     if sp:  # Megatron's conjugate of the forward all-gather
         return [StepCollective(kind="reduce_scatter", axis=TP, nbytes=nbytes, count=count, phase="backward",
                                source=source)]  # fmt: skip
@@ -196,7 +198,7 @@ def _norm_backward(model: TransformerConfig, plan: ParallelPlan, count: int, sou
 
 def layer_collectives(model: TransformerConfig, plan: ParallelPlan) -> list[StepCollective]:
     """Tensor-parallel collectives of one transformer layer, one micro-batch, forward and backward."""
-    nbytes, e, sp = _stream_bytes(model, plan), DTYPE_BYTES[plan.dtype], plan.sequence_parallel
+    nbytes, e, sp = stream_bytes(model, plan), DTYPE_BYTES[plan.dtype], plan.sequence_parallel
     tokens = plan.micro_batch * plan.seq
     out: list[StepCollective] = []
     if sp:
@@ -225,7 +227,7 @@ def layer_collectives(model: TransformerConfig, plan: ParallelPlan) -> list[Step
 
 def embedding_collectives(model: TransformerConfig, plan: ParallelPlan) -> list[StepCollective]:
     """The vocabulary-cut embedding's tensor-parallel collectives, one micro-batch."""
-    nbytes, sp = _stream_bytes(model, plan), plan.sequence_parallel
+    nbytes, sp = stream_bytes(model, plan), plan.sequence_parallel
     kind = "reduce_scatter" if sp else "all_reduce"
     out = [StepCollective(kind=kind, axis=TP, nbytes=nbytes, count=1, phase="forward",
                           source="vocabulary-cut embedding's partial rows summed")]  # fmt: skip
@@ -252,7 +254,7 @@ def head_collectives(
     """The final norm's, vocabulary-parallel head's and cross entropy's collectives, one micro-batch.
     `counted_loss`: the loss is a mean over the targets that are not ignored (Hugging Face's), whose count
     is summed over dp."""
-    nbytes, sp = _stream_bytes(model, plan), plan.sequence_parallel
+    nbytes, sp = stream_bytes(model, plan), plan.sequence_parallel
     rows = ROW_BYTES * plan.micro_batch * plan.seq
     out = [StepCollective(kind="all_reduce", axis=TP, nbytes=rows, count=3, phase="forward",
                           source="vocabulary-parallel cross entropy: per-row max, sum of exponentials, target")]  # fmt: skip

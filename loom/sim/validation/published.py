@@ -169,11 +169,14 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             continue
         model = _llama(row, facts)
         fp8 = row["precision"].startswith("fp8")
+        # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
+        # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1
+        tp = int(row["tp"])
         plan = ParallelPlan(
-            dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
+            dp=int(row["dp"]), tp=tp, pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
             ep=_int(row, "ep", 1), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
             seq=int(row["seq"]), optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1,
-            sequence_parallel=int(row["tp"]) > 1, flash_attention=True, dtype="bf16", fp8_matmuls=fp8,
+            sequence_parallel=tp > 1, flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=tp > 1,
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
