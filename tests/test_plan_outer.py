@@ -183,3 +183,22 @@ def test_a_search_holding_fsdps_gradient_path_fixed_plans_at_levels_2_and_3() ->
     with pytest.raises(ValueError, match="optimizer levels 2 and 3 only.*include 2 or 3"):
         search_plans(case.model, case.cluster, case.cluster.gpus, p.global_batch, p.seq, **p.system(),
                      optimizer_levels=(0, 1))  # fmt: skip
+
+
+def test_a_search_holding_tp_overlap_fixed_overlaps_where_a_plan_can():
+    """A Megatron-Bridge run's system overlaps tensor-parallel communication (`overlap_tp_comm`): the search
+    gives it to every plan with sequence parallelism and tp > 1 inside a node, and to no other."""
+    from loom.cost.layer import check_tp_overlap
+    from loom.sim.validation.published import published_cases
+
+    case = next(c for c in published_cases()[0] if c.plan.overlap_tp_comm)
+    p = case.plan
+    found = search_plans(
+        case.model, case.cluster, case.cluster.gpus, p.global_batch, p.seq, **p.system(), keep=10
+    )
+    assert found.candidates
+    for c in found.candidates:
+        can = c.plan.sequence_parallel and 1 < c.plan.tp <= case.cluster.gpus_per_node
+        assert c.plan.overlap_tp_comm == can, c.plan
+        check_tp_overlap(c.plan, case.cluster)
+    assert any(c.plan.overlap_tp_comm for c in found.candidates)

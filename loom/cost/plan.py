@@ -131,7 +131,7 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
-SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls")
+SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "overlap_tp_comm")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.cost.hardware import GIB, Cluster
+from loom.cost.layer import check_tp_overlap
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, UNIT_COPIES, UNIT_COPY_LEVELS, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.files import byte_size
@@ -128,7 +129,23 @@ def _policies(
     return kept, least
 
 
-def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recomputes, levels, sp_choices):
+def _with_tp_overlap(plan: ParallelPlan, cluster: Cluster, wanted: bool) -> ParallelPlan:
+    """`plan` with tensor-parallel communication overlapped (`overlap_tp_comm`) when the system overlaps it
+    (`wanted`) and the plan can run it (the rules of `ParallelPlan` and `check_tp_overlap`: sequence
+    parallelism, tp > 1, the tp group inside a node); as it is otherwise, as Megatron-Bridge turns it off."""
+    if not wanted:
+        return plan
+    try:
+        overlapped = plan.replace(overlap_tp_comm=True)
+        check_tp_overlap(overlapped, cluster)
+    except ValueError:
+        return plan
+    return overlapped
+
+
+def _mesh_options(
+    model, cluster, mesh: Mesh, base: ParallelPlan, limit, recomputes, levels, sp_choices, overlap_tp: bool
+):
     """The fitting options of one mesh shape, and the least memory seen (inf when none was tried)."""
     options, least = [], float("inf")
     for micro in micro_batch_sizes(mesh, base.global_batch, flash_attention=base.flash_attention):
@@ -141,6 +158,7 @@ def _mesh_options(model, cluster, mesh: Mesh, base: ParallelPlan, limit, recompu
                     micro_batch=micro, interleave=interleave, schedule=None, stage_layers=stages,
                     sequence_parallel=sp,
                 )  # fmt: skip
+                plan = _with_tp_overlap(plan, cluster, overlap_tp)
                 variants, gib = _policies(model, cluster, plan, limit, recomputes, levels)
                 least = min(least, gib)
                 for variant, variant_gib in variants:
@@ -178,6 +196,7 @@ def search_plans(
     grad_dtype: str = "",
     grad_accumulation: str = "fused",
     fp8_matmuls: bool = False,
+    overlap_tp_comm: bool = False,
     context: tuple[int, ...] | None = None,
     context_pipelines: bool = True,
 ) -> SearchResult:
@@ -190,7 +209,7 @@ def search_plans(
     tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
     `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
     `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; PyTorch
-    FSDP's `UNIT_COPIES` try levels 2 and 3 only). `context`:
+    FSDP's `UNIT_COPIES` try levels 2 and 3 only; `overlap_tp_comm` applies to the plans that can run it). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -205,7 +224,7 @@ def search_plans(
         overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
         grad_dtype=grad_dtype, grad_accumulation=grad_accumulation, fp8_matmuls=fp8_matmuls,
     )  # fmt: skip
-    choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel)
+    choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel, overlap_tp_comm)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))
     options, infeasible = _options(
         choices, meshes(model, cluster, gpus, global_batch, seq, degrees, context_pipelines)
@@ -241,11 +260,11 @@ def _levels_for(grad_accumulation: str, levels: tuple[int, ...]) -> tuple[int, .
 
 def _options(choices: tuple, space: tuple[list[Mesh], list[Infeasible]]) -> tuple[list, list[Infeasible]]:
     """The fitting options of every mesh of `space`, and its infeasible regions with those that fit nowhere."""
-    model, cluster, base, limit, recompute, levels, sp = choices
+    model, cluster, base, limit, recompute, levels, sp, overlap_tp = choices
     shapes, infeasible = space
     options = []
     for mesh in shapes:
-        found, least = _mesh_options(model, cluster, mesh, base, limit, recompute, levels, sp)
+        found, least = _mesh_options(model, cluster, mesh, base, limit, recompute, levels, sp, overlap_tp)
         options += found
         if not found:
             infeasible.append(Infeasible(mesh.region, f"does not fit: {least:.0f} GiB of {limit:g}"))
