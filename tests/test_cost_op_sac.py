@@ -13,6 +13,7 @@ from loom.cost.memory import layer_activation_bytes
 from loom.cost.plan import PRICED_RECOMPUTE, RECOMPUTE, FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
+from loom.plan.outer import search_plans
 from loom.sim.simulator import simulate
 
 # a Llama layer in small: GQA (4 query heads of 16, 2 key/value heads), SwiGLU, no biases, no dropout
@@ -35,7 +36,7 @@ def test_every_second_matmul_of_the_forward_is_recomputed():
 
 @pytest.mark.parametrize("change", [{"biases": True}, {"experts": 4, "top_k": 2}, {"fused_qkv": True}])
 def test_other_layers_are_refused_with_the_policies_to_use(change):
-    with pytest.raises(FieldError, match="none, selective or full"):
+    with pytest.raises(ValueError, match="none, selective or full"):
         TINY.replace(**change).op_sac_matmuls()
 
 
@@ -103,6 +104,17 @@ def test_loom_neither_runs_nor_plans_it():
     assert "torchtitan_op" in PRICED_RECOMPUTE and "torchtitan_op" not in RECOMPUTE
     with pytest.raises(FieldError, match="recompute"):
         Plan(recompute="torchtitan_op")
+    with pytest.raises(FieldError, match="search_plans.recompute"):
+        search_plans(TINY, get_cluster("h100-sxm"), 8, 16, 8, recompute=("torchtitan_op",))
+
+
+def test_a_model_it_cannot_price_is_an_impossible_plan_naming_the_flag():
+    from loom.sim.presets import get_model
+    from loom.sim.simulator import PlanError
+
+    plan = ParallelPlan(dp=8, global_batch=8, seq=2048, recompute="torchtitan_op", flash_attention=True)
+    with pytest.raises(PlanError, match="--recompute torchtitan_op: 'gpt3-175b' is not torchtitan's"):
+        simulate(get_model("gpt3-175b"), plan, get_cluster("h100-sxm", 8))
 
 
 @pytest.mark.parametrize("change", [{"flash_attention": False}, {"cp": 2}, {"fp8_matmuls": True}])

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from loom.cost.plan import PRICED_RECOMPUTE, FieldError, check_choice
+from loom.cost.plan import PRICED_RECOMPUTE, check_choice
 from loom.models.config import NORMS, GPTConfig
 
 __all__ = [
@@ -172,11 +172,10 @@ class TransformerConfig:
         recomputed. Bias-free linears only: a linear with a bias runs `aten.addmm`, which the policy neither
         counts nor saves; and no mixture of experts (torchtitan's Llama had none)."""
         if self.is_moe or self.biases or self.fused_qkv:
-            raise FieldError(
-                "TransformerConfig", "recompute", "torchtitan_op",
+            raise ValueError(
                 f"{self.name!r} is not torchtitan's dense, bias-free Llama layer (separate wq, wk, wv, no "
-                "experts): price it with none, selective or full",
-            )  # fmt: skip
+                "experts), which torchtitan's op-level checkpointing counts: price it with none, selective or full"
+            )
         h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv * self.head_dim, self.ffn
         mlp = [("w1", h, f), ("w3", h, f), ("w2", f, h)] if self.gated_mlp else [("w1", h, f), ("w2", f, h)]
         order = [("wq", h, q), ("wk", h, kv), ("wv", h, kv), ("wo", q, h), *mlp]

@@ -244,7 +244,10 @@ class BatchMatMul(MatMul):
                 continue
             k = labels.index("k")
             parts = math.prod(sizes[axis] for axis in (*layout.dim_axes[k], *layout.partial))
-            onto = layout.partial if tensor.shape[k] % parts == 0 else ()
+            # onto k only when the pending axes come after k's own cut axes (DTensor cuts in mesh order: an
+            # earlier axis would reorder the cut, its slow path); otherwise summed whole
+            inner = all(p > a for p in layout.partial for a in layout.dim_axes[k])
+            onto = layout.partial if tensor.shape[k] % parts == 0 and inner else ()
             target = TensorLayout(
                 tuple(
                     tuple(sorted((*axes, *onto))) if dim == k else axes

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import check_tp_overlap
-from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, UNIT_COPIES, UNIT_COPY_LEVELS, ParallelPlan
+from loom.cost.plan import (
+    OPTIMIZER_LEVELS,
+    RECOMPUTE,
+    UNIT_COPIES,
+    UNIT_COPY_LEVELS,
+    ParallelPlan,
+    check_choice,
+)
 from loom.cost.transformer import TransformerConfig
 from loom.files import byte_size
 from loom.plan.outer_space import (
@@ -215,6 +222,8 @@ def search_plans(
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
     `loom train`, passes False).
     """
+    for policy in recompute:  # the simulator prices more (other systems' policies); loom runs these
+        check_choice("search_plans", "recompute", policy, RECOMPUTE)
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
     limit = memory_limit / GIB if memory_limit is not None else cluster.device.memory_gib
@@ -289,6 +298,11 @@ def to_plan(candidate: Candidate) -> Plan:
     """`candidate` as a `loom.plan.Plan` with its predictions (the inverse of `Plan.parallel_plan`:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
+    if p.overlap_tp_comm or p.grad_accumulation != "fused":
+        raise ValueError(
+            "to_plan: this candidate prices another system's ways (overlap_tp_comm, grad_accumulation "
+            f"{p.grad_accumulation!r}), which loom's runtime does not run: search without them for a loom Plan"
+        )
     return Plan(
         dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule,
         virtual_stages=p.interleave, micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,

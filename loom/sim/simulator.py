@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from loom.cost.collectives import collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.layer import Costs, PieceCosts, piece_costs
+from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
@@ -122,6 +122,15 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
         )
     if plan.cp > 1:
         reasons += _cp_reasons(model, plan)
+    if plan.recompute == "torchtitan_op":
+        try:
+            model.op_sac_matmuls()
+        except ValueError as error:
+            reasons.append(f"--recompute torchtitan_op: {error}")
+    try:
+        check_tp_overlap(plan, cluster)
+    except ValueError as error:
+        reasons.append(str(error))
     return reasons
 
 
