@@ -167,6 +167,7 @@ def test_a_published_row_under_a_limit_below_its_data_parallel_memory() -> None:
         assert simulate(case.model, candidate.plan, cluster).memory_per_device_gib <= limit
 
 
+@pytest.mark.slow  # a search over a published row's cluster: make test-all
 def test_a_search_holding_fsdps_gradient_path_fixed_plans_at_levels_2_and_3() -> None:
     """A PyTorch FSDP1 run's system (`grad_accumulation = "flat_copy"`, levels 2 and 3 only) is searched at
     those levels; asked for levels below 2 only, the search says so."""
@@ -185,6 +186,7 @@ def test_a_search_holding_fsdps_gradient_path_fixed_plans_at_levels_2_and_3() ->
                      optimizer_levels=(0, 1))  # fmt: skip
 
 
+@pytest.mark.slow  # a search over a published row's cluster: make test-all
 def test_a_search_holding_tp_overlap_fixed_overlaps_where_a_plan_can():
     """A Megatron-Bridge run's system overlaps tensor-parallel communication (`overlap_tp_comm`): the search
     gives it to every plan with sequence parallelism and tp > 1 inside a node, and to no other."""
