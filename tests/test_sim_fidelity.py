@@ -34,6 +34,14 @@ DEVICE = Device(
 )  # fmt: skip
 # one layer: attention 64*192 + 64*64 + 256 biases = 16640, MLP 2*64*256 + 320 = 33088, two LayerNorms 256
 GPT = TransformerConfig(layers=4, hidden=64, heads=4, vocab=128, dropout=False)
+
+
+def _free_links():
+    """8 of `DEVICE` on links without cost: only memory passes and compute separate two plans."""
+    ideal = Link(name="ideal", bandwidth=1e30, latency_s=0.0)
+    return dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=DEVICE, intra=ideal, inter=ideal)
+
+
 LAYER = 16640 + 33088 + 256
 
 
@@ -117,8 +125,7 @@ def test_fsdp1_flat_copy_bytes_per_unit_and_micro_batch():
 
 def test_fsdp1_flat_copy_is_a_memory_pass_on_the_compute_stream():
     # links without cost: only the gradients' memory passes separate the two plans
-    ideal = Link(name="ideal", bandwidth=1e30, latency_s=0.0)
-    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=DEVICE, intra=ideal, inter=ideal)
+    cluster = _free_links()
     fused = ParallelPlan(dp=8, global_batch=32, seq=64, optimizer_level=3, grad_dtype="fp32")
     a, b = simulate(GPT, fused, cluster), simulate(GPT, fused.replace(grad_accumulation="flat_copy"), cluster)
     # every unit (embedding, 4 layers, final norm) copies its whole bf16 gradient in each of 4 micro-batches
@@ -167,8 +174,7 @@ def test_fsdp2_copy_in_out_bytes_per_unit_and_micro_batch():
 
 def test_fsdp2_copies_are_memory_passes_on_the_compute_stream():
     # links without cost: only the copies separate the two plans
-    ideal = Link(name="ideal", bandwidth=1e30, latency_s=0.0)
-    cluster = dataclasses.replace(get_cluster("a100-80gb", gpus=8), device=DEVICE, intra=ideal, inter=ideal)
+    cluster = _free_links()
     fused = ParallelPlan(dp=8, global_batch=8, seq=64, optimizer_level=3, grad_dtype="fp32")
     a, b = (
         simulate(GPT, fused, cluster),
