@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
-from loom.cost.layer import check_tp_overlap
 from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
@@ -408,7 +407,8 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
         if error.key not in given:
             raise
         flag = next((flag for flag, field in FLAG_FIELDS.items() if field == error.key), error.key)
-        raise PlanError([f"--{flag.replace('_', '-')} {error.value}: {error.fix}"]) from None
+        value = "" if isinstance(error.value, bool) else f" {error.value}"  # a switch's value says nothing
+        raise PlanError([f"--{flag.replace('_', '-')}{value}: {error.fix}"]) from None
 
 
 def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:
@@ -421,14 +421,6 @@ def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:
                 f"use --hardware with fp8 ({', '.join(with_fp8)}), or leave out --fp8-matmuls"
             ]
         )
-
-
-def _check_tp_overlap(plan: ParallelPlan, cluster: Cluster) -> None:
-    """`--tp-comm-overlap` needs the tp group inside a node (`loom.cost.layer.check_tp_overlap`)."""
-    try:
-        check_tp_overlap(plan, cluster)
-    except ValueError as exc:
-        raise PlanError([f"--tp-comm-overlap: {exc}"]) from None
 
 
 def _json(
@@ -625,7 +617,6 @@ def execute(args: argparse.Namespace) -> int:
         plan, gpus = _plan(args, config, saved, model.layers)
         cluster = get_cluster(args.hardware, gpus=gpus, gpus_per_node=args.gpus_per_node)
         _check_fp8(plan, cluster, args.hardware)
-        _check_tp_overlap(plan, cluster)
         result = simulate(model, plan, cluster, record=bool(args.timeline))
     except PlanError as exc:
         if args.json:
