@@ -254,3 +254,40 @@ def test_the_global_batch_resizes_nested_inputs_and_keeps_what_needs_a_gradient(
     assert kwargs["pair"][0].shape == (32,) and kwargs["pair"][0].dtype == torch.long
     with pytest.raises(ValueError, match="--global-batch 32: no tensor input has a dim 0"):
         with_batch((torch.tensor(1.0),), {}, 32)
+
+
+HF_SOURCE = """
+import torch
+import transformers
+
+
+def build():
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    return transformers.GPT2LMHeadModel(config), (ids,), {"labels": ids}
+"""
+
+
+@pytest.mark.slow  # two captures and searches of a Hugging Face model: make test-all
+def test_a_hugging_face_model_built_from_its_config_is_planned_and_cut_under_a_limit(
+    tmp_path, monkeypatch, capsys
+):
+    """Hugging Face GPT-2, built from a config and unedited, through `--model MODULE:FUNCTION` on 4 devices:
+    a plan without a limit, and under three quarters of its whole states a plan that cuts parameters and
+    fits."""
+    pytest.importorskip("transformers")
+    (tmp_path / "hf_gpt2_plan.py").write_text(HF_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "hf_gpt2_plan", raising=False)
+    argv = ["plan", "--model", "hf_gpt2_plan:build", "--hardware", "h100-sxm", "--gpus", "4", "--json"]
+    assert main(argv) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert free["best"] and free["considered"] == free["simulated"] == 3 and not free["infeasible"]
+    parameters = 110336  # GPT-2 of this config: embeddings, 2 blocks, final norm (the head tied)
+    limit = RESERVED_GIB + 0.73 * OPTIMIZER_COPIES * 4 * parameters / GIB
+    assert main([*argv, "--memory-limit", repr(limit)]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["memory_gib"] <= limit < free["best"]["memory_gib"]
+    assert best["plan"]["parameter_layouts"], best["plan"]
+    sys.modules.pop("hf_gpt2_plan", None)
