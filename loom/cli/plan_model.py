@@ -90,8 +90,9 @@ def print_mesh_search(console: Console, spec: str, found: SearchResult, top: int
         highlight=False,
         soft_wrap=True,
     )
-    _print_layouts(console, best)
-    for entry in best.redistributions():
+    moves = best.redistributions()  # each edge priced again: once
+    _print_layouts(console, best, bool(moves))
+    for entry in moves:
         console.print(
             f"    {entry['direction']} {entry['kind']} over {entry['axis']}: {entry['count']} x, "
             f"{byte_size(entry['bytes'])} in all, {_duration(entry['seconds'])}",
@@ -105,7 +106,7 @@ def print_mesh_search(console: Console, spec: str, found: SearchResult, top: int
     )
 
 
-def _print_layouts(console: Console, best: MeshSolution) -> None:
+def _print_layouts(console: Console, best: MeshSolution, moves: bool) -> None:
     """The parameters' layouts (a repeated block's as `*`: block 0 stands for every block), those read in
     another layout than kept, the inputs moved, and the redistributions' heading."""
     plan = best.plan
@@ -118,7 +119,7 @@ def _print_layouts(console: Console, best: MeshSolution) -> None:
         console.print(f"    {name} {spec}{read}", highlight=False)
     for name, spec in plan.input_layouts.items():
         console.print(f"  input {name} read as {spec}", highlight=False)
-    if not best.redistributions():
+    if not moves:
         console.print("  no redistributions", highlight=False)
     else:
         console.print("  redistributions (each edge of block 0 once):", highlight=False)

@@ -38,7 +38,7 @@ from loom.cost.traffic import (
     stage_stream_bytes,
     stream_bytes,
 )
-from loom.cost.transformer import ROW_PARALLEL, TransformerConfig
+from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
     "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "gemm_shapes", "overlapped_tp_time",
@@ -298,8 +298,7 @@ def _op_sac_recompute(model: TransformerConfig, plan: ParallelPlan, cluster: Clu
     without sequence parallelism, the MLP's all-reduce after w2 are not re-run."""
     dt, t, tokens = plan.dtype, plan.tp, plan.seq * plan.micro_batch
     matmul = sum(
-        matmul_time(cluster.device, tokens, k / t if name in ROW_PARALLEL else k,
-                    n if name in ROW_PARALLEL else n / t, dtype=dt)
+        matmul_time(cluster.device, tokens, *local_linear(name, k, n, t), dtype=dt)
         for name, k, n in model.op_sac_matmuls()[1]
     )  # fmt: skip
     moved = _elementwise_bytes(model, plan)

@@ -18,7 +18,7 @@ sequence, ring attention none: it works block by block, as a fused kernel does).
 from __future__ import annotations
 
 from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, check_choice, check_sizes
-from loom.cost.transformer import ROW_PARALLEL, TransformerConfig
+from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
     "GRAD_BYTES",
@@ -106,9 +106,7 @@ def op_sac_saved_bytes(
     the flash attention kernel's output and fp32 log-sum-exp, and with sequence parallelism the two
     reduce-scatters' outputs. Its cache keeps them all until the backward, needed or not (w2's output is)."""
     e, local = dtype_bytes, tokens / t
-    matmuls = sum(
-        e * tokens * (n if name in ROW_PARALLEL else n / t) for name, _, n in model.op_sac_matmuls()[0]
-    )
+    matmuls = sum(e * tokens * local_linear(name, k, n, t)[1] for name, k, n in model.op_sac_matmuls()[0])
     attention = e * local * model.heads * model.head_dim + 4 * local * model.heads
     scattered = 2 * e * local * model.hidden if sequence_parallel and t > 1 else 0.0
     return matmuls + attention + scattered

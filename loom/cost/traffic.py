@@ -612,10 +612,11 @@ def _stage_work(
                        source=source)
         for kind, phase in p2p
     ]  # fmt: skip
-    if stage_gather_bytes(model, plan):
+    gather_bytes = stage_gather_bytes(model, plan)
+    if gather_bytes:
         gather = "the received 1/tp shares of the stream gathered whole (scatter_gather_p2p)"
         out += [
-            StepCollective(kind="all_gather", axis=TP, nbytes=stage_gather_bytes(model, plan), count=1,
+            StepCollective(kind="all_gather", axis=TP, nbytes=gather_bytes, count=1,
                            phase=phase, source=gather)
             for kind, phase in p2p
             if kind == "recv"

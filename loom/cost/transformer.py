@@ -17,6 +17,7 @@ from loom.models.config import NORMS, GPTConfig
 __all__ = [
     "Matmul",
     "ROW_PARALLEL",
+    "local_linear",
     "TransformerConfig",
     "transformer_config",
     "hf_transformer_config",
@@ -29,6 +30,12 @@ Matmul = tuple[str, int, int]  # a linear layer: (name, input features, output f
 # the linear layers tensor parallelism cuts by their input features (row-parallel: each rank's output is a
 # partial sum of the whole width); the others it cuts by their output features (torchtitan's layer plan)
 ROW_PARALLEL: tuple[str, ...] = ("wo", "w2")
+
+
+def local_linear(name: str, k: float, n: float, tp: int) -> tuple[float, float]:
+    """A named linear's (input, output) features on one tensor-parallel rank: a row-parallel one
+    (`ROW_PARALLEL`) cut along its input, every other along its output."""
+    return (k / tp, n) if name in ROW_PARALLEL else (k, n / tp)
 
 
 @dataclass(frozen=True, kw_only=True)

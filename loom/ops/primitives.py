@@ -186,6 +186,11 @@ class BatchMatMul(MatMul):
         x_labels, w_labels = self.labels([x.shape, w.shape])
         batch = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
         i, j = x.shape[-1 if self.transpose_a else -2], w.shape[-2 if self.transpose_b else -1]
+        if any(p.is_partial() for t in (x, w) for p in t.placements):
+            # a pending input (the automatic planner's projections with a cut contracted dim) is summed here
+            # as the planner prices it; DTensor's rule would search every strategy over the mesh for it
+            summed = self._summed(x, w, x_labels, w_labels)
+            return super().compute(x, w) if summed is None else self.compute(*summed)
         axes, seen = {}, {}
         for labels, tensor in ((w_labels, w), (x_labels, x)):  # x's axes win where both have a label
             for label, size, dim_axes in zip(labels, tensor.shape, layout_of(tensor).dim_axes, strict=True):
@@ -194,12 +199,6 @@ class BatchMatMul(MatMul):
                 if size != 1:
                     seen.setdefault(label, set()).add(dim_axes)
         used = [axis for dim_axes in axes.values() for axis in dim_axes]
-        pending = any(p.is_partial() for t in (x, w) for p in t.placements)
-        if pending:
-            # a pending input (the automatic planner's projections with a cut contracted dim) is summed here
-            # as the planner prices it; DTensor's rule would search every strategy over the mesh for it
-            summed = self._summed(x, w, x_labels, w_labels)
-            return super().compute(x, w) if summed is None else self.compute(*summed)
         if len(used) != len(set(used)) or any(len(cuts) > 1 for cuts in seen.values()):
             # inputs no strategy laid out alike (the automatic planner's layouts): the local product cannot
             # say its output; the smaller input takes the other's cuts, or DTensor's rule moves them

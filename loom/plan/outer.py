@@ -308,5 +308,5 @@ def to_plan(candidate: Candidate) -> Plan:
         virtual_stages=p.interleave, micro_batches=p.micro_batches, stages=list(p.stage_layers) or None, optimizer_level=p.optimizer_level,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=p.dtype,
         predicted_step_s=r.iteration_s,
-        predicted_memory_bytes=int((r.memory_per_device_gib - r.memory_breakdown_gib.get("reserved", 0.0)) * GIB),
+        predicted_memory_bytes=int((candidate.memory_gib - candidate.reserved_gib) * GIB),
     )  # fmt: skip

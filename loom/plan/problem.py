@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
-from loom.plan._dtensor_rules import is_strided
+from loom.plan._dtensor_rules import is_cut, is_strided
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
-from loom.plan.redistribute import axis_spans, gradient_layouts, is_cut, redistribution
+from loom.plan.redistribute import axis_spans, gradient_layouts, redistribution
 from loom.plan.space import Candidate, Placements, StrategySpace, layouts, strategy_space
 
 __all__ = [

@@ -47,7 +47,7 @@ from loom.cost.hardware import Cluster
 from loom.plan._dtensor_rules import is_cut, is_strided
 from loom.plan.space import Placements
 
-__all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "is_cut", "redistribution"]
+__all__ = ["Step", "axis_spans", "dtensor_moves", "gradient_layouts", "redistribution"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,11 +82,11 @@ def sharded_pass(
         if gather is not None and unit + prefetch < n:
             gathered[unit + prefetch] = issue("all_gather", unit + prefetch, start, gather[unit + prefetch])
         if scatter is not None:
-            ready = compute_free
-            if prepare is not None:
-                prepare_free = ready = max(prepare_free, compute_free) + prepare[unit]
-                intervals.append(("prepare", unit, ready - prepare[unit], ready))
-            scattered = issue("reduce_scatter", unit, ready, scatter[unit])
-            if prepare is not None:  # issued from the post-backward stream, which waits for it to end
-                prepare_free = scattered
+            if prepare is None:
+                issue("reduce_scatter", unit, compute_free, scatter[unit])
+                continue
+            ready = max(prepare_free, compute_free) + prepare[unit]
+            intervals.append(("prepare", unit, ready - prepare[unit], ready))
+            # issued from the post-backward stream, which waits for it to end
+            prepare_free = issue("reduce_scatter", unit, ready, scatter[unit])
     return ShardedPass(end=max(compute_free, comm_free), compute=sum(compute), intervals=tuple(intervals))

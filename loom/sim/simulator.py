@@ -204,6 +204,8 @@ def _copy_out(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) ->
     """Seconds per micro-batch each virtual stage's forward, and again its backward, spends copying its
     units' gathered parameters out of the all-gather buffers (FSDP2, `grad_accumulation = "copy_in_out"`:
     the gather part of `loom.cost.zero3.unit_copy_bytes`); 0 for every other system."""
+    if plan.grad_accumulation != "copy_in_out":
+        return [0.0] * plan.virtual_stages
     return [sum(_unit_copy_times(model, plan, cluster, v)[0]) for v in range(plan.virtual_stages)]
 
 
