@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from loom.cost.hardware import Device
 
-__all__ = ["DTYPE_BYTES", "fused_attention_time", "matmul_efficiency", "matmul_time", "memory_time"]
+__all__ = [
+    "DTYPE_BYTES", "fp8_quantize_bytes", "fp8_quantize_kernels", "fused_attention_time", "matmul_efficiency", "matmul_time",
+    "memory_time",
+]  # fmt: skip
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -27,7 +30,8 @@ def matmul_time(
     if min(m, k, n, batch) <= 0:
         return 0.0
     flops = 2.0 * m * k * n * batch
-    # fp8 GEMMs pay for scaling and casts around them: a lower fraction of their (doubled) peak
+    # fp8 GEMMs reach their own fraction of their (doubled) peak; the casts around them are priced apart
+    # (`fp8_quantize_bytes`)
     fraction = matmul_efficiency(device, m, k, n) * (device.fp8_efficiency if dtype == "fp8" else 1.0)
     compute = flops / (device.peak(dtype) * fraction)
     memory = (
@@ -77,3 +81,37 @@ def memory_time(device: Device, nbytes: float, kernels: int = 1) -> float:
     if nbytes <= 0:
         return kernels * device.kernel_overhead_s
     return nbytes / (device.memory_bandwidth * device.memory_efficiency) + kernels * device.kernel_overhead_s
+
+
+def fp8_quantize_bytes(
+    elements: float, *, dtype: str = "bf16", amax_fused: bool = False, gathered: int = 1
+) -> tuple[float, float]:
+    """Bytes Transformer Engine's fp8 current-scaling quantizer (`Float8CurrentScalingQuantizer`, the recipe
+    of every fp8 run on Hopper that Megatron-Bridge publishes) moves for one GEMM operand of `elements`
+    elements in `dtype` on this rank, quantized for both its uses: row-wise for its own GEMM and column-wise
+    (a transposed copy: Hopper's fp8 GEMMs take only the TN layout) for the weight-gradient GEMM. Returns
+    (bytes where the operand is made, bytes of the transpose the backward makes of a gathered operand).
+
+    An amax pass reads the operand (`quantize_impl`'s `nvte_compute_amax`) unless the norm that produced it
+    computed the amax in its own kernel (`amax_fused`: TE 2.8+'s `FUSED_NORM_AMAX_FP8` in LayerNormLinear);
+    the cast reads it and writes one byte per element row-wise, and the column-wise byte in the same kernel.
+    An operand all-gathered over `gathered` ranks (sequence parallelism) is cast row-wise only, since fp8
+    column-wise data cannot be all-gathered, and the backward transposes the gathered tensor instead
+    (`update_usage(columnwise_usage=True)`: one byte read and one written per gathered element)."""
+    if gathered < 1:
+        raise ValueError(
+            f"fp8_quantize_bytes: gathered={gathered} must be at least 1 (ranks the operand spans)"
+        )
+    e = DTYPE_BYTES[dtype]
+    amax = 0.0 if amax_fused else e * elements
+    cast = (e + 1) * elements
+    if gathered == 1:
+        return amax + cast + elements, 0.0
+    return amax + cast, 2.0 * elements * gathered
+
+
+def fp8_quantize_kernels(*, amax_fused: bool = False) -> int:
+    """Kernels of one quantization that `fp8_quantize_bytes` prices where the operand is made: the amax pass
+    (unless fused into the norm), the scale computed from the amax, and the cast (a gathered operand's
+    transpose is one kernel more, in the backward)."""
+    return (0 if amax_fused else 1) + 2

@@ -41,8 +41,8 @@ __all__ = [
 MATMUL_EFFICIENCY = {"a100": 0.682, "h100": 0.551}
 # GEMM efficiency falls as m, k or n approach this size (thin shards, short heads): see `loom.cost.compute`
 MATMUL_KNEE = 32.0
-# fraction of the fp8 peak that fp8 GEMMs reach relative to `MATMUL_EFFICIENCY` (scaling and casts around
-# every fp8 GEMM: Transformer Engine, torchao float8)
+# fraction of the fp8 peak that fp8 GEMMs reach relative to `MATMUL_EFFICIENCY`; the casts Transformer Engine
+# runs around them are priced apart, as memory passes (`loom.cost.layer.fp8_cast_times`)
 FP8_MATMUL_EFFICIENCY = 0.997
 # speed of a fused (flash) attention kernel relative to a GEMM of the same FLOPs, per GPU generation: online
 # softmax, masking and the causal diagonal blocks run inside it, and FlashAttention-2's schedule keeps the

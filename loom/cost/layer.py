@@ -6,8 +6,9 @@ Each piece is a dict of named components in seconds, so that the simulator can r
 not overlapped, as in Megatron without --tp-comm-overlap; with `ParallelPlan.overlap_tp_comm` what
 `overlapped_tp_time` leaves exposed), "ep_comm" (expert-parallel all-to-alls) and "cp_comm"
 (context-parallel attention's exchanges over the cp group, `loom.cost.context`: what compute leaves
-exposed). Backward runs two GEMMs per forward GEMM (input and weight gradients) and moves about twice the
-bytes of each elementwise kernel.
+exposed) and, with `fp8_matmuls`, "fp8_cast" (Transformer Engine's casts around the fp8 GEMMs,
+`fp8_cast_times`). Backward runs two GEMMs per forward GEMM (input and weight gradients) and moves about
+twice the bytes of each elementwise kernel.
 
 With cp > 1 each rank holds seq / cp tokens of its sequences, which loom's GPT treats as rows of their own
 (`loom.cost.traffic.shards_as_rows`): every piece but the attention core is priced on those rows. The core
@@ -22,7 +23,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from loom.cost.collectives import GroupSpan, collective_time, group_span
-from loom.cost.compute import DTYPE_BYTES, fused_attention_time, matmul_time, memory_time
+from loom.cost.compute import (
+    DTYPE_BYTES,
+    fp8_quantize_bytes,
+    fp8_quantize_kernels,
+    fused_attention_time,
+    matmul_time,
+    memory_time,
+)
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.moe import layer_moe_collectives
@@ -41,14 +49,15 @@ from loom.cost.traffic import (
 from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
-    "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "gemm_shapes", "overlapped_tp_time",
-    "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
+    "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "fp8_cast_times", "gemm_shapes",
+    "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
 ]  # fmt: skip
 
 Costs = dict[str, float]
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
 UB_PIPELINE_SPLITS = 4  # Transformer Engine's `initialize_ub` default num_splits for its "pipeline" method
+FP8_LINEARS = 4  # the first four of `_layer_gemms` run in fp8 with `fp8_matmuls`; a mixture's router does not
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,12 +193,51 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
 
 def _linear_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> list[float]:
     """Seconds of each linear layer's forward GEMM of one layer on one rank, in `_layer_gemms`' order (query/
-    key/value, output projection, MLP in, MLP out, router); fp8 recipes run them in fp8."""
+    key/value, output projection, MLP in, MLP out, router); fp8 recipes run them in fp8, all but a mixture's
+    router (Megatron's `TopKRouter` computes its logits with its own linear, not Transformer Engine's)."""
     dt = "fp8" if plan.fp8_matmuls else plan.dtype
     return [
-        matmul_time(cluster.device, m, k, n, dtype=dt, batch=batch)
-        for m, k, n, batch in _layer_gemms(model, plan)
+        matmul_time(cluster.device, m, k, n, dtype=dt if i < FP8_LINEARS else plan.dtype, batch=batch)
+        for i, (m, k, n, batch) in enumerate(_layer_gemms(model, plan))
     ]
+
+
+def fp8_cast_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tuple[float, float]:
+    """Seconds of the casts Transformer Engine's current scaling runs around one layer's fp8 GEMMs on one
+    rank (`plan` with its rows as `_layer_forward` prices them), (forward, backward); (0, 0) without
+    `fp8_matmuls`. Each fp8 linear quantizes its input in the forward and its output gradient in the
+    backward (`loom.cost.compute.fp8_quantize_bytes`): query/key/value and a dense MLP's first linear are
+    TE's LayerNormLinear, whose norm computes the amax; the output projection, the MLP's second linear and
+    a mixture's grouped expert linears quantize a tensor of their own, the experts one slice per local
+    expert (`split_quantize` runs each current-scaling quantizer alone: its kernels once per expert). With
+    sequence parallelism the column-parallel inputs and the row-parallel output gradients are quantized on
+    this rank's 1/tp of the tokens and all-gathered in fp8, their amax all-reduced over tp first (a
+    blocking 4-byte all-reduce, `with_amax_reduction`). Not priced: the weights' casts, once per step (the
+    perf recipes keep fp8 parameters, `fp8_param_gather`, cast by the optimizer), and the router, which
+    stays in `dtype`."""
+    if not plan.fp8_matmuls:
+        return 0.0, 0.0
+    dev, dt = cluster.device, plan.dtype
+    sp = plan.tp if plan.sequence_parallel and plan.tp > 1 else 1
+    amax_reduce = collective_time("all_reduce", 4, _span("tp", plan, cluster), cluster) if sp > 1 else 0.0
+    fwd = bwd = 0.0
+    for i, (m, k, n, batch) in enumerate(_layer_gemms(model, plan)[:FP8_LINEARS]):
+        expert = model.is_moe and i >= 2  # grouped linears: no gather, one quantizer per local expert
+        column = i in (0, 2)  # query/key/value and the MLP's first linear gather their input over tp
+        fused = i == 0 or (i == 2 and not model.is_moe)  # LayerNormLinear: the norm computes the amax
+        ranks_in, ranks_grad = (1, 1) if expert else ((sp, 1) if column else (1, sp))
+        made, transposed = fp8_quantize_bytes(
+            m * k * batch / ranks_in, dtype=dt, amax_fused=fused, gathered=ranks_in
+        )
+        fwd += memory_time(dev, made, kernels=batch * fp8_quantize_kernels(amax_fused=fused))
+        bwd += memory_time(dev, transposed, kernels=1) if transposed else 0.0
+        made, transposed = fp8_quantize_bytes(m * n * batch / ranks_grad, dtype=dt, gathered=ranks_grad)
+        bwd += memory_time(
+            dev, made + transposed, kernels=batch * fp8_quantize_kernels() + int(ranks_grad > 1)
+        )
+        fwd += amax_reduce if ranks_in > 1 else 0.0
+        bwd += amax_reduce if ranks_grad > 1 else 0.0
+    return fwd, bwd
 
 
 def _layer_tp_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
@@ -374,6 +422,8 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     """Per-micro-batch forward, backward and recomputation costs of every piece of the model under `plan`."""
     fwd, core = _layer_forward(model, plan, cluster)
     layer_bwd = _backward(fwd)
+    if plan.fp8_matmuls:  # the casts around the fp8 GEMMs: token-local, priced on the rank's rows
+        fwd["fp8_cast"], layer_bwd["fp8_cast"] = fp8_cast_times(model, shards_as_rows(plan), cluster)
     core_bwd = _backward(core)
     if plan.cp > 1 and plan.attention == "ring":
         # ring attention's backward recomputes each block's scores before its four gradient GEMMs
