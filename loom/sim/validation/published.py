@@ -13,7 +13,11 @@ origin. Rules applied to every row of a source, never per row:
   by default); a plan whose layers do not split evenly over the virtual stages uses the "first and last stage
   one layer fewer" rule (`--account-for-embedding-in-pipeline-split` and `--account-for-loss-...`, and
   DeepSpeed's 'type:transformer|embedding' partition for BLOOM, where each embedding takes a layer's slot).
-- FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`).
+- FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`; the
+  casts around them are Transformer Engine's current scaling, the recipe of every Megatron-Bridge H100 run).
+- Megatron-Bridge: what the tables do not print, from the perf configs of the release: Qwen3's experts whole
+  (expert tp 1), Qwen3-235B without tp communication overlap, and Qwen3-30B-A3B's rows whose HybridEP
+  dispatch crosses nodes left out as the ModelZoo's DeepEP rows (`_bridge_dispatcher`).
 - Throughput rows are compared as tokens/s over all devices (tokens/s per GPU times the GPUs); rows that
   publish only a time per iteration are compared on it.
 - BigScience BLOOM: the cluster its README describes (`jean_zay`: 4 Omni-Path links per node) and DeepSpeed's
@@ -146,12 +150,33 @@ def _unsupported(row: dict[str, str]) -> str:
     return ""
 
 
+BRIDGE = "nvidia2026_megatron_bridge_perf_summary"
+
+
+def _bridge_dispatcher(row: dict[str, str]) -> str:
+    """The token dispatcher of a Megatron-Bridge H100 run, which its table does not print, from the perf
+    configs of its release (scripts/performance/configs/qwen3/, qwen/ from v0.3.0): Megatron's all-to-all
+    where they name no flex backend (v0.2.0, 25.11) or set `moe_token_dispatcher_type = "alltoall"`
+    (Qwen3-235B-A22B through r0.5.0); Qwen3-30B-A3B's `moe_flex_dispatcher_backend` is "deepep" at v0.3.0
+    (26.02) and "hybridep" with ep 16 from f29a269 (2026-02-23, "Update Qwen3 30B H100 Base Configs with
+    HybridEP"), which r0.4.0 to r0.5.0 keep (26.02.01 to 26.06)."""
+    if not row["model"].startswith("qwen3_30b"):
+        return "all-to-all"
+    release = row.get("release", "")
+    return "HybridEP" if release >= "26.02.01" else "DeepEP" if release >= "26.02" else "all-to-all"
+
+
 def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
     """NeMo 24.07 and Megatron-Bridge performance summaries (DGX-H100, Megatron-Core)."""
     out, skipped = [], []
     for row in _rows(stem):
         label = f"{row['model']} {row.get('release', '')} {row['precision']}".strip()
         facts = ARCHITECTURES["qwen3"] if row["model"].startswith("qwen3") else {}
+        if facts and stem == BRIDGE:
+            # the tables print no expert tp: Megatron-Bridge's Qwen3 perf configs run the experts whole
+            # (`BASE_QWEN3_30B_A3B_CONFIG` and `BASE_QWEN3_235B_A22B_CONFIG` set expert_tensor_parallel_size=1,
+            # scripts/performance/configs/qwen3/workload_base_configs.py at v0.2.0, qwen/ from v0.3.0)
+            row = {**row, "etp": row.get("etp") or "1"}
         keys = (
             "layers",
             "hidden",
@@ -164,19 +189,29 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             reason = f"architecture not recorded ({', '.join(missing)})"
         elif not row["precision"]:
             reason = "precision not stated"
+        elif stem == BRIDGE and (flex := _bridge_dispatcher(row)) != "all-to-all" and int(row["ep"]) > 8:
+            # as the ModelZoo's DeepEP rows: sent once per destination node and forwarded over NVLink, where
+            # loom prices a flat all-to-all that sends a token once per routed expert
+            reason = (
+                f"{flex}'s node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
+            )
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
         model = _llama(row, facts)
         fp8 = row["precision"].startswith("fp8")
         # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
-        # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1
+        # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1;
+        # Qwen3-235B's H100 config turns it off (`qwen3_235b_a22b_h100_config`, v0.2.0 on:
+        # `CommOverlapConfig(tp_comm_overlap=False)`)
         tp = int(row["tp"])
+        overlap_tp = tp > 1 and not (stem == BRIDGE and row["model"].startswith("qwen3_235b"))
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=tp, pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
-            ep=_int(row, "ep", 1), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
-            seq=int(row["seq"]), optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1,
-            sequence_parallel=tp > 1, flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=tp > 1,
+            ep=_int(row, "ep", 1), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
+            global_batch=int(row["global_batch"]), seq=int(row["seq"]),
+            optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
+            flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=overlap_tp,
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
@@ -300,7 +335,7 @@ def published_cases() -> tuple[list[Case], list[Skipped]]:
     loaded, skipped = list(cases()) + fsdp_cases(), []
     for loader in (
         lambda: _megatron_perf("nvidia2024_nemo_perf_summary"),
-        lambda: _megatron_perf("nvidia2026_megatron_bridge_perf_summary"),
+        lambda: _megatron_perf(BRIDGE),
         _torchtitan_a100, _bloom, _moe_modelzoo,
     ):  # fmt: skip
         more, left = loader()
