@@ -162,8 +162,8 @@ def _bridge_dispatcher(row: dict[str, str]) -> str:
     HybridEP"), which r0.4.0 to r0.5.0 keep (26.02.01 to 26.06)."""
     if not row["model"].startswith("qwen3_30b"):
         return "all-to-all"
-    release = row.get("release", "")
-    return "HybridEP" if release >= "26.02.01" else "DeepEP" if release >= "26.02" else "all-to-all"
+    release = tuple(int(part) for part in row["release"].split("."))  # "26.02.01" -> (26, 2, 1)
+    return "HybridEP" if release >= (26, 2, 1) else "DeepEP" if release >= (26, 2) else "all-to-all"
 
 
 def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
