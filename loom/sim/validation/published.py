@@ -189,9 +189,13 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             reason = f"architecture not recorded ({', '.join(missing)})"
         elif not row["precision"]:
             reason = "precision not stated"
-        elif stem == BRIDGE and (flex := _bridge_dispatcher(row)) != "all-to-all" and int(row["ep"]) > 8:
-            # as the ModelZoo's DeepEP rows: sent once per destination node and forwarded over NVLink, where
-            # loom prices a flat all-to-all that sends a token once per routed expert
+        elif (
+            stem == BRIDGE
+            and (flex := _bridge_dispatcher(row)) != "all-to-all"
+            and _int(row, "ep", 1) * _int(row, "etp", 1) > PROFILES["h100-sxm"].gpus_per_node
+        ):
+            # as the ModelZoo's DeepEP rows: an ep group across nodes, each token sent once per destination
+            # node and forwarded over NVLink, where loom prices a flat all-to-all that sends it once per expert
             reason = (
                 f"{flex}'s node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
             )
