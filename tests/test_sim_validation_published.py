@@ -53,4 +53,14 @@ def test_tp_comm_overlap_is_set_where_the_system_ran_it():
     assert overlapped == {
         (c.source, c.label) for c in cases if c.source.startswith("nvidia") and c.plan.tp > 1
     }
-    assert {label.split()[0] for _, label in overlapped} == {"llama3_70b"}
+    assert {label.split()[0] for _, label in overlapped} == {"llama3_70b", "llama3-70b", "llama3.1_405b"}
+
+
+def test_context_parallel_rows_run_megatrons_p2p_ring():
+    # NeMo 24.07 and Megatron-Bridge at cp 2: Megatron-Core's default --cp-comm-type p2p; the CSVs' dp is
+    # derived as gpus / (tp * pp * cp), so the plan's devices are the row's GPUs
+    cases, _ = published_cases()
+    cut = [c for c in cases if c.plan.cp > 1]
+    assert len(cut) == 5 and {c.source[:6] for c in cut} == {"nvidia"}
+    assert {(c.plan.cp, c.plan.attention, c.plan.flash_attention) for c in cut} == {(2, "megatron_p2p", True)}
+    assert all(c.plan.devices == c.cluster.gpus for c in cut)

@@ -25,6 +25,7 @@ from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
     GRAD_REDUCES,
+    PRICED_ATTENTIONS,
     PRICED_RECOMPUTE,
     FieldError,
     ParallelPlan,
@@ -149,8 +150,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--cp", type=positive_int, metavar="N", help="context parallel: each sequence cut over N ranks"
     )
     plan.add_argument(
-        "--attention", choices=ATTENTIONS, help="attention over the cp ranks (default ulysses; needs --cp)"
-    )
+        "--attention", choices=PRICED_ATTENTIONS,
+        help="attention over the cp ranks (default ulysses; needs --cp); megatron_p2p prices Megatron-Core's "
+        "p2p context parallelism (needs --flash-attention), which loom does not run",
+    )  # fmt: skip
     plan.add_argument(
         "--seq", type=positive_int, metavar="N", help=f"sequence length (default {DEFAULT_SEQ})"
     )
@@ -329,7 +332,7 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
             ]
         )
     plan = Plan(
-        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=args.attention or "ulysses",
+        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=_loom_attention(args),
         schedule=args.schedule or default_schedule(interleave),
         virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=_loom_recompute(args),
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
@@ -390,12 +393,20 @@ def _loom_recompute(args: argparse.Namespace) -> str:
     return args.recompute if args.recompute in RECOMPUTE else "none"
 
 
+def _loom_attention(args: argparse.Namespace) -> str:
+    """The Plan's context-parallel attention: `--attention` when loom runs it, else ulysses (an attention
+    only the simulator prices, another system's, is set on the priced plan by `_with_system`)."""
+    return args.attention if args.attention in ATTENTIONS else "ulysses"
+
+
 def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
     """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`, and a `--recompute` policy
-    that only the simulator prices); a value the plan cannot take is an impossible plan that names the flag."""
+    or `--attention` that only the simulator prices); a value the plan cannot take is an impossible plan that names the flag."""
     given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
     if args.recompute is not None and args.recompute != _loom_recompute(args):
         given["recompute"] = args.recompute
+    if args.attention is not None and args.attention != _loom_attention(args):
+        given["attention"] = args.attention
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
     for flag, field in FLAG_FIELDS.items():

@@ -21,8 +21,10 @@ from typing import Any
 __all__ = [
     "OPTIMIZER_LEVELS",
     "PRECISIONS",
+    "PRICED_ATTENTIONS",
     "PRICED_RECOMPUTE",
     "RECOMPUTE",
+    "RING_ATTENTIONS",
     "SCHEDULES",
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
@@ -65,6 +67,13 @@ LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 """The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
+# what the simulator prices: loom's attentions and Megatron-Core's default context parallelism ("megatron_p2p":
+# `--cp-comm-type p2p`, Transformer Engine's `AttnFuncWithCPAndKVP2P`, a ring of key/value blocks over the
+# head-tail cut with each block's fused attention kernels; `loom.cost.context.megatron_p2p_collectives`).
+# Never a planner choice: loom's runtime does not run it.
+PRICED_ATTENTIONS: tuple[str, ...] = (*ATTENTIONS, "megatron_p2p")
+# the attentions that pass key/value blocks around a ring over the head-tail cut (2 * cp chunks a sequence)
+RING_ATTENTIONS: tuple[str, ...] = ("ring", "megatron_p2p")
 GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
 GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_in_out")
@@ -159,6 +168,10 @@ class ParallelPlan:
     gradients copied, and cast, into the reduce-scatter buffer ("copy_in_out": PyTorch FSDP2,
     `loom.cost.zero3.copy_in_out_bytes`). Both also run level 2 unit by unit (`unit_sharded`).
 
+    `attention` (with cp > 1) is one of `PRICED_ATTENTIONS`: loom's (`ATTENTIONS`) or "megatron_p2p",
+    Megatron-Core's ring of point-to-point key/value exchanges, priced for published runs and never chosen by
+    loom's planner.
+
     `recompute` is one of `PRICED_RECOMPUTE`: loom's policies (`RECOMPUTE`) or "torchtitan_op", torchtitan's
     op-level selective checkpointing, priced for its published runs and never chosen by loom's planner.
 
@@ -194,8 +207,8 @@ class ParallelPlan:
         False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
     )
     stage_layers: tuple[int, ...] = ()
-    cp: int = 1  # context parallelism: each sequence cut over cp ranks (no pipelines: `loom.sim.simulator`)
-    attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.sim.simulator`)
+    attention: str = "ulysses"  # the attention over the cp ranks, one of PRICED_ATTENTIONS
     expert_tp: int = 0  # the experts' own tensor parallelism (Megatron-Core's ETP), a divisor of tp; 0: tp
     grad_dtype: str = ""  # see the class docstring: one of GRAD_DTYPES
     grad_reduce: str = ""  # one of GRAD_REDUCES
@@ -208,7 +221,14 @@ class ParallelPlan:
         owner = "ParallelPlan"
         sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "cp")
         check_sizes(owner, {name: getattr(self, name) for name in sizes})
-        check_choice(owner, "attention", self.attention, ATTENTIONS)
+        check_choice(owner, "attention", self.attention, PRICED_ATTENTIONS)
+        if self.attention == "megatron_p2p" and not self.flash_attention:
+            # Transformer Engine runs each ring step as its fused attention kernels (cuDNN or flash-attn)
+            raise FieldError(
+                owner, "attention", self.attention,
+                "Megatron's p2p context parallelism runs fused attention kernels per block: set flash_attention, "
+                f"or use one of {ATTENTIONS}",
+            )  # fmt: skip
         check_choice(owner, "recompute", self.recompute, PRICED_RECOMPUTE)
         if self.recompute == "torchtitan_op" and (
             not self.flash_attention or self.cp > 1 or self.fp8_matmuls

@@ -136,8 +136,6 @@ def _case(source: str, row: dict[str, str], label: str, model, plan, gpu: str, m
 
 def _unsupported(row: dict[str, str]) -> str:
     """Why a row's parallel layout cannot be simulated (empty: it can)."""
-    if _int(row, "cp", 1) > 1:
-        return f"context parallelism (cp={row['cp']}) is not simulated"
     ep, dp, tp, etp = _int(row, "ep", 1), int(row["dp"]), int(row["tp"]), _int(row, "etp")
     if etp is None and dp % ep:
         return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}) and the row gives no expert tp"
@@ -171,10 +169,13 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
         fp8 = row["precision"].startswith("fp8")
         # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
         # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1
+        # context parallelism is Megatron-Core's default `--cp-comm-type p2p` (Transformer Engine's ring of
+        # key/value exchanges over the head-tail cut, `attention="megatron_p2p"`); the CSVs derive dp as
+        # gpus / (tp * pp * cp), the data-parallel degree without cp, as `ParallelPlan.dp` is
         tp = int(row["tp"])
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=tp, pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
-            ep=_int(row, "ep", 1), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
+            cp=_int(row, "cp", 1), attention="megatron_p2p", ep=_int(row, "ep", 1), micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]),
             seq=int(row["seq"]), optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1,
             sequence_parallel=tp > 1, flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=tp > 1,
         )  # fmt: skip
