@@ -53,7 +53,13 @@ def test_tp_comm_overlap_is_set_where_the_system_ran_it():
     assert overlapped == {
         (c.source, c.label) for c in cases if c.source.startswith("nvidia") and c.plan.tp > 1
     }
-    assert {label.split()[0] for _, label in overlapped} == {"llama3_70b", "llama3-70b", "llama3.1_405b"}
+    assert {label.split()[0] for _, label in overlapped} == {
+        "llama3_70b",
+        "llama3-70b",
+        "llama3.1_405b",
+        "llama2-70b",
+        "gpt3-175b",
+    }
 
 
 def test_context_parallel_rows_run_megatrons_p2p_ring():
@@ -64,3 +70,22 @@ def test_context_parallel_rows_run_megatrons_p2p_ring():
     assert len(cut) == 5 and {c.source[:6] for c in cut} == {"nvidia"}
     assert {(c.plan.cp, c.plan.attention, c.plan.flash_attention) for c in cut} == {(2, "megatron_p2p", True)}
     assert all(c.plan.devices == c.cluster.gpus for c in cut)
+
+
+def test_nemo_rows_take_the_published_architectures():
+    # NeMo 24.07 records layers, width and heads; the vocabulary and Llama 2's MLP come from the models'
+    # publications (ARCHITECTURES): GPT-2's 50,257-token BPE for GPT-3, Llama 2's 32,000 and 11,008 / 13,824 /
+    # 28,672; GPT 5B/20B and Nemotron, whose architectures are not recorded, stay out
+    cases, skipped = published_cases()
+    nemo = {c.model.name: c.model for c in cases if c.source == "nvidia2024_nemo_perf_summary"}
+    assert set(nemo) == {"gpt3-175b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b"}
+    assert [(nemo[f"llama2-{s}"].vocab, nemo[f"llama2-{s}"].ffn) for s in ("7b", "13b", "70b")] == [
+        (32000, 11008), (32000, 13824), (32000, 28672)
+    ]  # fmt: skip
+    gpt3 = nemo["gpt3-175b"]
+    assert (gpt3.vocab, gpt3.ffn, gpt3.learned_positions, gpt3.tied_embeddings, gpt3.dropout) == (
+        50257, 49152, 2048, True, False
+    )  # fmt: skip
+    assert gpt3.biases and not gpt3.gated_mlp
+    left = {s.label.split()[0] for s in skipped if s.source == "nvidia2024_nemo_perf_summary"}
+    assert left == {"gpt3-5b", "gpt3-20b", "nemotron-8b", "nemotron-22b", "nemotron-340b"}

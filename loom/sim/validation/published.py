@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
-from loom.sim.validation import HERE, Case, cases, fsdp_cases
+from loom.sim.validation import HERE, Case, cases, fsdp_cases, gpt
 
 __all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "jean_zay", "published_cases", "source_halves"]
 
@@ -45,10 +45,14 @@ LONG_CONTEXT = 32768  # sequences from this length count as long-context runs
 ARCHITECTURES: dict[str, dict[str, int]] = {
     # Qwen3 technical report / the models' config.json: vocabulary 151,936 (already a multiple of 128)
     "qwen3": {"vocab": 151936},
-    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: vocabulary 32,000; MLP 13,824 (13B),
-    # 28,672 with 8 key/value heads (70B)
+    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: vocabulary 32,000; MLP 11,008 (7B),
+    # 13,824 (13B), 28,672 with 8 key/value heads (70B)
+    "llama2-7b": {"vocab": 32000, "ffn_hidden": 11008},
     "llama2-13b": {"vocab": 32000, "ffn_hidden": 13824},
     "llama2-70b": {"vocab": 32000, "ffn_hidden": 28672, "kv_heads": 8},
+    # Brown et al. 2020 (GPT-3), Sec. 2.1: "the same model and architecture as GPT-2 ... including the
+    # reversible tokenization", i.e. GPT-2's byte-level BPE of 50,257 tokens (Radford et al. 2019, Sec. 2.2)
+    "gpt3-175b": {"vocab": 50257},
     # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
     "bloom": {"vocab": 250880},
 }
@@ -117,6 +121,17 @@ def _llama(row: dict[str, str], facts: dict[str, int] | None = None) -> Transfor
     )  # fmt: skip
 
 
+def _gpt3(row: dict[str, str], facts: dict[str, int]) -> TransformerConfig:
+    """GPT-3 as NeMo trains it (learned positions, biases, LayerNorm, GeLU MLP of 4 h, tied embedding), the
+    architecture from the row and `facts`. Without dropout: NeMo 2.0's `GPTConfig175B` sets hidden and
+    attention dropout to 0 (NeMo-Framework-Launcher's gpt3/175b.yaml had 0.1; the 24.07 table states
+    neither, and the two price NeMo's rows 0.2 points apart)."""
+    return gpt(
+        row["model"], int(row["layers"]), int(row["hidden"]), int(row["heads"]), seq=int(row["seq"]),
+        vocab=facts.get("vocab") or int(row["vocab"]),
+    ).replace(dropout=False)  # fmt: skip
+
+
 def _missing(row: dict[str, str], keys: tuple[str, ...], facts: dict[str, int]) -> list[str]:
     return [k for k in keys if not row.get(k) and k not in facts]
 
@@ -149,7 +164,11 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
     out, skipped = [], []
     for row in _rows(stem):
         label = f"{row['model']} {row.get('release', '')} {row['precision']}".strip()
-        facts = ARCHITECTURES["qwen3"] if row["model"].startswith("qwen3") else {}
+        facts = (
+            ARCHITECTURES["qwen3"]
+            if row["model"].startswith("qwen3")
+            else ARCHITECTURES.get(row["model"], {})
+        )
         keys = (
             "layers",
             "hidden",
@@ -165,7 +184,7 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
-        model = _llama(row, facts)
+        model = (_gpt3 if row["model"].startswith("gpt3") else _llama)(row, facts)
         fp8 = row["precision"].startswith("fp8")
         # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
         # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1
