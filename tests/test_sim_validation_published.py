@@ -89,3 +89,10 @@ def test_nemo_rows_take_the_published_architectures():
     assert gpt3.biases and not gpt3.gated_mlp
     left = {s.label.split()[0] for s in skipped if s.source == "nvidia2024_nemo_perf_summary"}
     assert left == {"gpt3-5b", "gpt3-20b", "nemotron-8b", "nemotron-22b", "nemotron-340b"}
+
+
+def test_modelzoo_a2a_row_leaves_its_ends_to_embedding_and_loss():
+    # tp 2 / pp 32 / virtual 3: 96 virtual stages for 94 layers, the yaml counting embedding and loss as layers
+    cases, _ = published_cases()
+    (a2a,) = [c for c in cases if c.source.startswith("yan2025") and c.plan.pp == 32]
+    assert a2a.plan.stage_layers == (0, *[1] * 94, 0) and a2a.plan.virtual_stages == 96

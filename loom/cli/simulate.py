@@ -336,7 +336,7 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
         schedule=args.schedule or default_schedule(interleave),
         virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=_loom_recompute(args),
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
-        precision=args.dtype or "bf16", stages=_stage_layers(args.stage_layers, layers, pp * interleave),
+        precision=args.dtype or "bf16", stages=_loom_stages(_stage_layers(args.stage_layers, layers, pp * interleave)),
     )  # fmt: skip
     return plan, batch
 
@@ -381,7 +381,7 @@ def _plan(
             flash_attention=args.flash_attention,
             overlap_grad_sync=not args.no_overlap_grad_sync,
         )
-        priced = _with_system(priced, args)
+        priced = _with_system(priced, args, layers)
     except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
         raise PlanError([str(exc)]) from exc
     return priced, args.gpus or priced.devices
@@ -393,20 +393,30 @@ def _loom_recompute(args: argparse.Namespace) -> str:
     return args.recompute if args.recompute in RECOMPUTE else "none"
 
 
+def _loom_stages(stages: list[int] | None) -> list[int] | None:
+    """The Plan's layers per stage: `--stage-layers` when loom runs them (every stage holds a block), else
+    none (ends that hold only the embedding or the output layer, as Megatron's account-for-embedding and
+    account-for-loss splits leave them, are set on the priced plan by `_with_system`)."""
+    return stages if stages is None or min(stages) >= 1 else None
+
+
 def _loom_attention(args: argparse.Namespace) -> str:
     """The Plan's context-parallel attention: `--attention` when loom runs it, else ulysses (an attention
     only the simulator prices, another system's, is set on the priced plan by `_with_system`)."""
     return args.attention if args.attention in ATTENTIONS else "ulysses"
 
 
-def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
+def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> ParallelPlan:
     """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`, and a `--recompute` policy
-    or `--attention` that only the simulator prices); a value the plan cannot take is an impossible plan that names the flag."""
+    or `--attention` or `--stage-layers` that only the simulator prices; `layers`: the model's); a value the plan cannot take is an impossible plan that names the flag."""
     given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
     if args.recompute is not None and args.recompute != _loom_recompute(args):
         given["recompute"] = args.recompute
     if args.attention is not None and args.attention != _loom_attention(args):
         given["attention"] = args.attention
+    stages = _stage_layers(args.stage_layers, layers, plan.virtual_stages)
+    if stages is not None and _loom_stages(stages) is None:
+        given["stage_layers"] = tuple(stages)
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
     for flag, field in FLAG_FIELDS.items():

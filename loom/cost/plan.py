@@ -112,7 +112,10 @@ def check_choice(owner: str, key: str, value: Any, choices: Sequence[Any]) -> No
 
 def light_ends(layers: int, stages: int) -> tuple[int, ...]:
     """Layers per stage when the first and last stage hold one layer fewer than the others (they also
-    hold the embedding and the output layer), as Llama 3 405B's 126 layers ran on 16 stages (7, 8 x 14, 7)."""
+    hold the embedding and the output layer), as Llama 3 405B's 126 layers ran on 16 stages (7, 8 x 14, 7);
+    with as many stages as layers + 2 the ends hold the embedding and the output layer alone (Megatron's
+    --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: 94 layers on 96
+    virtual stages, 0, 1 x 94, 0)."""
     if stages < 3 or (layers + 2) % stages:
         raise ValueError(
             f"{layers} layers on {stages} stages cannot have the first and last one layer lighter: "
@@ -290,12 +293,28 @@ class ParallelPlan:
             )  # fmt: skip
         if self.stage_layers:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-            check_sizes(owner, {f"stage_layers[{i}]": n for i, n in enumerate(self.stage_layers)})
-            if len(self.stage_layers) != self.virtual_stages:
-                raise FieldError(
-                    owner, "stage_layers", self.stage_layers,
-                    f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
-                )  # fmt: skip
+            self._check_stage_layers(owner)
+
+    def _check_stage_layers(self, owner: str) -> None:
+        """One whole layer count per virtual stage, each at least 1 but at the ends: the first virtual stage
+        holds the embedding and the last the output layer and loss, so either may hold no transformer layer
+        (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split)."""
+        if len(self.stage_layers) != self.virtual_stages:
+            raise FieldError(
+                owner, "stage_layers", self.stage_layers,
+                f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
+            )  # fmt: skip
+        last = len(self.stage_layers) - 1
+        for i, n in enumerate(self.stage_layers):
+            least = 0 if i in (0, last) and last > 0 else 1  # the embedding's stage, the output layer's
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                fix = f"use a whole number >= {least}"
+                if n == 0:
+                    fix += (
+                        ": only the first virtual stage (with the embedding) and the last (with the output "
+                        "layer and loss) may hold no transformer layer"
+                    )
+                raise FieldError(owner, f"stage_layers[{i}]", n, fix)
 
     @property
     def etp(self) -> int:
