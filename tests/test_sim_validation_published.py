@@ -96,3 +96,18 @@ def test_modelzoo_a2a_row_leaves_its_ends_to_embedding_and_loss():
     cases, _ = published_cases()
     (a2a,) = [c for c in cases if c.source.startswith("yan2025") and c.plan.pp == 32]
     assert a2a.plan.stage_layers == (0, *[1] * 94, 0) and a2a.plan.virtual_stages == 96
+
+
+def test_modelzoo_deepep_rows_run_deepeps_dispatch():
+    # the `dispatcher` column: DeepEP rows send a token once per destination rank (across nodes once per
+    # node), A2A rows once per routed expert; the row published with 1F1B expert-communication overlap stays
+    # out (loom waits for each dispatch where it is issued)
+    cases, skipped = published_cases()
+    zoo = [c for c in cases if c.source.startswith("yan2025")]
+    assert {(c.plan.pp, c.plan.ep, c.plan.moe_dispatcher) for c in zoo} == {
+        (8, 32, "deepep"), (1, 8, "deepep"), (8, 8, "deepep"), (32, 8, "all_to_all")
+    }  # fmt: skip
+    assert [s.reason for s in skipped if "1F1B" in s.reason] == [
+        "expert-parallel communication overlapped across 1F1B micro-batches is not simulated"
+    ]
+    assert all(c.plan.moe_dispatcher == "all_to_all" for c in cases if not c.source.startswith("yan2025"))

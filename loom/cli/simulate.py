@@ -25,6 +25,7 @@ from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
     GRAD_REDUCES,
+    MOE_DISPATCHERS,
     PRICED_ATTENTIONS,
     PRICED_RECOMPUTE,
     FieldError,
@@ -115,7 +116,7 @@ MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
-SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap")
+SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -200,6 +201,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "FSDP1's flat copy, cast and pre-divide before each unit's reduce-scatter, or FSDP2's copy-out "
         "after each unit's all-gather and copy-in before its reduce-scatter (the last two at level 3, or "
         "at level 2 run unit by unit: SHARD_GRAD_OP)",
+    )
+    system.add_argument(
+        "--moe-dispatcher",
+        choices=MOE_DISPATCHERS,
+        help="how tokens reach their experts' ranks: all_to_all (default, a copy per routed expert) or deepep "
+        "(DeepEP's kernels: a copy per destination rank, across nodes one per node forwarded over NVLink)",
     )
     system.add_argument(
         "--blocking-p2p",

@@ -25,7 +25,7 @@ from loom.cost.collectives import GroupSpan, collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, fused_attention_time, matmul_time, memory_time
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
-from loom.cost.moe import layer_moe_collectives
+from loom.cost.moe import deepep_layer_time, layer_moe_collectives
 from loom.cost.plan import RING_ATTENTIONS, ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
@@ -330,8 +330,11 @@ def _cp_comm(
 
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
-    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart."""
+    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart; under DeepEP
+    (`moe_dispatcher`) its dispatch and combine (`loom.cost.moe.deepep_layer_time`)."""
     span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+    if plan.moe_dispatcher == "deepep":
+        return deepep_layer_time(model, plan, span, cluster, phase)
     return sum(
         c.count * collective_time(c.kind, c.nbytes, span, cluster)
         for c in layer_moe_collectives(model, plan)

@@ -29,6 +29,7 @@ __all__ = [
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
+    "MOE_DISPATCHERS",
     "UNIT_COPIES",
     "UNIT_COPY_LEVELS",
     "GRAD_DTYPES",
@@ -81,6 +82,9 @@ GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_i
 # and the optimizer levels at which those systems shard units (SHARD_GRAD_OP: 2, FULL_SHARD: 3)
 UNIT_COPIES: tuple[str, ...] = ("flat_copy", "copy_in_out")
 UNIT_COPY_LEVELS: tuple[int, ...] = (2, 3)
+# how a mixture's tokens reach their experts' ranks: loom's all-to-all (a copy per routed expert), or DeepEP's
+# kernels (a copy per destination rank, across nodes one per node forwarded over NVLink: `loom.cost.moe`)
+MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep")
 
 
 class FieldError(ValueError):
@@ -189,6 +193,11 @@ class ParallelPlan:
     transformer layer's sequence-parallel all-gathers and reduce-scatters into chunks pipelined with the
     linear layers' GEMMs (`loom.cost.layer.overlapped_tp_time`); it needs sequence parallelism over tp > 1,
     as Megatron asserts. loom's runtime does not run it.
+
+    `moe_dispatcher` is how a mixture's tokens reach their experts' ranks: "all_to_all" (loom's runtime:
+    one copy per routed expert) or "deepep" (DeepEP's kernels, Megatron-Core's flex dispatcher: one copy per
+    destination rank, and across nodes one per destination node over RDMA, forwarded inside it over NVLink;
+    `loom.cost.moe.deepep_bytes`). loom's runtime does not run DeepEP.
     """
 
     dp: int = 1
@@ -219,6 +228,7 @@ class ParallelPlan:
     overlap_p2p: bool = True  # see the class docstring
     scatter_gather_p2p: bool = False
     overlap_tp_comm: bool = False  # see the class docstring
+    moe_dispatcher: str = "all_to_all"  # one of MOE_DISPATCHERS; see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -255,6 +265,7 @@ class ParallelPlan:
         check_choice(owner, "grad_dtype", self.grad_dtype, GRAD_DTYPES)
         check_choice(owner, "grad_reduce", self.grad_reduce, GRAD_REDUCES)
         check_choice(owner, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        check_choice(owner, "moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):

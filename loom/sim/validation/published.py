@@ -20,9 +20,10 @@ origin. Rules applied to every row of a source, never per row:
   bf16 optimizer (fp32 gradients accumulated in a pass of their own and all-reduced whole).
 - torchtitan: FSDP2 with bf16 parameters and fp32 gradient reduction (`grad_dtype`), its copy-in and
   copy-out (`grad_accumulation = "copy_in_out"`).
-- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); rows
-  whose DeepEP dispatch crosses nodes are left out (DeepEP sends a token once per node, loom prices a flat
-  all-to-all).
+- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); the
+  dispatcher from its `dispatcher` column (`moe_dispatcher`: DeepEP sends a token once per destination rank,
+  across nodes once per node); the row published with expert communication overlapped across 1F1B
+  micro-batches is left out.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ ARCHITECTURES: dict[str, dict[str, int]] = {
     # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
     "bloom": {"vocab": 250880},
 }
+
+
+# the ModelZoo's `dispatcher` column -> `ParallelPlan.moe_dispatcher`: Megatron-Core's alltoall dispatcher
+# sends a copy per routed expert, as loom's all-to-all; DeepEP (`--moe-token-dispatcher-type flex
+# --moe-enable-deepep`) a copy per destination rank, across nodes one per node (`loom.cost.moe`)
+DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep"}
 
 
 def jean_zay() -> Cluster:
@@ -287,12 +294,10 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             reason = (
                 f"{virtual} virtual stages for {row['layers']} layers leave a middle stage without layers"
             )
-        elif row["dispatcher"] == "DeepEP" and int(row["ep"]) * int(row["etp"] or row["tp"]) > 8:
-            # DeepEP sends a token once per destination node over RDMA and forwards it inside the node over
-            # NVLink; loom prices a flat all-to-all, which sends it once per routed expert
-            reason = (
-                "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
-            )
+        elif "+1f1b overlap" in row["notes"]:
+            # Megatron-Core's --overlap-moe-expert-parallel-comm: one micro-batch's dispatch and combine run
+            # beside another's compute in the 1F1B steady state; loom waits for each where it is issued
+            reason = "expert-parallel communication overlapped across 1F1B micro-batches is not simulated"
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
@@ -306,7 +311,7 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             ep=int(row["ep"]), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
-            dtype="bf16", grad_dtype="fp32",
+            dtype="bf16", grad_dtype="fp32", moe_dispatcher=DISPATCHERS[row["dispatcher"]],
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
