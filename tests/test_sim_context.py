@@ -16,13 +16,14 @@ from loom.cost.context import (
     attention_flops,
     communication_time,
     exposed_time,
+    megatron_p2p_collectives,
     ring_collectives,
     ulysses_collectives,
 )
 from loom.cost.hardware import GIB, PROFILES, Device
 from loom.cost.layer import piece_costs
 from loom.cost.memory import layer_activation_bytes
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
 from loom.plan.outer import search_plans, to_plan
@@ -36,7 +37,11 @@ MODEL = TransformerConfig(
     norm="rmsnorm", biases=False, dropout=False, tied_embeddings=False,
 )  # fmt: skip
 H100 = PROFILES["h100-sxm"]
-FORMULAS = {"ulysses": ulysses_collectives, "ring": ring_collectives}
+FORMULAS = {
+    "ulysses": ulysses_collectives,
+    "ring": ring_collectives,
+    "megatron_p2p": megatron_p2p_collectives,
+}
 
 
 def _plan(cp: int, attention: str = "ulysses", **changes) -> ParallelPlan:
@@ -192,6 +197,12 @@ def test_cp_inside_pipeline_stages_is_priced_per_stage():
     # what a stage sends on is each rank's piece of the sequence: seq / cp tokens of its rows
     rank_piece = piece_costs(MODEL, piped, H100).p2p_bytes
     assert rank_piece == piped.micro_batch * 8192 // 2 * MODEL.hidden * 2  # bf16 stream
+    # the next stage is tp * cp * dp ranks on: with tp 2, cp 4 it sits on the next node (tp * dp = 2 would
+    # have placed it inside this one)
+    wide = ParallelPlan(tp=2, pp=2, cp=4, attention="ring", global_batch=4, micro_batch=1, seq=8192)
+    pieces = piece_costs(MODEL, wide, H100)
+    across = collective_time("send_recv", pieces.p2p_bytes, group_span(2, 8, H100.gpus_per_node), H100)
+    assert pieces.p2p_s == across > collective_time("send_recv", pieces.p2p_bytes, group_span(2, 2, 8), H100)
 
 
 def test_experts_under_cp_are_priced():
@@ -325,3 +336,69 @@ def test_loom_plan_writes_a_cp_plan_that_loom_simulate_prices_again(tmp_path, ca
     assert main(again) == 0
     priced = json.loads(capsys.readouterr().out)
     assert priced["iteration_s"] == pytest.approx(best["result"]["iteration_s"])
+
+
+def test_megatron_p2p_bytes_per_layer_are_transformer_engines_buffers():
+    """Megatron's p2p context parallelism (Transformer Engine's `AttnFuncWithCPAndKVP2P`), seq 8192, bf16,
+    8 key/value heads of 128: at cp = 4 a block of keys and values is 2 * 8 * 2048 * 128 * 2 = 8 MiB.
+    Forward 3 exchanges of it (24 MiB); backward 4 exchanges of the bf16 double buffer: keys and values
+    (8), keys, values and gradients twice (16 each), gradients home (8): 48 MiB, 72 MiB in all (loom's ring:
+    112, its gradients travel in fp32). At cp = 2 a block is 16 MiB: forward 1, backward 2 of them."""
+    for cp, mib in ((4, 72), (2, 48)):
+        plan = _plan(cp, "megatron_p2p", flash_attention=True)
+        pieces = piece_costs(MODEL, plan, H100)
+        assert list(pieces.layer_cp) == _formula("megatron_p2p", plan)
+        assert simulate(MODEL, plan, H100).cp_bytes_per_layer == _sent(pieces.layer_cp) == mib * 2**20
+    backward = [c for c in _formula("megatron_p2p", _plan(4, "megatron_p2p", flash_attention=True))
+                if c.kind == "send" and c.phase == "backward"]  # fmt: skip
+    assert [(c.count, c.nbytes) for c in backward] == [(2, 8 * 2**20), (2, 16 * 2**20)]
+
+
+def test_megatron_p2p_exchanges_all_hide_behind_the_blocks():
+    """Every exchange, the backward's gradients too, starts before a ring step's block and is waited on
+    before the next: inside a node all hidden (no cp_comm), with compute free all exposed."""
+    plan = _plan(4, "megatron_p2p", flash_attention=True)
+    assert simulate(MODEL, plan, H100).breakdown.get("cp_comm", 0) == 0
+    free = dataclasses.replace(
+        H100.device, peak_flops={"bf16": 1e30}, memory_bandwidth=1e30, kernel_overhead_s=0
+    )
+    cluster = dataclasses.replace(H100, device=free)
+    span = group_span(4, 1, H100.gpus_per_node)
+    everything = communication_time(_formula("megatron_p2p", plan), span, cluster)
+    layers = MODEL.layers * plan.micro_batches
+    assert simulate(MODEL, plan, cluster).breakdown["cp_comm"] == pytest.approx(layers * everything, rel=1e-9)
+    # half of a block's time of compute hides half of each exchange
+    one = collective_time("send_recv", 8 * 2**20, span, H100)
+    kept = exposed_time(_formula("megatron_p2p", plan), span, H100, phase="backward", step_s=one / 2)
+    assert kept == pytest.approx(
+        2 * one / 2 + 2 * (collective_time("send_recv", 16 * 2**20, span, H100) - one / 2)
+    )
+
+
+def test_megatron_p2p_computes_the_ring_blocks_with_fused_kernels():
+    """The same head-tail blocks as loom's ring (forward equal), each block's backward the fused kernel's
+    (twice its forward, as every fused attention is priced), where loom's ring recomputes the scores
+    (10 / 4 of the forward's attention FLOPs)."""
+    p2p, ring = _plan(4, "megatron_p2p", flash_attention=True), _plan(4, "ring", flash_attention=True)
+    mine, loom_ring = piece_costs(MODEL, p2p, H100), piece_costs(MODEL, ring, H100)
+    assert mine.layer_fwd["matmul"] == loom_ring.layer_fwd["matmul"]
+    assert mine.layer_bwd["matmul"] == 2 * mine.layer_fwd["matmul"]
+    core = loom_ring.layer_bwd["matmul"] - 2 * loom_ring.layer_fwd["matmul"]  # the ring's recomputation
+    assert core > 0
+    assert check_plan(MODEL, _plan(4, "megatron_p2p", flash_attention=True, seq=8196), H100) != []
+
+
+def test_megatron_p2p_needs_fused_attention():
+    with pytest.raises(FieldError, match="fused attention kernels per block: set flash_attention"):
+        _plan(2, "megatron_p2p")
+    assert (
+        main([*SIM, "--cp", "2", "--attention", "megatron_p2p", "--seq", "8192", "--global-batch", "4"]) == 1
+    )
+
+
+def test_loom_simulate_prices_megatron_p2p(capsys):
+    argv = [*SIM, "--cp", "2", "--attention", "megatron_p2p", "--flash-attention", "--seq", "8192"]
+    assert main([*argv, "--global-batch", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["plan"]["cp"], data["plan"]["attention"]) == (2, "megatron_p2p")
+    assert data["cp_bytes_per_layer"] == 48 * 2**20

@@ -79,3 +79,57 @@ def test_simulate_llama3_405b_on_16_uneven_stages(capsys):
     assert "memory per pipeline stage, GiB: " in capsys.readouterr().out
     assert main(["simulate", *args, "--stage-layers", "8,x"]) == 1
     assert "give 16 layer counts separated by commas" in capsys.readouterr().err
+
+
+def test_light_ends_with_as_many_stages_as_layers_plus_two_leave_the_ends_to_embedding_and_head():
+    # Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: the
+    # embedding and the loss each count as a layer, so 94 layers on 96 virtual stages are 0, 1 x 94, 0
+    assert light_ends(94, 96) == (0, *[1] * 94, 0)
+    assert light_ends(4, 6) == (0, 1, 1, 1, 1, 0)
+
+
+def test_a_stage_may_hold_only_the_embedding_or_only_the_head():
+    """4 layers on pp 2 x 3 virtual stages, the ends without transformer layers: the first virtual stage's
+    parameters are the embedding's, the last's the output layer's (with the final norm, and a copy of the tied
+    embedding), and their passes are the embedding's and the head's alone."""
+    from loom.cost.layer import piece_costs
+    from loom.sim.memory import chunk_parameters
+    from loom.sim.simulator import _stage_durations
+
+    ends = ParallelPlan(pp=2, interleave=3, global_batch=8, seq=128, stage_layers=(0, 1, 1, 1, 1, 0))
+    cluster = get_cluster("a100-80gb", gpus=2)
+    assert check_plan(MODEL, ends, cluster) == []
+    assert chunk_parameters(MODEL, ends, 0) == (MODEL.embedding_parameters(), 0)
+    h, v = MODEL.hidden, MODEL.vocab
+    assert chunk_parameters(MODEL, ends, 5) == (MODEL.output_parameters() + v * h, 0)  # tied: own copy
+    assert chunk_parameters(MODEL, ends, 2)[0] == MODEL.layer_parameters()
+    pieces = piece_costs(MODEL, ends, cluster)
+    forward, backward = _stage_durations(MODEL, ends, cluster, pieces)
+    assert forward[0] == sum(pieces.embed_fwd.values()) and backward[0] == sum(pieces.embed_bwd.values())
+    assert forward[5] == sum(pieces.head_fwd.values()) and backward[5] == sum(pieces.head_bwd.values())
+    assert forward[1:5] == [sum(pieces.layer_fwd.values())] * 4
+    result = simulate(MODEL, ends, cluster)
+    assert len(result.stage_memory_gib) == 2 and result.iteration_s > 0
+
+
+def test_only_the_ends_may_hold_no_layer():
+    with pytest.raises(FieldError, match=r"stage_layers\[1\] = 0 .*only the first virtual stage"):
+        ParallelPlan(pp=2, interleave=3, global_batch=8, seq=128, stage_layers=(1, 0, 1, 1, 1, 0))
+    with pytest.raises(FieldError, match=r"stage_layers\[0\] = 0 .*>= 1"):
+        ParallelPlan(global_batch=8, seq=128, stage_layers=(0,))  # one stage: embedding, layers and head
+    with pytest.raises(FieldError, match=r"stage_layers\[5\] = -1 .*>= 0"):
+        ParallelPlan(pp=2, interleave=3, global_batch=8, seq=128, stage_layers=(1, 1, 1, 1, 1, -1))
+
+
+def test_loom_simulate_prices_ends_without_layers(capsys):
+    args = ["simulate", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--hardware",
+            "a100-80gb", "--gpus", "2", "--pp", "2", "--interleave", "3", "--global-batch", "8", "--seq", "128"]  # fmt: skip
+    assert main([*args, "--stage-layers", "0,1,1,1,1,0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["stage_layers"] == [0, 1, 1, 1, 1, 0] and len(data["stage_memory_gib"]) == 2
+    assert main([*args, "--stage-layers", "light-ends", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stage_memory_gib"] == data["stage_memory_gib"]
+    assert main([*args, "--stage-layers", "0,1,1,1,1,0"]) == 0
+    assert "memory per pipeline stage, GiB: " in capsys.readouterr().out
+    assert main([*args, "--stage-layers", "1,1,0,1,1,0"]) == 1
+    assert "stage_layers[2] = 0" in capsys.readouterr().err

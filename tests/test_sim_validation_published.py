@@ -56,7 +56,65 @@ def test_tp_comm_overlap_is_set_where_the_system_ran_it():
         for c in cases
         if c.source.startswith("nvidia") and c.plan.tp > 1 and not c.label.startswith("qwen3_235b")
     }
-    assert {label.split()[0] for _, label in overlapped} == {"llama3_70b"}
+    assert {label.split()[0] for _, label in overlapped} == {
+        "llama3_70b",
+        "llama3-70b",
+        "llama3.1_405b",
+        "llama2-70b",
+        "gpt3-175b",
+    }
+
+
+def test_context_parallel_rows_run_megatrons_p2p_ring():
+    # NeMo 24.07 and Megatron-Bridge at cp 2: Megatron-Core's default --cp-comm-type p2p; the CSVs' dp is
+    # derived as gpus / (tp * pp * cp), so the plan's devices are the row's GPUs
+    cases, _ = published_cases()
+    cut = [c for c in cases if c.plan.cp > 1]
+    assert len(cut) == 5 and {c.source[:6] for c in cut} == {"nvidia"}
+    assert {(c.plan.cp, c.plan.attention, c.plan.flash_attention) for c in cut} == {(2, "megatron_p2p", True)}
+    assert all(c.plan.devices == c.cluster.gpus for c in cut)
+
+
+def test_nemo_rows_take_the_published_architectures():
+    # NeMo 24.07 records layers, width and heads; the vocabulary and Llama 2's MLP come from the models'
+    # publications (ARCHITECTURES): GPT-2's 50,257-token BPE for GPT-3, Llama 2's 32,000 and 11,008 / 13,824 /
+    # 28,672; GPT 5B/20B and Nemotron, whose architectures are not recorded, stay out
+    cases, skipped = published_cases()
+    nemo = {c.model.name: c.model for c in cases if c.source == "nvidia2024_nemo_perf_summary"}
+    assert set(nemo) == {"gpt3-175b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b"}
+    assert [(nemo[f"llama2-{s}"].vocab, nemo[f"llama2-{s}"].ffn) for s in ("7b", "13b", "70b")] == [
+        (32000, 11008), (32000, 13824), (32000, 28672)
+    ]  # fmt: skip
+    gpt3 = nemo["gpt3-175b"]
+    assert (gpt3.vocab, gpt3.ffn, gpt3.learned_positions, gpt3.tied_embeddings, gpt3.dropout) == (
+        50257, 49152, 2048, True, False
+    )  # fmt: skip
+    assert gpt3.biases and not gpt3.gated_mlp
+    left = {s.label.split()[0] for s in skipped if s.source == "nvidia2024_nemo_perf_summary"}
+    assert left == {"gpt3-5b", "gpt3-20b", "nemotron-8b", "nemotron-22b", "nemotron-340b"}
+
+
+def test_modelzoo_a2a_row_leaves_its_ends_to_embedding_and_loss():
+    # tp 2 / pp 32 / virtual 3: 96 virtual stages for 94 layers, the yaml counting embedding and loss as layers
+    cases, _ = published_cases()
+    (a2a,) = [c for c in cases if c.source.startswith("yan2025") and c.plan.pp == 32]
+    assert a2a.plan.stage_layers == (0, *[1] * 94, 0) and a2a.plan.virtual_stages == 96
+
+
+def test_modelzoo_deepep_rows_run_deepeps_dispatch():
+    # the `dispatcher` column: DeepEP rows send a token once per destination rank (across nodes once per
+    # node), A2A rows once per routed expert; the row published with 1F1B expert-communication overlap stays
+    # out (loom waits for each dispatch where it is issued)
+    cases, skipped = published_cases()
+    zoo = [c for c in cases if c.source.startswith("yan2025")]
+    assert {(c.plan.pp, c.plan.ep, c.plan.moe_dispatcher) for c in zoo} == {
+        (8, 32, "deepep"), (1, 8, "deepep"), (8, 8, "deepep"), (32, 8, "all_to_all")
+    }  # fmt: skip
+    assert [s.reason for s in skipped if "1F1B" in s.reason] == [
+        "expert-parallel communication overlapped across 1F1B micro-batches is not simulated"
+    ]
+    assert all(c.plan.moe_dispatcher == "all_to_all" for c in cases if not c.source.startswith("yan2025"))
+
 
 
 def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():

@@ -25,6 +25,8 @@ from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
     GRAD_REDUCES,
+    MOE_DISPATCHERS,
+    PRICED_ATTENTIONS,
     PRICED_RECOMPUTE,
     FieldError,
     ParallelPlan,
@@ -114,7 +116,7 @@ MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
-SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap")
+SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -149,8 +151,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--cp", type=positive_int, metavar="N", help="context parallel: each sequence cut over N ranks"
     )
     plan.add_argument(
-        "--attention", choices=ATTENTIONS, help="attention over the cp ranks (default ulysses; needs --cp)"
-    )
+        "--attention", choices=PRICED_ATTENTIONS,
+        help="attention over the cp ranks (default ulysses; needs --cp); megatron_p2p prices Megatron-Core's "
+        "p2p context parallelism (needs --flash-attention), which loom does not run",
+    )  # fmt: skip
     plan.add_argument(
         "--seq", type=positive_int, metavar="N", help=f"sequence length (default {DEFAULT_SEQ})"
     )
@@ -197,6 +201,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "FSDP1's flat copy, cast and pre-divide before each unit's reduce-scatter, or FSDP2's copy-out "
         "after each unit's all-gather and copy-in before its reduce-scatter (the last two at level 3, or "
         "at level 2 run unit by unit: SHARD_GRAD_OP)",
+    )
+    system.add_argument(
+        "--moe-dispatcher",
+        choices=MOE_DISPATCHERS,
+        help="how tokens reach their experts' ranks: all_to_all (default, a copy per routed expert) or deepep "
+        "(DeepEP's kernels: a copy per destination rank, across nodes one per node forwarded over NVLink)",
     )
     system.add_argument(
         "--blocking-p2p",
@@ -329,11 +339,11 @@ def _flags_plan(args: argparse.Namespace, layers: int) -> tuple[Plan, int]:
             ]
         )
     plan = Plan(
-        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=args.attention or "ulysses",
+        dp=dp, tp=tp, pp=pp, ep=args.ep or 1, cp=cp, attention=_loom_attention(args),
         schedule=args.schedule or default_schedule(interleave),
         virtual_stages=interleave, micro_batches=batch // (dp * micro), recompute=_loom_recompute(args),
         sequence_parallel=args.sequence_parallel, optimizer_level=args.optimizer_level or 0,
-        precision=args.dtype or "bf16", stages=_stage_layers(args.stage_layers, layers, pp * interleave),
+        precision=args.dtype or "bf16", stages=_loom_stages(_stage_layers(args.stage_layers, layers, pp * interleave)),
     )  # fmt: skip
     return plan, batch
 
@@ -378,7 +388,7 @@ def _plan(
             flash_attention=args.flash_attention,
             overlap_grad_sync=not args.no_overlap_grad_sync,
         )
-        priced = _with_system(priced, args)
+        priced = _with_system(priced, args, layers)
     except ValueError as exc:  # inconsistent degrees or batch sizes: an impossible plan, not a usage error
         raise PlanError([str(exc)]) from exc
     return priced, args.gpus or priced.devices
@@ -390,12 +400,30 @@ def _loom_recompute(args: argparse.Namespace) -> str:
     return args.recompute if args.recompute in RECOMPUTE else "none"
 
 
-def _with_system(plan: ParallelPlan, args: argparse.Namespace) -> ParallelPlan:
+def _loom_stages(stages: list[int] | None) -> list[int] | None:
+    """The Plan's layers per stage: `--stage-layers` when loom runs them (every stage holds a block), else
+    none (ends that hold only the embedding or the output layer, as Megatron's account-for-embedding and
+    account-for-loss splits leave them, are set on the priced plan by `_with_system`)."""
+    return stages if stages is None or min(stages) >= 1 else None
+
+
+def _loom_attention(args: argparse.Namespace) -> str:
+    """The Plan's context-parallel attention: `--attention` when loom runs it, else ulysses (an attention
+    only the simulator prices, another system's, is set on the priced plan by `_with_system`)."""
+    return args.attention if args.attention in ATTENTIONS else "ulysses"
+
+
+def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> ParallelPlan:
     """`plan` run as the flags of another training system say (`SYSTEM_FLAGS`, and a `--recompute` policy
-    that only the simulator prices); a value the plan cannot take is an impossible plan that names the flag."""
+    or `--attention` or `--stage-layers` that only the simulator prices; `layers`: the model's); a value the plan cannot take is an impossible plan that names the flag."""
     given = {flag: getattr(args, flag) for flag in SYSTEM_FLAGS if getattr(args, flag) not in (None, False)}
     if args.recompute is not None and args.recompute != _loom_recompute(args):
         given["recompute"] = args.recompute
+    if args.attention is not None and args.attention != _loom_attention(args):
+        given["attention"] = args.attention
+    stages = _stage_layers(args.stage_layers, layers, plan.virtual_stages)
+    if stages is not None and _loom_stages(stages) is None:
+        given["stage_layers"] = tuple(stages)
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
     for flag, field in FLAG_FIELDS.items():

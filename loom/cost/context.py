@@ -11,6 +11,11 @@ send and receive: the buffer):
   rank's keys and values; backward cp - 1 such exchanges again, and cp of their fp32 gradients (the last
   brings each block's gradients home). Bytes per rank stay near the whole sequence's keys and values
   ((cp - 1) blocks of seq / cp) whatever cp is.
+- Megatron's p2p ("megatron_p2p", Transformer Engine's `AttnFuncWithCPAndKVP2P`): forward as the ring;
+  backward cp exchanges of one double buffer in the training dtype, keys and values stacked with their
+  gradients so far: the first sends the keys and values alone, the last the gradients alone (home), the
+  cp - 2 between both. Each exchange starts before a step's block and is waited on before the next, as the
+  forward's.
 
 `communication_time` prices the lists; `exposed_time` prices what of one phase's list the attention's own
 compute leaves uncovered (the simulator charges that per layer); `attention_flops` gives the busiest rank's matmul work, which the
@@ -36,12 +41,15 @@ __all__ = [
     "attention_flops",
     "communication_time",
     "exposed_time",
+    "megatron_p2p_collectives",
     "ring_collectives",
     "ulysses_collectives",
 ]
 
 CP = "cp"
 RING_KV, RING_GRADS = "ring k,v", "ring grad k,v"  # the sources of ring attention's two kinds of exchange
+P2P_KV_GRADS = "p2p k,v+grad"  # Megatron p2p's backward exchanges: keys, values and their gradients
+HIDDEN_SOURCES = (RING_KV, P2P_KV_GRADS)  # exchanges that run beside one ring step's block
 GRAD_BYTES = 4  # ring attention sums key/value gradients in fp32 buffers, which travel as they are
 # per score (one query head, one query, one key), in units of head_dim: forward q.k and p.v (2 each);
 # backward recomputes q.k, then dv, dp, dq and dk (as flash attention's backward does)
@@ -107,6 +115,34 @@ def ring_collectives(
     return out
 
 
+def megatron_p2p_collectives(
+    *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int
+) -> list[StepCollective]:
+    """The sends and receives of one Megatron-Core p2p context-parallel attention call (Transformer Engine's
+    `AttnFuncWithCPAndKVP2P`), forward and backward (none for cp = 1). Forward: cp - 1 exchanges of the
+    rank's keys and values, as the ring. Backward: cp exchanges of a buffer in the training dtype
+    (`p2p_comm_buffers`, `torch.empty((2, *kv.shape), dtype=kv.dtype)`): step 0 sends the keys and values,
+    steps 1 to cp - 2 keys, values and their gradients so far, step cp - 1 the gradients alone, so
+    2 (cp - 1) blocks in all."""
+    local = _check(batch, seq, heads, kv_heads, head_dim, cp)
+    if cp == 1:
+        return []
+    kv = 2 * batch * kv_heads * local * head_dim * dtype_bytes
+    out = []
+    for kind in ("send", "recv"):
+        out += [
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=cp - 1, phase="forward", source=RING_KV),
+            StepCollective(kind=kind, axis=CP, nbytes=kv, count=2, phase="backward", source=P2P_KV_GRADS),
+        ]
+        if cp > 2:
+            out.append(
+                StepCollective(
+                    kind=kind, axis=CP, nbytes=2 * kv, count=cp - 2, phase="backward", source=P2P_KV_GRADS
+                )
+            )
+    return out
+
+
 def communication_time(collectives: Iterable[StepCollective], span: GroupSpan, cluster: Cluster) -> float:
     """Seconds of communication of `collectives` on a cp group placed as `span`, none of it hidden behind
     compute (ring attention overlaps its key/value exchanges with the blocks' attention; this is the upper
@@ -122,12 +158,13 @@ def exposed_time(
     one ring step's block of attention takes `step_s`. Ulysses' all-to-alls are waited on where they are
     issued: wholly exposed. Ring attention starts each key/value exchange before computing a step's block
     and waits for it after (`loom.parallel.ring`): hidden up to `step_s`, the remainder exposed; the
-    gradients' exchanges are waited on as soon as they start: exposed. With `step_s = 0` the sum over both
+    gradients' exchanges are waited on as soon as they start: exposed. Megatron's p2p backward exchanges
+    (keys, values and gradients) run beside a step's block as the forward's do: hidden up to `step_s`. With `step_s = 0` the sum over both
     phases is `communication_time`."""
     seconds = 0.0
     for c in collectives:
         if c.phase == phase:
-            hidden = step_s if c.source == RING_KV else 0.0
+            hidden = step_s if c.source in HIDDEN_SOURCES else 0.0
             seconds += c.count * max(0.0, _priced(c, span, cluster) - hidden)
     return seconds
 

@@ -33,8 +33,8 @@ from loom.cost.compute import (
 )
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
-from loom.cost.moe import layer_moe_collectives
-from loom.cost.plan import ParallelPlan
+from loom.cost.moe import deepep_layer_time, layer_moe_collectives
+from loom.cost.plan import RING_ATTENTIONS, ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
     attention_collectives,
@@ -109,7 +109,7 @@ def cp_span(plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
 def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
     """Scores, softmax, dropout and context of one layer's forward on one rank (what selective recomputation
     redoes); with cp > 1 the rank's queries against the whole sequence (see the module's docstring)."""
-    if plan.cp > 1 and plan.attention == "ring":
+    if plan.cp > 1 and plan.attention in RING_ATTENTIONS:
         return _ring_core(model, plan, cluster)
     dev, dt, e = cluster.device, plan.dtype, DTYPE_BYTES[plan.dtype]
     s, b, d = plan.seq, plan.micro_batch, model.head_dim
@@ -168,7 +168,10 @@ def gemm_shapes(model: TransformerConfig, plan: ParallelPlan) -> list[tuple[int,
     linear layers, its attention scores, the output head): the sizes a calibration should measure matmul
     speed at (`loom.cost.calibrate.measure_rank`), so that the fitted shape curve holds where it is used."""
     rows = shards_as_rows(plan)
-    tokens, block = rows.seq * rows.micro_batch, plan.seq / plan.cp if plan.attention == "ring" else plan.seq
+    tokens, block = (
+        rows.seq * rows.micro_batch,
+        plan.seq / plan.cp if plan.attention in RING_ATTENTIONS else plan.seq,
+    )
     shapes = [(m, k, n) for m, k, n, _ in _layer_gemms(model, rows)]
     shapes += [(block, model.head_dim, block), (tokens, model.hidden, model.vocab / plan.tp)]
     return sorted({tuple(max(1, round(d)) for d in shape) for shape in shapes})
@@ -369,14 +372,17 @@ def _cp_comm(
 ) -> float:
     """Seconds of one layer's cp exchanges in `phase` left exposed: ring attention's key/value exchanges
     hide behind one ring step's block (`core_s`, the phase's attention core, over cp steps)."""
-    step_s = core_s / plan.cp if plan.attention == "ring" else 0.0
+    step_s = core_s / plan.cp if plan.attention in RING_ATTENTIONS else 0.0
     return exposed_time(layer_cp, cp_span(plan, cluster), cluster, phase=phase, step_s=step_s)
 
 
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
-    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart."""
+    two token exchanges forward, their reverses backward), over ep groups of ranks etp apart; under DeepEP
+    (`moe_dispatcher`) its dispatch and combine (`loom.cost.moe.deepep_layer_time`)."""
     span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+    if plan.moe_dispatcher == "deepep":
+        return deepep_layer_time(model, plan, span, cluster, phase)
     return sum(
         c.count * collective_time(c.kind, c.nbytes, span, cluster)
         for c in layer_moe_collectives(model, plan)
@@ -426,7 +432,8 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         fwd["fp8_cast"], layer_bwd["fp8_cast"] = fp8_cast_times(model, shards_as_rows(plan), cluster)
     core_bwd = _backward(core)
     if plan.cp > 1 and plan.attention == "ring":
-        # ring attention's backward recomputes each block's scores before its four gradient GEMMs
+        # loom's ring attention's backward recomputes each block's scores before its four gradient GEMMs
+        # (Megatron's p2p runs each block's fused backward kernel, priced as the fused kernel's everywhere)
         extra = (BACKWARD_FLOPS_PER_SCORE / FORWARD_FLOPS_PER_SCORE - 2) * core["matmul"]
         layer_bwd["matmul"] += extra
         core_bwd["matmul"] += extra
@@ -446,7 +453,7 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     # what loom sends between stages (the prediction's figure): without sequence parallelism every
     # tensor-parallel rank sends the whole stream, not Megatron's 1/tp scatter and gather
     p2p_bytes = stage_stream_bytes(model, rows)
-    span = group_span(2, plan.tp * plan.dp, cluster.gpus_per_node)
+    span = group_span(2, rows.tp * rows.dp, cluster.gpus_per_node)  # stages tp * cp * dp ranks apart
     (embed_fwd, embed_bwd), (head_fwd, head_bwd) = (
         _embedding(model, rows, cluster),
         _head(model, rows, cluster),

@@ -21,12 +21,15 @@ from typing import Any
 __all__ = [
     "OPTIMIZER_LEVELS",
     "PRECISIONS",
+    "PRICED_ATTENTIONS",
     "PRICED_RECOMPUTE",
     "RECOMPUTE",
+    "RING_ATTENTIONS",
     "SCHEDULES",
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
+    "MOE_DISPATCHERS",
     "UNIT_COPIES",
     "UNIT_COPY_LEVELS",
     "GRAD_DTYPES",
@@ -65,6 +68,13 @@ LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 ATTENTIONS: tuple[str, ...] = ("ulysses", "ring")
 """The context-parallel attentions (`loom.parallel.context.ulysses_attention`, `loom.parallel.ring`)."""
+# what the simulator prices: loom's attentions and Megatron-Core's default context parallelism ("megatron_p2p":
+# `--cp-comm-type p2p`, Transformer Engine's `AttnFuncWithCPAndKVP2P`, a ring of key/value blocks over the
+# head-tail cut with each block's fused attention kernels; `loom.cost.context.megatron_p2p_collectives`).
+# Never a planner choice: loom's runtime does not run it.
+PRICED_ATTENTIONS: tuple[str, ...] = (*ATTENTIONS, "megatron_p2p")
+# the attentions that pass key/value blocks around a ring over the head-tail cut (2 * cp chunks a sequence)
+RING_ATTENTIONS: tuple[str, ...] = ("ring", "megatron_p2p")
 GRAD_DTYPES: tuple[str, ...] = ("", "fp32", "bf16", "fp16")  # "": the training dtype
 GRAD_REDUCES: tuple[str, ...] = ("", "all_reduce", "reduce_scatter")  # "": as the optimizer level implies
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_in_out")
@@ -72,6 +82,9 @@ GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_i
 # and the optimizer levels at which those systems shard units (SHARD_GRAD_OP: 2, FULL_SHARD: 3)
 UNIT_COPIES: tuple[str, ...] = ("flat_copy", "copy_in_out")
 UNIT_COPY_LEVELS: tuple[int, ...] = (2, 3)
+# how a mixture's tokens reach their experts' ranks: loom's all-to-all (a copy per routed expert), or DeepEP's
+# kernels (a copy per destination rank, across nodes one per node forwarded over NVLink: `loom.cost.moe`)
+MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep")
 
 
 class FieldError(ValueError):
@@ -103,7 +116,10 @@ def check_choice(owner: str, key: str, value: Any, choices: Sequence[Any]) -> No
 
 def light_ends(layers: int, stages: int) -> tuple[int, ...]:
     """Layers per stage when the first and last stage hold one layer fewer than the others (they also
-    hold the embedding and the output layer), as Llama 3 405B's 126 layers ran on 16 stages (7, 8 x 14, 7)."""
+    hold the embedding and the output layer), as Llama 3 405B's 126 layers ran on 16 stages (7, 8 x 14, 7);
+    with as many stages as layers + 2 the ends hold the embedding and the output layer alone (Megatron's
+    --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: 94 layers on 96
+    virtual stages, 0, 1 x 94, 0)."""
     if stages < 3 or (layers + 2) % stages:
         raise ValueError(
             f"{layers} layers on {stages} stages cannot have the first and last one layer lighter: "
@@ -159,6 +175,10 @@ class ParallelPlan:
     gradients copied, and cast, into the reduce-scatter buffer ("copy_in_out": PyTorch FSDP2,
     `loom.cost.zero3.copy_in_out_bytes`). Both also run level 2 unit by unit (`unit_sharded`).
 
+    `attention` (with cp > 1) is one of `PRICED_ATTENTIONS`: loom's (`ATTENTIONS`) or "megatron_p2p",
+    Megatron-Core's ring of point-to-point key/value exchanges, priced for published runs and never chosen by
+    loom's planner.
+
     `recompute` is one of `PRICED_RECOMPUTE`: loom's policies (`RECOMPUTE`) or "torchtitan_op", torchtitan's
     op-level selective checkpointing, priced for its published runs and never chosen by loom's planner.
 
@@ -173,6 +193,11 @@ class ParallelPlan:
     transformer layer's sequence-parallel all-gathers and reduce-scatters into chunks pipelined with the
     linear layers' GEMMs (`loom.cost.layer.overlapped_tp_time`); it needs sequence parallelism over tp > 1,
     as Megatron asserts. loom's runtime does not run it.
+
+    `moe_dispatcher` is how a mixture's tokens reach their experts' ranks: "all_to_all" (loom's runtime:
+    one copy per routed expert) or "deepep" (DeepEP's kernels, Megatron-Core's flex dispatcher: one copy per
+    destination rank, and across nodes one per destination node over RDMA, forwarded inside it over NVLink;
+    `loom.cost.moe.deepep_bytes`). loom's runtime does not run DeepEP.
     """
 
     dp: int = 1
@@ -194,8 +219,8 @@ class ParallelPlan:
         False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
     )
     stage_layers: tuple[int, ...] = ()
-    cp: int = 1  # context parallelism: each sequence cut over cp ranks (no pipelines: `loom.sim.simulator`)
-    attention: str = "ulysses"  # the attention over the cp ranks, one of ATTENTIONS
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.sim.simulator`)
+    attention: str = "ulysses"  # the attention over the cp ranks, one of PRICED_ATTENTIONS
     expert_tp: int = 0  # the experts' own tensor parallelism (Megatron-Core's ETP), a divisor of tp; 0: tp
     grad_dtype: str = ""  # see the class docstring: one of GRAD_DTYPES
     grad_reduce: str = ""  # one of GRAD_REDUCES
@@ -203,12 +228,20 @@ class ParallelPlan:
     overlap_p2p: bool = True  # see the class docstring
     scatter_gather_p2p: bool = False
     overlap_tp_comm: bool = False  # see the class docstring
+    moe_dispatcher: str = "all_to_all"  # one of MOE_DISPATCHERS; see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
         sizes = ("dp", "tp", "pp", "interleave", "ep", "micro_batch", "global_batch", "seq", "cp")
         check_sizes(owner, {name: getattr(self, name) for name in sizes})
-        check_choice(owner, "attention", self.attention, ATTENTIONS)
+        check_choice(owner, "attention", self.attention, PRICED_ATTENTIONS)
+        if self.attention == "megatron_p2p" and not self.flash_attention:
+            # Transformer Engine runs each ring step as its fused attention kernels (cuDNN or flash-attn)
+            raise FieldError(
+                owner, "attention", self.attention,
+                "Megatron's p2p context parallelism runs fused attention kernels per block: set flash_attention, "
+                f"or use one of {ATTENTIONS}",
+            )  # fmt: skip
         check_choice(owner, "recompute", self.recompute, PRICED_RECOMPUTE)
         if self.recompute == "torchtitan_op" and (
             not self.flash_attention or self.cp > 1 or self.fp8_matmuls
@@ -232,6 +265,7 @@ class ParallelPlan:
         check_choice(owner, "grad_dtype", self.grad_dtype, GRAD_DTYPES)
         check_choice(owner, "grad_reduce", self.grad_reduce, GRAD_REDUCES)
         check_choice(owner, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        check_choice(owner, "moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):
@@ -270,12 +304,28 @@ class ParallelPlan:
             )  # fmt: skip
         if self.stage_layers:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-            check_sizes(owner, {f"stage_layers[{i}]": n for i, n in enumerate(self.stage_layers)})
-            if len(self.stage_layers) != self.virtual_stages:
-                raise FieldError(
-                    owner, "stage_layers", self.stage_layers,
-                    f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
-                )  # fmt: skip
+            self._check_stage_layers(owner)
+
+    def _check_stage_layers(self, owner: str) -> None:
+        """One whole layer count per virtual stage, each at least 1 but at the ends: the first virtual stage
+        holds the embedding and the last the output layer and loss, so either may hold no transformer layer
+        (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split)."""
+        if len(self.stage_layers) != self.virtual_stages:
+            raise FieldError(
+                owner, "stage_layers", self.stage_layers,
+                f"give one layer count per virtual stage: pp * interleave = {self.virtual_stages}",
+            )  # fmt: skip
+        last = len(self.stage_layers) - 1
+        for i, n in enumerate(self.stage_layers):
+            least = 0 if i in (0, last) and last > 0 else 1  # the embedding's stage, the output layer's
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                fix = f"use a whole number >= {least}"
+                if n == 0:
+                    fix += (
+                        ": only the first virtual stage (with the embedding) and the last (with the output "
+                        "layer and loss) may hold no transformer layer"
+                    )
+                raise FieldError(owner, f"stage_layers[{i}]", n, fix)
 
     @property
     def etp(self) -> int:

@@ -473,9 +473,14 @@ def attention_collectives(model: TransformerConfig, plan: ParallelPlan) -> list[
     if plan.cp == 1:
         return []
     # imported here: loom.cost.context builds on this module's StepCollective
-    from loom.cost.context import ring_collectives, ulysses_collectives
+    from loom.cost.context import megatron_p2p_collectives, ring_collectives, ulysses_collectives
 
-    formula = ulysses_collectives if plan.attention == "ulysses" else ring_collectives
+    formulas = {
+        "ulysses": ulysses_collectives,
+        "ring": ring_collectives,
+        "megatron_p2p": megatron_p2p_collectives,
+    }
+    formula = formulas[plan.attention]
     return formula(
         batch=plan.micro_batch, seq=plan.seq, heads=model.heads // plan.tp, kv_heads=model.kv // plan.tp,
         head_dim=model.head_dim, cp=plan.cp, dtype_bytes=DTYPE_BYTES[plan.dtype],

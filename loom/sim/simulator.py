@@ -8,8 +8,8 @@ Order of a simulated step, the way Megatron-LM runs one:
 3. the optimizer step (memory-bound) and, from optimizer level 1, the all-gather of updated parameters.
 The iteration time is the slowest device's end.
 
-Context parallelism (cp > 1, no pipelines, as loom runs it): each layer's attention adds its exchanges
-over the cp group (`loom.cost.context`, the list `loom.cost.traffic` predicts; the breakdown's cp_comm row
+Context parallelism (cp > 1, inside pipeline stages too): each layer's attention adds its exchanges
+over the cp group (`loom.cost.context`, loom's Ulysses or ring or Megatron's p2p ring, the list `loom.cost.traffic` predicts; the breakdown's cp_comm row
 is the part compute leaves exposed), and the gradients are reduced (from level 1, sharded) over dp x cp,
 each rank's sequence pieces counting as rows of their own (`loom.cost.traffic.shards_as_rows`).
 """
@@ -24,7 +24,7 @@ from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
-from loom.cost.plan import UNIT_COPIES, ParallelPlan
+from loom.cost.plan import RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
@@ -137,9 +137,9 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
 def _cp_reasons(model: TransformerConfig, plan: ParallelPlan) -> list[str]:
     """Why loom cannot cut `plan`'s sequences over cp (the rules `loom train` applies to `[parallel]`)."""
     reasons, cp = [], plan.cp
-    if plan.attention == "ring" and plan.seq % (2 * cp):
+    if plan.attention in RING_ATTENTIONS and plan.seq % (2 * cp):
         reasons.append(
-            f"ring attention cuts each sequence head-tail into 2*cp = {2 * cp} chunks, but seq {plan.seq} is "
+            f"{plan.attention} attention cuts each sequence head-tail into 2*cp = {2 * cp} chunks, but seq {plan.seq} is "
             f"not a multiple of {2 * cp}; use a multiple, or a smaller cp"
         )
     elif plan.seq % cp:

@@ -24,9 +24,10 @@ origin. Rules applied to every row of a source, never per row:
   bf16 optimizer (fp32 gradients accumulated in a pass of their own and all-reduced whole).
 - torchtitan: FSDP2 with bf16 parameters and fp32 gradient reduction (`grad_dtype`), its copy-in and
   copy-out (`grad_accumulation = "copy_in_out"`).
-- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); rows
-  whose DeepEP dispatch crosses nodes are left out (DeepEP sends a token once per node, loom prices a flat
-  all-to-all).
+- Megatron-MoE ModelZoo: the experts' own tensor parallelism from the row's ETP column (`expert_tp`); the
+  dispatcher from its `dispatcher` column (`moe_dispatcher`: DeepEP sends a token once per destination rank,
+  across nodes once per node); the row published with expert communication overlapped across 1F1B
+  micro-batches is left out.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from loom.cost.hardware import PROFILES, Cluster
 from loom.cost.plan import ParallelPlan, light_ends
 from loom.cost.transformer import TransformerConfig
-from loom.sim.validation import HERE, Case, cases, fsdp_cases
+from loom.sim.validation import HERE, Case, cases, fsdp_cases, gpt
 
 __all__ = ["ARCHITECTURES", "KINDS", "Skipped", "case_kind", "jean_zay", "published_cases", "source_halves"]
 
@@ -49,13 +50,23 @@ LONG_CONTEXT = 32768  # sequences from this length count as long-context runs
 ARCHITECTURES: dict[str, dict[str, int]] = {
     # Qwen3 technical report / the models' config.json: vocabulary 151,936 (already a multiple of 128)
     "qwen3": {"vocab": 151936},
-    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: vocabulary 32,000; MLP 13,824 (13B),
-    # 28,672 with 8 key/value heads (70B)
+    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: vocabulary 32,000; MLP 11,008 (7B),
+    # 13,824 (13B), 28,672 with 8 key/value heads (70B)
+    "llama2-7b": {"vocab": 32000, "ffn_hidden": 11008},
     "llama2-13b": {"vocab": 32000, "ffn_hidden": 13824},
     "llama2-70b": {"vocab": 32000, "ffn_hidden": 28672, "kv_heads": 8},
+    # Brown et al. 2020 (GPT-3), Sec. 2.1: "the same model and architecture as GPT-2 ... including the
+    # reversible tokenization", i.e. GPT-2's byte-level BPE of 50,257 tokens (Radford et al. 2019, Sec. 2.2)
+    "gpt3-175b": {"vocab": 50257},
     # BigScience tr11: the vocabulary padded to 250,880 (the run's plan; the benchmark tables say "250k")
     "bloom": {"vocab": 250880},
 }
+
+
+# the ModelZoo's `dispatcher` column -> `ParallelPlan.moe_dispatcher`: Megatron-Core's alltoall dispatcher
+# sends a copy per routed expert, as loom's all-to-all; DeepEP (`--moe-token-dispatcher-type flex
+# --moe-enable-deepep`) a copy per destination rank, across nodes one per node (`loom.cost.moe`)
+DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep"}
 
 
 def jean_zay() -> Cluster:
@@ -121,6 +132,17 @@ def _llama(row: dict[str, str], facts: dict[str, int] | None = None) -> Transfor
     )  # fmt: skip
 
 
+def _gpt3(row: dict[str, str], facts: dict[str, int]) -> TransformerConfig:
+    """GPT-3 as NeMo trains it (learned positions, biases, LayerNorm, GeLU MLP of 4 h, tied embedding), the
+    architecture from the row and `facts`. Without dropout: NeMo 2.0's `GPTConfig175B` sets hidden and
+    attention dropout to 0 (NeMo-Framework-Launcher's gpt3/175b.yaml had 0.1; the 24.07 table states
+    neither, and the two price NeMo's rows 0.2 points apart)."""
+    return gpt(
+        row["model"], int(row["layers"]), int(row["hidden"]), int(row["heads"]), seq=int(row["seq"]),
+        vocab=facts.get("vocab") or int(row["vocab"]),
+    ).replace(dropout=False)  # fmt: skip
+
+
 def _missing(row: dict[str, str], keys: tuple[str, ...], facts: dict[str, int]) -> list[str]:
     return [k for k in keys if not row.get(k) and k not in facts]
 
@@ -140,8 +162,6 @@ def _case(source: str, row: dict[str, str], label: str, model, plan, gpu: str, m
 
 def _unsupported(row: dict[str, str]) -> str:
     """Why a row's parallel layout cannot be simulated (empty: it can)."""
-    if _int(row, "cp", 1) > 1:
-        return f"context parallelism (cp={row['cp']}) is not simulated"
     ep, dp, tp, etp = _int(row, "ep", 1), int(row["dp"]), int(row["tp"]), _int(row, "etp")
     if etp is None and dp % ep:
         return f"ep={ep} spans tensor- and data-parallel ranks (dp={dp}) and the row gives no expert tp"
@@ -171,8 +191,9 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
     out, skipped = [], []
     for row in _rows(stem):
         label = f"{row['model']} {row.get('release', '')} {row['precision']}".strip()
-        facts = ARCHITECTURES["qwen3"] if row["model"].startswith("qwen3") else {}
-        if facts and stem == BRIDGE:
+        qwen3 = row["model"].startswith("qwen3")
+        facts = ARCHITECTURES["qwen3"] if qwen3 else ARCHITECTURES.get(row["model"], {})
+        if qwen3 and stem == BRIDGE:
             # the tables print no expert tp: Megatron-Bridge's Qwen3 perf configs run the experts whole
             # (`BASE_QWEN3_30B_A3B_CONFIG` and `BASE_QWEN3_235B_A22B_CONFIG` set expert_tensor_parallel_size=1,
             # scripts/performance/configs/qwen3/workload_base_configs.py at v0.2.0, qwen/ from v0.3.0)
@@ -202,18 +223,21 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
-        model = _llama(row, facts)
+        model = (_gpt3 if row["model"].startswith("gpt3") else _llama)(row, facts)
         fp8 = row["precision"].startswith("fp8")
         # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
         # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1;
         # Qwen3-235B's H100 config turns it off (`qwen3_235b_a22b_h100_config`, v0.2.0 on:
         # `CommOverlapConfig(tp_comm_overlap=False)`)
+        # context parallelism is Megatron-Core's default `--cp-comm-type p2p` (Transformer Engine's ring of
+        # key/value exchanges over the head-tail cut, `attention="megatron_p2p"`); the CSVs derive dp as
+        # gpus / (tp * pp * cp), the data-parallel degree without cp, as `ParallelPlan.dp` is
         tp = int(row["tp"])
         overlap_tp = tp > 1 and not (stem == BRIDGE and row["model"].startswith("qwen3_235b"))
         plan = ParallelPlan(
             dp=int(row["dp"]), tp=tp, pp=int(row["pp"]), interleave=_int(row, "interleave", 1),
-            ep=_int(row, "ep", 1), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
-            global_batch=int(row["global_batch"]), seq=int(row["seq"]),
+            cp=_int(row, "cp", 1), attention="megatron_p2p", ep=_int(row, "ep", 1), expert_tp=_int(row, "etp", 0),
+            micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
             flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=overlap_tp,
         )  # fmt: skip
@@ -301,16 +325,15 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             reason = "architecture not recorded"
         elif not row["micro_batch"] or not row["iteration_s"]:
             reason = "micro-batch size and time per iteration not recorded"
-        elif (virtual := int(row["pp"]) * _int(row, "interleave", 1)) >= int(row["layers"]) + 2:
+        elif (virtual := int(row["pp"]) * _int(row, "interleave", 1)) > int(row["layers"]) + 2:
+            # the ends may hold the embedding or the output layer alone (`light_ends`), no stage between
             reason = (
-                f"{virtual} virtual stages for {row['layers']} layers leave the first and last without layers"
+                f"{virtual} virtual stages for {row['layers']} layers leave a middle stage without layers"
             )
-        elif row["dispatcher"] == "DeepEP" and int(row["ep"]) * int(row["etp"] or row["tp"]) > 8:
-            # DeepEP sends a token once per destination node over RDMA and forwards it inside the node over
-            # NVLink; loom prices a flat all-to-all, which sends it once per routed expert
-            reason = (
-                "DeepEP's node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
-            )
+        elif "+1f1b overlap" in row["notes"]:
+            # Megatron-Core's --overlap-moe-expert-parallel-comm: one micro-batch's dispatch and combine run
+            # beside another's compute in the 1F1B steady state; loom waits for each where it is issued
+            reason = "expert-parallel communication overlapped across 1F1B micro-batches is not simulated"
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
@@ -324,7 +347,7 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             ep=int(row["ep"]), expert_tp=_int(row, "etp", 0), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
-            dtype="bf16", grad_dtype="fp32",
+            dtype="bf16", grad_dtype="fp32", moe_dispatcher=DISPATCHERS[row["dispatcher"]],
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
