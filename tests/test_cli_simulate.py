@@ -167,7 +167,13 @@ def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(cap
     assert fp32["memory_per_device_gib"] > plain["memory_per_device_gib"]
     assert fp32["iteration_s"] > plain["iteration_s"]
     h100 = ("--hardware", "h100-sxm")
-    assert priced(*h100, "--fp8-matmuls")["iteration_s"] < priced(*h100)["iteration_s"]
+    current = priced(*h100, "--fp8-matmuls")
+    assert current["iteration_s"] < priced(*h100)["iteration_s"]
+    delayed = priced(*h100, "--fp8-matmuls", "--fp8-scaling", "delayed")  # no amax passes before the casts
+    assert delayed["plan"]["fp8_scaling"] == "delayed"
+    assert 0 < delayed["breakdown"]["fp8_cast"] < current["breakdown"]["fp8_cast"]
+    assert main(["simulate", *GPT3, *h100, "--fp8-scaling", "delayed"]) == 1
+    assert "--fp8-scaling delayed: it scales fp8 GEMMs: set fp8_matmuls too" in capsys.readouterr().err
     assert main(["simulate", *GPT3, "--fp8-matmuls"]) == 1
     message = capsys.readouterr().err
     assert "--fp8-matmuls: a100-80gb has no fp8 peak" in message and "h100-sxm" in message, message

@@ -72,6 +72,32 @@ def test_dense_layer_casts_with_sequence_parallelism():
     assert fp8_cast_times(GPT, dataclasses.replace(plan, fp8_matmuls=False), cluster) == (0.0, 0.0)
 
 
+def test_delayed_scaling_casts_without_amax_passes_or_amax_all_reduces():
+    # Transformer Engine 1.x's delayed scaling: every cast takes its scale from the amax history, so no
+    # operand has an amax pass of its own and no amax is all-reduced before a gathered cast
+    cluster = _cluster(latency_s=1e-6)
+    plan = ParallelPlan(
+        dp=4, tp=2, global_batch=4, seq=128, sequence_parallel=True, fp8_matmuls=True, fp8_scaling="delayed"
+    )
+    # forward: qkv's and fc1's inputs gathered (3 B each on 128 * 64 / 2), the projection's (128 x 32) and
+    # fc2's (128 x 128) inputs cast with their transposed copies, 4 B each
+    forward = 3 * 4096 + 4 * 4096 + 3 * 4096 + 4 * 16384
+    # backward: qkv's and fc1's output gradients 4 B each; the projection's and fc2's gathered (3 B on 4096)
+    # and transposed whole (2 B x 8192); qkv's and fc1's inputs transposed whole (2 B x 8192 each)
+    backward = 4 * 12288 + 4 * 16384 + 2 * (3 * 4096 + 2 * 8192) + 2 * (2 * 8192)
+    fwd, bwd = fp8_cast_times(GPT, plan, cluster)
+    assert fwd == pytest.approx(forward / 1e12, rel=1e-12)
+    assert bwd == pytest.approx(backward / 1e12, rel=1e-12)
+    assert fp8_quantize_kernels(delayed=True) == 1
+
+
+def test_delayed_scaling_needs_fp8_matmuls():
+    with pytest.raises(ValueError, match=r"fp8_scaling.*set fp8_matmuls too"):
+        ParallelPlan(global_batch=4, seq=128, fp8_scaling="delayed")
+    with pytest.raises(ValueError, match=r"fp8_scaling.*one of \('current', 'delayed'\)"):
+        ParallelPlan(global_batch=4, seq=128, fp8_matmuls=True, fp8_scaling="mxfp8")
+
+
 def test_expert_casts_one_quantizer_per_local_expert():
     overhead = dataclasses.replace(DEVICE, kernel_overhead_s=1e-6)
     cluster = dataclasses.replace(_cluster(), device=overhead)

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
 from loom.cost.plan import (
+    FP8_SCALINGS,
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
     GRAD_REDUCES,
@@ -116,7 +117,7 @@ MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
-SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher")
+SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -183,6 +184,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "how another training system runs the plan (to price its published runs; loom train does none of it)"
     )
     system.add_argument("--fp8-matmuls", action="store_true", help="the layers' linear GEMMs in fp8")
+    system.add_argument(
+        "--fp8-scaling",
+        choices=FP8_SCALINGS,
+        help="with --fp8-matmuls: current (default; an amax pass before each cast, Transformer Engine 2.x) or "
+        "delayed (scales from the amax history, Transformer Engine 1.x)",
+    )
     system.add_argument(
         "--expert-tp", type=positive_int, metavar="N", help="experts' own tensor parallelism, a divisor of tp"
     )

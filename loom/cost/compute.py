@@ -93,7 +93,8 @@ def fp8_quantize_bytes(
     (bytes where the operand is made, bytes of the transpose the backward makes of a gathered operand).
 
     An amax pass reads the operand (`quantize_impl`'s `nvte_compute_amax`) unless the norm that produced it
-    computed the amax in its own kernel (`amax_fused`: TE 2.8+'s `FUSED_NORM_AMAX_FP8` in LayerNormLinear);
+    computed the amax in its own kernel (`amax_fused`: TE 2.8+'s `FUSED_NORM_AMAX_FP8` in LayerNormLinear),
+    or the recipe is delayed scaling, whose cast records the amax for a later step's scale;
     the cast reads it and writes one byte per element row-wise, and the column-wise byte in the same kernel.
     An operand all-gathered over `gathered` ranks (sequence parallelism) is cast row-wise only, since fp8
     column-wise data cannot be all-gathered, and the backward transposes the gathered tensor instead
@@ -110,8 +111,11 @@ def fp8_quantize_bytes(
     return amax + cast, 2.0 * elements * gathered
 
 
-def fp8_quantize_kernels(*, amax_fused: bool = False) -> int:
+def fp8_quantize_kernels(*, amax_fused: bool = False, delayed: bool = False) -> int:
     """Kernels of one quantization that `fp8_quantize_bytes` prices where the operand is made: the amax pass
-    (unless fused into the norm), the scale computed from the amax, and the cast (a gathered operand's
+    (unless fused into the norm, or `delayed` scaling's), the scale computed from the amax (delayed scaling
+    computes every tensor's once per step, from the amax history), and the cast (a gathered operand's
     transpose is one kernel more, in the backward)."""
+    if delayed:
+        return 1
     return (0 if amax_fused else 1) + 2

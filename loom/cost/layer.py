@@ -217,27 +217,35 @@ def fp8_cast_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     this rank's 1/tp of the tokens and all-gathered in fp8, their amax all-reduced over tp first (a
     blocking 4-byte all-reduce, `with_amax_reduction`). Not priced: the weights' casts, once per step (the
     perf recipes keep fp8 parameters, `fp8_param_gather`, cast by the optimizer), and the router, which
-    stays in `dtype`."""
+    stays in `dtype`.
+
+    With `fp8_scaling = "delayed"` (DelayedScaling, Transformer Engine 1.x's recipe: NeMo 24.07) the scale comes
+    from the amax history: no amax pass and no amax all-reduce before a cast (the cast records the amax; the
+    history is reduced once per step, not priced)."""
     if not plan.fp8_matmuls:
         return 0.0, 0.0
     dev, dt = cluster.device, plan.dtype
+    delayed = plan.fp8_scaling == "delayed"
     sp = plan.tp if plan.sequence_parallel and plan.tp > 1 else 1
-    amax_reduce = collective_time("all_reduce", 4, _span("tp", plan, cluster), cluster) if sp > 1 else 0.0
+    span = _span("tp", plan, cluster)
+    amax_reduce = collective_time("all_reduce", 4, span, cluster) if sp > 1 and not delayed else 0.0
     fwd = bwd = 0.0
     for i, (m, k, n, batch) in enumerate(_layer_gemms(model, plan)[:FP8_LINEARS]):
         expert = model.is_moe and i >= 2  # grouped linears: no gather, one quantizer per local expert
         column = i in (0, 2)  # query/key/value and the MLP's first linear gather their input over tp
-        fused = i == 0 or (i == 2 and not model.is_moe)  # LayerNormLinear: the norm computes the amax
+        # LayerNormLinear's norm computes the amax, delayed scaling's cast records it
+        fused = i == 0 or (i == 2 and not model.is_moe) or delayed
         ranks_in, ranks_grad = (1, 1) if expert else ((sp, 1) if column else (1, sp))
         made, transposed = fp8_quantize_bytes(
             m * k * batch / ranks_in, dtype=dt, amax_fused=fused, gathered=ranks_in
         )
-        fwd += memory_time(dev, made, kernels=batch * fp8_quantize_kernels(amax_fused=fused))
+        fwd += memory_time(dev, made, kernels=batch * fp8_quantize_kernels(amax_fused=fused, delayed=delayed))
         bwd += memory_time(dev, transposed, kernels=1) if transposed else 0.0
-        made, transposed = fp8_quantize_bytes(m * n * batch / ranks_grad, dtype=dt, gathered=ranks_grad)
-        bwd += memory_time(
-            dev, made + transposed, kernels=batch * fp8_quantize_kernels() + int(ranks_grad > 1)
+        made, transposed = fp8_quantize_bytes(
+            m * n * batch / ranks_grad, dtype=dt, amax_fused=delayed, gathered=ranks_grad
         )
+        kernels = batch * fp8_quantize_kernels(amax_fused=delayed, delayed=delayed) + int(ranks_grad > 1)
+        bwd += memory_time(dev, made + transposed, kernels=kernels)
         fwd += amax_reduce if ranks_in > 1 else 0.0
         bwd += amax_reduce if ranks_grad > 1 else 0.0
     return fwd, bwd

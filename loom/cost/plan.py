@@ -29,6 +29,7 @@ __all__ = [
     "SCHEDULE_VIRTUAL",
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
+    "FP8_SCALINGS",
     "MOE_DISPATCHERS",
     "UNIT_COPIES",
     "UNIT_COPY_LEVELS",
@@ -85,6 +86,10 @@ UNIT_COPY_LEVELS: tuple[int, ...] = (2, 3)
 # how a mixture's tokens reach their experts' ranks: loom's all-to-all (a copy per routed expert), or DeepEP's
 # kernels (a copy per destination rank, across nodes one per node forwarded over NVLink: `loom.cost.moe`)
 MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep")
+# how fp8 GEMM operands are scaled (Transformer Engine's recipes): "current" (Float8CurrentScaling, TE 2.x:
+# an amax of each tensor before its cast) or "delayed" (DelayedScaling, TE 1.x's only recipe: the scale from
+# the amax history, the new amax recorded by the cast kernel itself)
+FP8_SCALINGS: tuple[str, ...] = ("current", "delayed")
 
 
 class FieldError(ValueError):
@@ -147,7 +152,7 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
-SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "overlap_tp_comm")
+SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +223,7 @@ class ParallelPlan:
     fp8_matmuls: bool = (
         False  # the layers' linear GEMMs in fp8 (Transformer Engine, torchao float8); the rest in dtype
     )
+    fp8_scaling: str = "current"  # with fp8_matmuls: one of FP8_SCALINGS (`loom.cost.layer.fp8_cast_times`)
     stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (`loom.sim.simulator`)
     attention: str = "ulysses"  # the attention over the cp ranks, one of PRICED_ATTENTIONS
@@ -266,6 +272,11 @@ class ParallelPlan:
         check_choice(owner, "grad_reduce", self.grad_reduce, GRAD_REDUCES)
         check_choice(owner, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         check_choice(owner, "moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)
+        check_choice(owner, "fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
+        if self.fp8_scaling != "current" and not self.fp8_matmuls:
+            raise FieldError(
+                owner, "fp8_scaling", self.fp8_scaling, "it scales fp8 GEMMs: set fp8_matmuls too"
+            )
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):

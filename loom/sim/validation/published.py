@@ -225,6 +225,9 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             continue
         model = (_gpt3 if row["model"].startswith("gpt3") else _llama)(row, facts)
         fp8 = row["precision"].startswith("fp8")
+        # NeMo 24.07 ran Transformer Engine 1.x, whose only fp8 recipe is delayed scaling (its configs' fp8_hybrid,
+        # fp8_amax_history_len, fp8_amax_compute_algo); Megatron-Bridge's H100 configs run current scaling
+        scaling = "delayed" if fp8 and stem != BRIDGE else "current"
         # the perf recipes turn on tensor-parallel communication overlap (Megatron-Bridge's
         # `CommOverlapConfig(tp_comm_overlap=True)`, NeMo's userbuffers configs), which is dropped at tp 1;
         # Qwen3-235B's H100 config turns it off (`qwen3_235b_a22b_h100_config`, v0.2.0 on:
@@ -239,7 +242,8 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             cp=_int(row, "cp", 1), attention="megatron_p2p", ep=_int(row, "ep", 1), expert_tp=_int(row, "etp", 0),
             micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
-            flash_attention=True, dtype="bf16", fp8_matmuls=fp8, overlap_tp_comm=overlap_tp,
+            flash_attention=True, dtype="bf16", fp8_matmuls=fp8, fp8_scaling=scaling,
+            overlap_tp_comm=overlap_tp,
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
