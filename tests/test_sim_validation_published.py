@@ -116,7 +116,6 @@ def test_modelzoo_deepep_rows_run_deepeps_dispatch():
     assert all(c.plan.moe_dispatcher == "all_to_all" for c in cases if not c.source.startswith("yan2025"))
 
 
-
 def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():
     # experts whole (expert_tensor_parallel_size=1), so Qwen3-235B's ep 32 over tp 2 x dp 16 is simulated;
     # Qwen3-30B-A3B's HybridEP over ep 16 (two nodes) is left out as the ModelZoo's DeepEP rows are
