@@ -410,7 +410,8 @@ def simulate(
     hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
-    accumulation, copy_out = _grad_accumulation(model, plan, cluster), _copy_out(model, plan, cluster)
+    # FSDP's copies are sized by the shard group the sharded timeline above used: dp x cp
+    accumulation, copy_out = _grad_accumulation(model, rows, cluster), _copy_out(model, rows, cluster)
     breakdown = _breakdown(
         plan, pieces, plan.rank_layers(model.layers, slowest), slowest, times, accumulation, copy_out
     )
