@@ -6,7 +6,11 @@ sharded paths (tp = 2, optimizer level 3) with all of these against one device. 
 
 import collections
 import io
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +229,30 @@ def test_metrics_stay_on_the_device_until_read():
     assert metrics.lr == 0.1 and reads == []  # known fields need no read
     assert metrics.loss == 2.5 and metrics.grad_norm == 0.5 and reads == [1]
     assert metrics.to_dict()["tokens_per_s"] == 10.0 and reads == [1]
+
+
+@pytest.mark.slow  # two ranks start for the equivalence part: over 10 s on 2 cores
+def test_gpu_step_smoke_runs_every_part_and_writes_the_table(tmp_path):
+    """`benchmarks/gpu_step.py --smoke` (what the GPU run does, with a tiny model on the CPU): the table and
+    the JSON come out, and every part ran or says why not (here only compiling is skipped)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_step.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    table = (tmp_path / "table.txt").read_text()
+    parts = ("environment", "equivalence", "sync_free", "checkpoint", "plain_eager", "loom_eager",
+             "plain_compiled", "loom_compiled", "loom_dtensor", "profile", "simulate")  # fmt: skip
+    for part in parts:
+        entry = results[part]
+        assert part in table
+        assert entry["status"] in ("ok", "skipped"), (part, entry.get("error"), entry.get("traceback"))
+        if entry["status"] == "skipped":
+            assert part.endswith("compiled") and "does not compile" in entry["reason"]
+    assert results["equivalence"]["passed"] and len(results["equivalence"]["cases"]) == 2
+    assert results["loom_eager"]["skipped_steps"] == 0 and math.isfinite(results["loom_eager"]["last_loss"])
+    assert results["simulate"]["measured"]["step_s"] > 0  # the profile measured here, priced
+    assert (tmp_path / "profile.json").is_file()
+    assert results["ratios"]["loom_over_plain_mfu_eager"] > 0

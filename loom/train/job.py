@@ -351,13 +351,16 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
     """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after each of `prompts`, as
     one batch decoded by every rank of its mesh at once (each data-parallel rank brings the same prompts;
     logits are gathered whole)."""
+    device = _device_of(model)  # the prompts' ids go where the model computes
     if isinstance(model, GPT):
         multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
         return hf.greedy(
-            lambda x: loom.full(model(x)), prompts, max_new_tokens, model.config.max_seq_len, multiple
+            lambda x: loom.full(model(x.to(device))), prompts, max_new_tokens, model.config.max_seq_len, multiple
         )
     window = model.config.max_position_embeddings
-    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), prompts, max_new_tokens, window)
+    return hf.greedy(
+        lambda x: loom.full(model(input_ids=x.to(device)).logits), prompts, max_new_tokens, window
+    )
 
 
 def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count: int = 3) -> dict:
@@ -395,6 +398,10 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
 def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
+    # where this rank computes (`train.device`): its mesh's tensors, its model and its batches live there
+    device = env.resolve_device(device_setting(config))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     membership = elastic.membership()
     if membership is not None:  # each replica its own process group of one; they meet through the store
         config.validate(membership.size)
@@ -405,7 +412,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started);
     # replicas stepping alone lie on an outermost "replica" axis, each with the plan's axes inside
     replicas, world = config.parallel.replicas_step_alone, loom.world_size()
-    mesh = loom.init(replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes())
+    sizes = replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes()
+    mesh = loom.init(sizes, device=device.type)
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
     if not replicas:
@@ -434,9 +442,7 @@ def _train(
     t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
-    device = env.resolve_device(device_setting(config))  # this rank's: its model and batches go there
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = env.resolve_device(device_setting(config))  # this rank's (its mesh's too, see `_run`)
     _phase("loading the data")
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)

@@ -8,6 +8,13 @@ a global norm taken across every shard and rank, update (unless skipped) and mov
 biases, adjust the loss scale and the learning rate, and tell the callbacks. A run is a list of model parts:
 one module, or this rank's pipeline stages (a `Pipeline`, whose schedule runs the first half);
 `loom.train.steps` holds the first half for each.
+
+The step computes on the device of the model's parameters (its batches are moved there) and waits for
+nothing from it: the loss, the gradient norm and the finiteness check stay device tensors, clipping scales
+by a device coefficient, and with a fused torch optimizer the skip of a non-finite step is its `found_inf`
+flag. The step's `StepMetrics` read them (one synchronisation) when something reads a metric: a logger at
+`log_every`, a callback. Where the host must decide (fp16's loss scale, a non-fused optimizer, replicas that
+count skipped steps, experts' balancing biases) it reads the one flag it needs.
 """
 
 from __future__ import annotations
