@@ -355,7 +355,11 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
     if isinstance(model, GPT):
         multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
         return hf.greedy(
-            lambda x: loom.full(model(x.to(device))), prompts, max_new_tokens, model.config.max_seq_len, multiple
+            lambda x: loom.full(model(x.to(device))),
+            prompts,
+            max_new_tokens,
+            model.config.max_seq_len,
+            multiple,
         )
     window = model.config.max_position_embeddings
     return hf.greedy(
