@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for results.json, table.txt, profile.json")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, every part, in seconds (CPU)")
     parser.add_argument(
-        "--batch", type=int, default=8, help="sequences per step of the 1.3B model (default 8)"
+        "--batch", type=int, default=4, help="sequences per step of the 1.3B model (default 4)"
     )
     parser.add_argument(
         "--budget-s", type=float, default=540.0, help="the whole run's time budget (default 540)"
@@ -761,11 +761,17 @@ def main(argv: list[str] | None = None) -> int:
     report.run("loom_eager", budgets["loom_eager"], lambda b: _loom_loop(setup, models.plain(), b))
     report.run("plain_compiled", budgets["plain_compiled"], lambda b: _plain_loop(setup, models.compile(), b))
     report.run("loom_compiled", budgets["loom_compiled"], lambda b: _loom_loop(setup, models.compile(), b))
-    models._plain = None  # the DTensor model needs the memory
+    models._plain = None  # the DTensor model needs the memory (compiled code may hold the old one)
+    torch._dynamo.reset()
     report.run("loom_dtensor", budgets["loom_dtensor"], lambda b: part_loom_dtensor(setup, b))
     report.run("profile", budgets["profile"], lambda b: part_profile(setup, out, b))
     report.run("simulate", budgets["simulate"], lambda b: part_simulate(setup, out, b))
     table, ratios = summary(report.parts)
+    env = report.parts["environment"]
+    table = (
+        f"{env.get('device_name', env.get('device', '?'))}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
+        f"{setup.batch} x {setup.config.max_seq_len} tokens a step, {setup.dtype}\n{table}"
+    )
     report.parts["ratios"] = {"status": "ok", **ratios}
     report.write()
     (out / "table.txt").write_text(table + "\n")
