@@ -18,7 +18,7 @@ from torch import nn
 
 from loom.models.recipes import find_blocks
 
-__all__ = ["compile_blocks", "device_setting", "optimizer_kernels"]
+__all__ = ["compile_blocks", "device_setting", "model_device", "optimizer_kernels"]
 
 
 def device_setting(config: Any) -> str:
@@ -43,6 +43,12 @@ def device_setting(config: Any) -> str:
             "set train.device = 'cpu' (or 'auto'), or leave it out"
         )
     return "cpu"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: the device of its parameters (a DTensor's: its local shard's), the CPU when
+    it has none."""
+    return next((param.device for param in model.parameters()), torch.device("cpu"))
 
 
 def optimizer_kernels(device: torch.device) -> dict[str, bool]:

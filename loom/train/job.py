@@ -64,7 +64,7 @@ from loom.train.data import (
     load_tokenizer,
     micro_batches,
 )
-from loom.train.device import compile_blocks, device_setting, optimizer_kernels
+from loom.train.device import compile_blocks, device_setting, model_device, optimizer_kernels
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.precision import DTYPES, DynamicLossScaler
@@ -292,7 +292,7 @@ def build_trainer(
     level = config.parallel.optimizer_level
     # a pipeline's optimizer: over this rank's stages, sharded over the ranks that run them
     parts = model if pipeline is None else pipeline
-    device = _device_of(model if pipeline is None else nn.ModuleList(pipeline.modules))
+    device = model_device(model if pipeline is None else nn.ModuleList(pipeline.modules))
     # fused kernels on a GPU (and the Trainer's non-finite skip on the device), foreach on a CPU
     hyper |= optimizer_kernels(device)
     optimizer = make_optimizer(parts, optimizer_class, level, lr=t.lr, **hyper)
@@ -324,11 +324,6 @@ def build_trainer(
     return Trainer(model, optimizer, **options)
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    """Where `model`'s parameters live (the CPU when it has none)."""
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
 def _active_parameters(model: nn.Module) -> int:
     """Parameters (embeddings left out) one token computes with: loom's GPT counts `top_k` of each
     mixture's experts."""
@@ -351,7 +346,7 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
     """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after each of `prompts`, as
     one batch decoded by every rank of its mesh at once (each data-parallel rank brings the same prompts;
     logits are gathered whole)."""
-    device = _device_of(model)  # the prompts' ids go where the model computes
+    device = model_device(model)  # the prompts' ids go where the model computes
     if isinstance(model, GPT):
         multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
         return hf.greedy(

@@ -35,6 +35,7 @@ from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_n
 from loom.parallel.local_sgd import Replicated
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.zero import ZeroOptimizer
+from loom.train.device import model_device
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
 from loom.train.steps import global_mean, steps_for
@@ -110,7 +111,7 @@ class Trainer:
         self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(self.model))
         self.step = 0
         self.is_main = env.rank() == 0
-        self.device = _device_of(self.model)  # where the step computes: its batches go there
+        self.device = model_device(self.model)  # where the step computes: its batches go there
         autocast(precision)  # validates the name now rather than at the first step
 
     def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
@@ -259,13 +260,6 @@ class Trainer:
             method = getattr(callback, hook, None)
             if method is not None:
                 method(*args)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    """The device of `model`'s parameters (a DTensor's: its local shard's), CPU when it has none."""
-    for param in model.parameters():
-        return param.device
-    return torch.device("cpu")
 
 
 def _balances_by_bias(model: nn.Module) -> bool:
