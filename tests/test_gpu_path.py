@@ -17,6 +17,7 @@ import torch
 from equivalence import ADAMW, RTOL, assert_params_close
 
 import loom
+from loom.cli.main import main
 from loom.dist import env
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
@@ -76,6 +77,12 @@ def test_pipelines_run_on_the_cpu_and_refuse_cuda_by_name(tmp_path):
     assert device_setting(load_config(str(path), [])) == "cpu"
     assert optimizer_kernels(torch.device("cpu")) == {"foreach": True}
     assert optimizer_kernels(torch.device("cuda", 0)) == {"fused": True}
+
+
+def test_loom_train_refuses_cuda_without_a_gpu_before_starting_workers(monkeypatch, capsys):
+    _gpus(monkeypatch, 0)
+    assert main(["train", "configs/demo.toml", "--train.device", "cuda"]) == 2
+    assert "train.device = 'cuda' but" in capsys.readouterr().err
 
 
 def _batches(steps: int = STEPS):
