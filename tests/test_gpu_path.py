@@ -79,6 +79,14 @@ def test_pipelines_run_on_the_cpu_and_refuse_cuda_by_name(tmp_path):
     assert optimizer_kernels(torch.device("cuda", 0)) == {"fused": True}
 
 
+def test_the_simulator_prices_the_fused_attention_the_config_runs(tmp_path):
+    path = tmp_path / "run.toml"
+    for kernel, fused in (("matmul", False), ("sdpa", True)):
+        path.write_text(f'[model]\nattention_kernel = "{kernel}"\n')
+        _, plan = load_config(str(path), []).cost_model(1)
+        assert plan.flash_attention is fused
+
+
 def test_loom_train_refuses_cuda_without_a_gpu_before_starting_workers(monkeypatch, capsys):
     _gpus(monkeypatch, 0)
     assert main(["train", "configs/demo.toml", "--train.device", "cuda"]) == 2

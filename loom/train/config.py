@@ -1173,11 +1173,14 @@ class TrainConfig:
 
     def cost_model(self, world_size: int) -> tuple[TransformerConfig, ParallelPlan]:
         """The model and plan as the simulator prices this run on `world_size` devices: one optimizer step
-        of `train.global_batch` sequences of `data.seq_len` tokens, `train.grad_accum` micro-steps."""
+        of `train.global_batch` sequences of `data.seq_len` tokens, `train.grad_accum` micro-steps; loom's GPT
+        with `model.attention_kernel = "sdpa"` priced with fused attention (no s x s scores stored)."""
         self.validate(world_size)
+        fused = not self.model.is_hf and self.model.attention_kernel == "sdpa"
         run = self.plan(world_size).parallel_plan(
-            global_batch=self.train.global_batch, seq=self.data.seq_len, accumulation=self.train.grad_accum
-        )
+            global_batch=self.train.global_batch, seq=self.data.seq_len, accumulation=self.train.grad_accum,
+            flash_attention=fused,
+        )  # fmt: skip
         return self.model.transformer_config(), run
 
     def check_files(self) -> TrainConfig:
