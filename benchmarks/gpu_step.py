@@ -319,7 +319,8 @@ def part_loom_dtensor(setup: Setup, budget_s: float) -> dict:
     with torch.device("meta"):
         model = GPT(setup.config, Strategies(1, 1), mesh=mesh)
     ids, targets = _batch(setup)
-    loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(ids, targets))
+    # the job's dry run sees its example batch as the loader gives it: on the CPU
+    loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(ids.cpu(), targets.cpu()))
     model.loom.materialize(model, setup.device)
     model.init_weights(0)
     flops = _flops_per_token(model)
@@ -384,7 +385,8 @@ def part_sync_free(setup: Setup, models: Models, budget_s: float) -> dict:
 
 
 def part_checkpoint(setup: Setup, budget_s: float) -> dict:
-    """A Trainer on the device saved and loaded into a fresh one: the same values, back on the device."""
+    """A Trainer on the device saved and loaded into a fresh one: the same values, back on the device, and
+    the next step of both the same (a resumed fused optimizer steps with its state where it was)."""
     from loom.checkpoint import load_checkpoint, save_checkpoint
 
     small = GPTConfig(
@@ -422,7 +424,15 @@ def part_checkpoint(setup: Setup, budget_s: float) -> dict:
             f"loaded step {step}, parameters on {devices}, optimizer states on {state_devices}, equal {equal}; "
             f"expected step 1 on {expected}"
         )
-    return {"step": step, "parameters_on": sorted(devices), "states_on": sorted(state_devices)}
+    following = [trainer.train_step([_batch(tiny, seed=1)]).loss for trainer in (saved, loaded)]
+    if following[0] != following[1]:
+        raise AssertionError(f"the step after loading differs from the saved run's: {following}")
+    return {
+        "step": step,
+        "parameters_on": sorted(devices),
+        "states_on": sorted(state_devices),
+        "next_loss": following[0],
+    }
 
 
 def part_environment(setup: Setup, budget_s: float) -> dict:
@@ -591,7 +601,8 @@ EQ_LAYOUTS = ((1, 2, 0), (2, 1, 3))  # (dp, tp, optimizer level): tensor paralle
 
 def equivalence_case(device_setting: str) -> dict:
     """One rank of the sharded runs (inside `loom.launch`), every layout of `EQ_LAYOUTS` in turn: its
-    losses, norms and whole parameters, and where its parameters lived."""
+    losses, norms and whole parameters, and where its parameters lived; or the error of a layout that
+    failed (the other still runs)."""
     from loom.dist import env
 
     device = env.resolve_device(device_setting)
@@ -599,25 +610,27 @@ def equivalence_case(device_setting: str) -> dict:
         torch.cuda.set_device(device)
     results = {}
     for dp, tp, level in EQ_LAYOUTS:
-        mesh = loom.init({"dp": dp, "tp": tp}, device=device.type)
-        torch.manual_seed(0)
-        model = GPT(_equivalence_config(), Strategies(dp, tp)).to(device)
-        rows = lambda t, mesh=mesh, dp=dp: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
-        ids, targets = _eq_batches()[0]
-        loom.parallelize(
-            model, mode="semi_auto", example_inputs=(rows(ids).to(device), rows(targets).to(device))
-        )
-        on_device = {str(p.device) for p in model.parameters()}  # a DTensor's: its local shard's
-        losses, norms = _eq_train(model, device, rows, level)
-        with model.loom.full_parameters():
-            params = {name: loom.full(p).detach().cpu().clone() for name, p in model.named_parameters()}
-        results[f"dp{dp}_tp{tp}_level{level}"] = {
-            "losses": losses,
-            "norms": norms,
-            "params": params,
-            "devices": sorted(on_device),
-        }
+        name = f"dp{dp}_tp{tp}_level{level}"
+        try:
+            results[name] = _equivalence_layout(device, dp, tp, level)
+        except Exception as error:  # recorded per layout: one GPU run must tell as much as it can
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     return results
+
+
+def _equivalence_layout(device: torch.device, dp: int, tp: int, level: int) -> dict:
+    """This rank's run of one layout of `equivalence_case`."""
+    mesh = loom.init({"dp": dp, "tp": tp}, device=device.type)
+    torch.manual_seed(0)
+    model = GPT(_equivalence_config(), Strategies(dp, tp)).to(device)
+    rows = lambda t: t.chunk(dp)[mesh.dp_rank()]  # noqa: E731
+    ids, targets = _eq_batches()[0]
+    loom.parallelize(model, mode="semi_auto", example_inputs=(rows(ids).to(device), rows(targets).to(device)))
+    on_device = {str(p.device) for p in model.parameters()}  # a DTensor's: its local shard's
+    losses, norms = _eq_train(model, device, rows, level)
+    with model.loom.full_parameters():
+        params = {name: loom.full(p).detach().cpu().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "devices": sorted(on_device)}
 
 
 def run_equivalence(device_setting: str, out: Path) -> int:
@@ -632,6 +645,11 @@ def run_equivalence(device_setting: str, out: Path) -> int:
     ranks = loom.launch(equivalence_case, 2, device_setting, backend="gloo", timeout=600)
     cases, passed = {}, True
     for name in ranks[0]:
+        errors = [rank[name]["error"] for rank in ranks if "error" in rank[name]]
+        if errors:
+            passed = False
+            cases[name] = {"passed": False, "error": errors[0]}
+            continue
         worst = {"loss": 0.0, "norm": 0.0, "param_abs": 0.0}
         for rank in ranks:
             run = rank[name]
