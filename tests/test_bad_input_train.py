@@ -250,7 +250,7 @@ class _FakeGroup:
     errors: list[BaseException] = []
     attempts = 0
 
-    def __init__(self, nprocs: int, env: dict) -> None:
+    def __init__(self, nprocs: int, backend: str | None = None, *, env: dict) -> None:
         self.heartbeats = {0: _Beat(3)}
 
     def __enter__(self) -> _FakeGroup:

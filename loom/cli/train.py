@@ -11,9 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from loom.cli.plan import describe, print_search
+from loom.dist import env
 from loom.dist.launch import LaunchError
 from loom.fault import Fault, RestartPolicy, supervise, supervise_replicas
 from loom.train.config import TrainConfig, config_help, load_config
+from loom.train.device import device_setting
 from loom.train.job import check_faults, run
 from loom.train.report import steps_summary
 
@@ -90,6 +92,8 @@ def execute(args: argparse.Namespace) -> int:
         config.preflight(world_size)  # with parallel.mode = "auto", the planner chooses here
         faults = faults_from_env()
         check_faults(config, faults)
+        # the workers' process group: NCCL when they compute on GPUs, one each (`train.device`), else gloo
+        backend = env.backend_for(device_setting(config), world_size)
     except (ValueError, OSError) as error:
         print(f"loom train: {error}", file=sys.stderr)
         return 2
@@ -118,7 +122,7 @@ def execute(args: argparse.Namespace) -> int:
             summary = _elastic_summary(console, results)
         else:
             summary = supervise(
-                run, config.train.workers, config, faults, policy=policy, verbose=verbose
+                run, config.train.workers, config, faults, policy=policy, verbose=verbose, backend=backend
             ).results[0]
     except LaunchError as error:
         print(f"loom train: {error}", file=sys.stderr)

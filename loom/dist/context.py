@@ -15,14 +15,15 @@ from loom.dist import env
 from loom.dist.mesh import Mesh, MeshShape
 
 _current: Mesh | None = None
-_built: dict[MeshShape, Mesh] = {}
+_built: dict[tuple[MeshShape, str], Mesh] = {}
 
 
-def init(mesh: dict[str, int] | None = None, backend: str | None = None) -> Mesh:
+def init(mesh: dict[str, int] | None = None, backend: str | None = None, device: str | None = None) -> Mesh:
     """Join the process group (under `loom.launch`, `loom run`, torchrun, or alone) and set the mesh.
 
     `mesh` names the axes and their sizes, e.g. `{"dp": 2, "tp": 2}`; one size may be -1 to fill in; the
-    default puts every device on `"dp"`. Calling `init` again is cheap: the same mesh is returned, and a
+    default puts every device on `"dp"`. `device` is the kind of device the mesh's tensors live on
+    (default: "cuda" with NCCL, else "cpu"; "cuda" for ranks that share GPUs over gloo). Calling `init` again is cheap: the same mesh is returned, and a
     different one becomes current (every rank must ask for the same mesh, in the same order).
 
     `init` seeds no random generator: `loom.launch` and `loom run` seed every rank alike before the user's
@@ -32,9 +33,10 @@ def init(mesh: dict[str, int] | None = None, backend: str | None = None) -> Mesh
     global _current
     env.ensure_process_group(backend)
     shape = MeshShape.from_dict(mesh, dist.get_world_size())
-    if shape not in _built:
-        _built[shape] = Mesh.build(shape, env.device_type())
-    _current = _built[shape]
+    key = (shape, device or env.device_type())
+    if key not in _built:
+        _built[key] = Mesh.build(*key)
+    _current = _built[key]
     return _current
 
 

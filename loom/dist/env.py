@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DEVICE_CHOICES",
+    "backend_for",
     "collective_timeout",
     "device_type",
     "ensure_process_group",
     "free_port",
     "local_rank",
     "rank",
+    "resolve_device",
     "restart_count",
     "shutdown_process_group",
     "world_size",
@@ -54,12 +57,55 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _default_backend(local: int) -> str:
-    # NCCL only when every rank on this machine has a GPU of its own (LOCAL_WORLD_SIZE, set by torchrun
-    # and loom, says how many ranks there are): all ranks must choose the same backend. Else gloo.
-    ranks_here = max(_env_int("LOCAL_WORLD_SIZE", 0), local + 1)
-    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here:
-        return "nccl"
-    return "gloo"
+    # NCCL only when every rank on this machine has a GPU of its own: all ranks must choose the same backend.
+    return "nccl" if _gpu_per_rank(local) else "gloo"
+
+
+def _gpu_per_rank(local: int | None = None, nprocs: int | None = None) -> bool:
+    """Whether every rank on this machine has a GPU of its own: `nprocs` ranks (default: LOCAL_WORLD_SIZE,
+    set by torchrun and loom, and at least this process's LOCAL_RANK + 1)."""
+    local = _env_int("LOCAL_RANK", 0) if local is None else local
+    ranks_here = nprocs if nprocs is not None else max(_env_int("LOCAL_WORLD_SIZE", 0), local + 1)
+    return _gpu_count() >= max(ranks_here, 1)
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# `[train] device`: where a rank computes.
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _check_device_setting(setting: object, key: str) -> None:
+    if setting not in DEVICE_CHOICES:
+        raise ValueError(
+            f"{key} = {setting!r}: choose 'auto' (a GPU when every rank on the machine has one, else the CPU), "
+            "'cpu' or 'cuda'"
+        )
+    if setting == "cuda" and _gpu_count() == 0:
+        raise ValueError(
+            f"{key} = 'cuda' but torch {torch.__version__} sees no GPU here (CUDA build: "
+            f"{torch.version.cuda or 'none'}); set {key} = 'auto' or 'cpu', or run where a GPU is"
+        )
+
+
+def resolve_device(setting: str = "auto", key: str = "train.device") -> torch.device:
+    """The device this rank computes on, for a device setting (`key` names it in errors): "cpu"; "cuda":
+    this rank's GPU (LOCAL_RANK, modulo the GPUs: ranks beyond them share, over gloo), a ValueError without
+    one; "auto": "cuda" when every rank on this machine has a GPU of its own, else "cpu"."""
+    _check_device_setting(setting, key)
+    if setting == "cpu" or (setting == "auto" and not _gpu_per_rank()):
+        return torch.device("cpu")
+    return torch.device("cuda", _env_int("LOCAL_RANK", 0) % _gpu_count())
+
+
+def backend_for(setting: str = "auto", nprocs: int | None = None, key: str = "train.device") -> str:
+    """The process-group backend for `nprocs` local ranks computing on `setting`'s device (see
+    `resolve_device`): NCCL when they compute on GPUs, one each; gloo on the CPU, and for ranks that share
+    GPUs (NCCL refuses two ranks on one GPU; gloo carries CUDA tensors through host memory)."""
+    _check_device_setting(setting, key)
+    return "nccl" if setting != "cpu" and _gpu_per_rank(nprocs=nprocs) else "gloo"
 
 
 def _rendezvous_from_env() -> bool:

@@ -127,15 +127,16 @@ def supervise(
     *args: Any,
     policy: RestartPolicy | None = None,
     log: Callable[[str], None] = print,
+    backend: str | None = None,
     **kwargs: Any,
 ) -> Supervised:
     """Run `fn(*args, **kwargs)` on `nprocs` local workers, restarting all of them after a failure (see the
-    module docstring). Raises `RestartBudgetExceeded` when the budget is spent, and re-raises at once an
+    module docstring); `backend`: their process group's (None: NCCL with a GPU per rank, else gloo). Raises `RestartBudgetExceeded` when the budget is spent, and re-raises at once an
     error that a restart would not cure."""
     policy = policy or RestartPolicy()
     events: list[FailureEvent] = []
     for attempt in range(policy.max_restarts + 1):
-        group = WorkerGroup(nprocs, env=_attempt_env(attempt, policy))
+        group = WorkerGroup(nprocs, backend=backend, env=_attempt_env(attempt, policy))
         try:
             with group:
                 results = group.run(fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, **kwargs)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["MLPS", "NORMS", "POSITIONS", "GPTConfig"]
+__all__ = ["ATTENTION_KERNELS", "MLPS", "NORMS", "POSITIONS", "GPTConfig"]
 
 NORMS: tuple[str, ...] = ("layernorm", "rmsnorm")
 POSITIONS: tuple[str, ...] = ("learned", "rotary")
 MLPS: tuple[str, ...] = ("gelu", "swiglu")
+ATTENTION_KERNELS: tuple[str, ...] = ("matmul", "sdpa")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,9 @@ class GPTConfig:
     n_kv_heads: int | None = None
     d_ff: int | None = None
     max_seq_len: int = 64
+    # "matmul": scores, mask, softmax and mix as loom's operators (each seen by the planner's trace);
+    # "sdpa": `F.scaled_dot_product_attention`, causal (flash kernels on a GPU: the scores never stored)
+    attention_kernel: str = "matmul"
     norm: str = "layernorm"
     positions: str = "learned"
     mlp: str = "gelu"
@@ -52,7 +56,12 @@ class GPTConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 self._fail(key, "use a value >= 1")
-        for key, choices in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+        for key, choices in (
+            ("norm", NORMS),
+            ("positions", POSITIONS),
+            ("mlp", MLPS),
+            ("attention_kernel", ATTENTION_KERNELS),
+        ):
             if getattr(self, key) not in choices:
                 self._fail(key, f"use one of {choices}")
         if self.d_model % self.n_heads:

@@ -186,10 +186,21 @@ class Attention(nn.Module):
             q, k = self._rope(q, *rope), self._rope(k, *rope)
         if self.strategies.cp > 1:
             return self._output(self._attend_over_cp(q, k, v))
+        if c.attention_kernel == "sdpa":
+            return self._output(self._fused_attention(q, k, v))
         if c.kv_heads != c.n_heads:  # each key/value head serves a group of query heads
             k, v = (_repeat_heads(t, c.n_heads // c.kv_heads) for t in (k, v))
         scores = self.mask(self.scores(q, k) * (1.0 / math.sqrt(c.head_dim)), mask)
         return self._output(self.mix(self.softmax(scores), v))
+
+    def _fused_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention by `F.scaled_dot_product_attention` (flash kernels on a GPU), on the local heads
+        of DTensors (heads cut over tp) or on plain tensors; the same values as the matmul path."""
+        grouped = self.config.kv_heads != self.config.n_heads
+        attend = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=grouped)
+        if isinstance(q, DTensor):
+            return attention_on_local_shards(attend, q, k, v)
+        return attend(q, k, v)
 
     def _output(self, heads: torch.Tensor) -> torch.Tensor:
         out = self.from_heads(heads, (0, 2, 1, 3))

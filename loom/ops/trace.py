@@ -62,4 +62,9 @@ def record() -> Iterator[Recording]:
 
 
 def active_recording() -> Recording | None:
+    """The recording of the enclosing `record()` block, or None. Compiled code never records (recording
+    is an eager dry run's), and torch.compile cannot trace `ContextVar.get`: it would break every block's
+    graph at every operator."""
+    if torch.compiler.is_compiling():
+        return None
     return _active.get()

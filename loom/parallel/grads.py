@@ -51,10 +51,17 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 def global_grad_norm(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of all gradients together, as `clip_grad_norm_` computes it on one device (fp32), over
-    the ranks of `group` (default: the world; a replica's own ranks when replicas step alone)."""
-    total = torch.zeros((), dtype=torch.float64)
+    the ranks of `group` (default: the world; a replica's own ranks when replicas step alone). It stays on
+    the gradients' device: no host synchronisation."""
+    views = list(views)
+    device = views[0].local.device if views else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for view in views:
-        total += view.local.detach().double().pow(2).sum() / view.copies
+        by_copies.setdefault(view.copies, []).append(view.local.detach())
+    for copies, tensors in by_copies.items():  # one fused kernel per group rather than one per gradient
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+        total += torch.stack(norms).pow(2).sum() / copies
     if _size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt().float()
@@ -62,10 +69,13 @@ def global_grad_norm(views: Iterable[GradView], group: dist.ProcessGroup | None 
 
 def clip_grads_(views: list[GradView], max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
     """Scale every gradient so that their global norm is at most `max_norm`; returns the norm before
-    (`norm`: that norm when the caller has it already, saving a collective)."""
+    (`norm`: that norm when the caller has it already, saving a collective). The coefficient stays on the
+    device (no host synchronisation); a non-finite norm makes every gradient non-finite."""
     norm = global_grad_norm(views) if norm is None else norm
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    scale_grads_(views, coefficient.item())
+    tensors = [view.local for view in views]
+    if tensors:
+        torch._foreach_mul_(tensors, coefficient.to(tensors[0].device))
     return norm
 
 
@@ -76,14 +86,19 @@ def scale_grads_(views: Iterable[GradView], factor: float) -> None:
             view.local.mul_(factor)
 
 
+def any_nonfinite(views: Iterable[GradView]) -> torch.Tensor:
+    """1.0 when a gradient this rank holds has an inf or a NaN, else 0.0: a float32 tensor on the
+    gradients' device, computed without a host synchronisation."""
+    flags = [torch.isfinite(view.local).all().logical_not() for view in views]
+    if not flags:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(flags).any().float()
+
+
 def all_finite(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> bool:
     """True when no gradient on any rank of `group` (default: the world) holds an inf or a NaN (every rank
-    gets the same answer)."""
-    bad = torch.zeros((), dtype=torch.float32)
-    for view in views:
-        if not torch.isfinite(view.local).all():
-            bad.fill_(1.0)
-            break
+    gets the same answer; one host synchronisation, for the answer)."""
+    bad = any_nonfinite(views)
     if _size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return bad.item() == 0.0

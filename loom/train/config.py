@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type
 
 from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import TransformerConfig, transformer_config
-from loom.models.config import MLPS, NORMS, POSITIONS, GPTConfig
+from loom.models.config import ATTENTION_KERNELS, MLPS, NORMS, POSITIONS, GPTConfig
 from loom.plan import ATTENTIONS, PRECISIONS, RECOMPUTE, SCHEDULE_VIRTUAL, SCHEDULES, FieldError, Plan
 
 __all__ = [
@@ -225,6 +225,10 @@ class ModelConfig(_Section):
     norm: Literal[NORMS] = _key("layernorm", "normalisation layer")
     positions: Literal[POSITIONS] = _key("learned", "learned position embeddings or rotary (RoPE)")
     mlp: Literal[MLPS] = _key("gelu", "MLP kind: GELU or gated SwiGLU")
+    attention_kernel: Literal[ATTENTION_KERNELS] = _key(
+        "matmul",
+        "attention as loom's operators (matmul) or F.scaled_dot_product_attention (sdpa: flash on GPU)",
+    )
     tie_embeddings: bool = _key(True, "share the input embedding with the output head")
     dropout: float = _key(0.0, "dropout probability in [0, 1)")
     experts: int = _key(1, "experts per block: > 1 makes every MLP a mixture of experts of d_ff each")
@@ -670,6 +674,10 @@ class TrainingConfig(_Section):
     momentum: float = _key(0.9, "SGD's momentum")
     clip_grad_norm: float | None = _key(1.0, "global gradient-norm clip (none: no clipping)")
     precision: Literal[TRAIN_PRECISIONS] = _key("fp32", "compute precision (fp16 uses dynamic loss scaling)")
+    device: Literal["auto", "cpu", "cuda"] = _key(
+        "auto", "where each rank computes: cuda when every local rank has a GPU (auto), cpu, or cuda"
+    )
+    compile: bool = _key(False, "compile each transformer block with torch.compile")
     loss_scale_init: float = _key(2.0**16, "fp16's initial loss scale")
     loss_scale_growth_interval: int = _key(2000, "fp16: steps without overflow before the scale doubles")
     seed: int = _key(0, "seed of the model initialisation and of each step's random numbers")
@@ -1165,11 +1173,14 @@ class TrainConfig:
 
     def cost_model(self, world_size: int) -> tuple[TransformerConfig, ParallelPlan]:
         """The model and plan as the simulator prices this run on `world_size` devices: one optimizer step
-        of `train.global_batch` sequences of `data.seq_len` tokens, `train.grad_accum` micro-steps."""
+        of `train.global_batch` sequences of `data.seq_len` tokens, `train.grad_accum` micro-steps; loom's GPT
+        with `model.attention_kernel = "sdpa"` priced with fused attention (no s x s scores stored)."""
         self.validate(world_size)
+        fused = not self.model.is_hf and self.model.attention_kernel == "sdpa"
         run = self.plan(world_size).parallel_plan(
-            global_batch=self.train.global_batch, seq=self.data.seq_len, accumulation=self.train.grad_accum
-        )
+            global_batch=self.train.global_batch, seq=self.data.seq_len, accumulation=self.train.grad_accum,
+            flash_attention=fused,
+        )  # fmt: skip
         return self.model.transformer_config(), run
 
     def check_files(self) -> TrainConfig:

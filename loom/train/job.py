@@ -64,6 +64,7 @@ from loom.train.data import (
     load_tokenizer,
     micro_batches,
 )
+from loom.train.device import compile_blocks, device_setting, model_device, optimizer_kernels
 from loom.train.hardware_peaks import peak_flops
 from loom.train.metrics import MetricsCallback, MetricsLogger, model_flops_per_token
 from loom.train.precision import DTYPES, DynamicLossScaler
@@ -87,9 +88,12 @@ def gpt_config(config: TrainConfig) -> GPTConfig:
     return config.model.gpt_config()
 
 
-def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
+def build_model(
+    config: TrainConfig, mesh: loom.Mesh, example: tuple, device: torch.device | str = "cpu"
+) -> GPT:
     """The GPT of `[model]`, laid out on `mesh` (the run's, or a replica's own: `loom.train.replicas`), with
-    only this rank's shards materialised (its experts cut over `parallel.ep` data-parallel ranks)."""
+    only this rank's shards materialised on `device` (its experts cut over `parallel.ep` data-parallel
+    ranks), its blocks compiled with `train.compile`."""
     par = config.parallel
     strategies = Strategies(
         mesh.dp_size, par.tp, par.sequence_parallel, par.ep, cp=par.cp, attention=par.attention
@@ -97,32 +101,36 @@ def build_model(config: TrainConfig, mesh: loom.Mesh, example: tuple) -> GPT:
     with torch.device("meta"):
         model = GPT(gpt_config(config), strategies, mesh=mesh)
     loom.parallelize(model, mode="semi_auto", example_inputs=model.shard_inputs(*example))
-    model.loom.materialize(model, "cpu")
+    model.loom.materialize(model, device)
     model.init_weights(config.train.seed)
     for block in model.blocks:
         recompute(block, par.recompute)
+    if config.train.compile:
+        compile_blocks(model, list(model.blocks))
     return model
 
 
-def build_hf_model(config: TrainConfig, mesh: loom.Mesh) -> nn.Module:
+def build_hf_model(config: TrainConfig, mesh: loom.Mesh, device: torch.device | str = "cpu") -> nn.Module:
     """The Hugging Face causal LM of `[model]`, made parallel on `mesh`: tensor parallel with its family's
     Megatron module plan when `parallel.tp > 1`, its experts cut over `parallel.ep` data-parallel ranks when
     `ep > 1` (Mixtral: `loom.parallel.experts`), each replica's sequences cut over `parallel.cp` ranks by
     `parallel.attention` when `cp > 1` (`loom.parallel.hf_context`), else data parallel. `hf_config`: random
     weights seeded by `train.seed`; `hf_pretrained`: built without weights, laid out, then each rank reads
-    its own slices. The model is then trained as `model(inputs, targets) -> loss`
-    (`loom.models.hf.train_on_token_pairs`)."""
+    its own slices. Its parameters live on `device`; its blocks are compiled with `train.compile`. The
+    model is then trained as `model(inputs, targets) -> loss` (`loom.models.hf.train_on_token_pairs`)."""
     par = config.parallel
     if config.model.hf_pretrained is not None and (par.tp > 1 or par.ep > 1):
         # laid out on the meta device: each rank allocates and reads its shards alone
         model = _parallelize_hf(hf.empty_model(config.model.hf_model_config()), par)
-        model.loom.materialize(model, "cpu")
+        model.loom.materialize(model, device)
         hf.load_weights(model, config.model.hf_pretrained)
     else:  # every rank holds the whole model, then replicates it (or lays it out)
-        model = _parallelize_hf(whole_hf_model(config), par)
+        model = _parallelize_hf(whole_hf_model(config).to(device), par)
     if par.recompute != "none":
         for block in find_blocks(model)[1]:
             recompute(block, par.recompute)
+    if config.train.compile:
+        compile_blocks(model)
     return hf.train_on_token_pairs(model)
 
 
@@ -198,6 +206,8 @@ def build_pipeline(config: TrainConfig, mesh: loom.Mesh) -> tuple[nn.Module, Pip
     for stage in pipeline.modules:
         for block in stage.blocks:
             recompute(block, par.recompute)
+        if config.train.compile:
+            compile_blocks(stage, list(stage.blocks))
     return model, pipeline
 
 
@@ -282,6 +292,9 @@ def build_trainer(
     level = config.parallel.optimizer_level
     # a pipeline's optimizer: over this rank's stages, sharded over the ranks that run them
     parts = model if pipeline is None else pipeline
+    device = model_device(model if pipeline is None else nn.ModuleList(pipeline.modules))
+    # fused kernels on a GPU (and the Trainer's non-finite skip on the device), foreach on a CPU
+    hyper |= optimizer_kernels(device)
     optimizer = make_optimizer(parts, optimizer_class, level, lr=t.lr, **hyper)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(t.schedule, t.warmup_steps, t.steps, t.min_lr / t.lr)
@@ -300,7 +313,7 @@ def build_trainer(
         lr_scheduler=schedule, grad_accum=config.accumulation, clip_grad_norm=t.clip_grad_norm,
         precision=t.precision, loss_scaler=scaler if t.precision == "fp16" else None, callbacks=callbacks,
         tokens_per_step=t.global_batch * config.data.seq_len, flops_per_token=flops_per_token,
-        peak_flops=peak_flops(env.device_type(), DTYPES[t.precision]),
+        peak_flops=peak_flops(device.type, DTYPES[t.precision]),
         skip_nonfinite=config.fault.skip_nonfinite,
         seed=t.seed, mesh=mesh,  # generators per step and rank on the whole mesh (pp included)
         group=group,
@@ -333,13 +346,20 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
     """The ids a causal LM (loom's GPT or a Hugging Face model) picks greedily after each of `prompts`, as
     one batch decoded by every rank of its mesh at once (each data-parallel rank brings the same prompts;
     logits are gathered whole)."""
+    device = model_device(model)  # the prompts' ids go where the model computes
     if isinstance(model, GPT):
         multiple = model.strategies.tp if model.strategies.sequence_parallel else 1
         return hf.greedy(
-            lambda x: loom.full(model(x)), prompts, max_new_tokens, model.config.max_seq_len, multiple
+            lambda x: loom.full(model(x.to(device))),
+            prompts,
+            max_new_tokens,
+            model.config.max_seq_len,
+            multiple,
         )
     window = model.config.max_position_embeddings
-    return hf.greedy(lambda x: loom.full(model(input_ids=x).logits), prompts, max_new_tokens, window)
+    return hf.greedy(
+        lambda x: loom.full(model(input_ids=x.to(device)).logits), prompts, max_new_tokens, window
+    )
 
 
 def _text_samples(config: TrainConfig, dataset: object, model: nn.Module, count: int = 3) -> dict:
@@ -367,7 +387,8 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
     summary (losses of the steps this attempt ran, from `first_step`). `faults` are injected on purpose
     (tests of recovery). Rank 0 prints the plan (every parameter with `verbose`, else one line per layout
     pattern) and each warning; the other ranks' warnings are silenced (`main_rank_warnings`)."""
-    env.ensure_process_group()  # joined already in loom's workers; under torchrun, joined here
+    # joined already in loom's workers; under torchrun, joined here with the backend of `train.device`
+    env.ensure_process_group(env.backend_for(device_setting(config)))
     slot = elastic.membership_slot()  # a replica that may come and go: a process group of its own
     with main_rank_warnings((loom.rank() if slot is None else slot[0]) == 0):
         return _run(config, faults, verbose)
@@ -376,6 +397,10 @@ def run(config: TrainConfig, faults: Sequence[Fault] = (), *, verbose: bool = Fa
 def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     disarm = [fault.install() for fault in _startup_faults(faults)]  # first: they strike in the phases below
     _phase("joining the mesh")
+    # where this rank computes (`train.device`): its mesh's tensors, its model and its batches live there
+    device = env.resolve_device(device_setting(config))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     membership = elastic.membership()
     if membership is not None:  # each replica its own process group of one; they meet through the store
         config.validate(membership.size)
@@ -386,7 +411,8 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started);
     # replicas stepping alone lie on an outermost "replica" axis, each with the plan's axes inside
     replicas, world = config.parallel.replicas_step_alone, loom.world_size()
-    mesh = loom.init(replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes())
+    sizes = replicas_mesh_sizes(config, world) if replicas else config.plan(world).mesh_sizes()
+    mesh = loom.init(sizes, device=device.type)
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
     if not replicas:
@@ -415,6 +441,7 @@ def _train(
     t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
+    device = env.resolve_device(device_setting(config))  # this rank's (its mesh's too, see `_run`)
     _phase("loading the data")
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)
@@ -423,13 +450,13 @@ def _train(
     if config.parallel.pp > 1:
         model, pipeline = build_pipeline(config, model_mesh)
     elif config.model.is_hf:
-        model = build_hf_model(config, model_mesh)
+        model = build_hf_model(config, model_mesh, device)
     elif model_mesh is None:  # a replica of one process: the whole GPT on it
         model = whole_replica_model(config)
     else:
         # the dry run's example batch comes from a copy of the loader, so training still starts at batch 0
         example = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)
-        model = build_model(config, model_mesh, tuple(next(iter(example))))
+        model = build_model(config, model_mesh, tuple(next(iter(example))), device)
     logger = MetricsLogger(
         t.metrics_file, is_main=is_main, total_steps=t.steps, log_every=t.log_every,
         tensorboard_dir=t.tensorboard_dir,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -66,23 +68,67 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int | None:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
 
+class _Deferred:
+    """A `StepMetrics` field whose value the Trainer may leave on the device: the first read of any such
+    field settles them all at once (one host synchronisation for the step's loss, norm, skip and time)."""
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:  # the dataclass asks the class for the field's default
+            return self.default
+        if obj.__dict__.get("_pending") is not None:
+            obj.settle()
+        return obj.__dict__.get(self.slot, self.default)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass(kw_only=True)
 class StepMetrics:
-    """One optimizer step, as every rank sees it (`tokens` counts the global batch)."""
+    """One optimizer step, as every rank sees it (`tokens` counts the global batch).
+
+    The Trainer builds it with `StepMetrics.deferred`: the loss, gradient norm, skip flag and timings stay
+    on the device until something reads one of them (a logger at `log_every`, a callback), so that a step
+    needs no host synchronisation of its own. Read, they are plain Python numbers."""
 
     step: int
-    loss: float
-    lr: float
-    grad_norm: float | None = None
+    loss: float = _Deferred(math.nan)
+    lr: float = 0.0
+    grad_norm: float | None = _Deferred(None)
     tokens: int = 0
-    step_time_s: float = 0.0
-    tokens_per_s: float = 0.0
-    mfu: float | None = None
+    step_time_s: float = _Deferred(0.0)
+    tokens_per_s: float = _Deferred(0.0)
+    mfu: float | None = _Deferred(None)
     peak_memory_bytes: int | None = None
     loss_scale: float | None = None
-    skipped: bool = False  # the optimizer step was skipped (fp16 overflow)
+    skipped: bool = _Deferred(False)  # the optimizer step was skipped (not finite; fp16 overflow)
 
     def __post_init__(self) -> None:
+        self._check()
+
+    @classmethod
+    def deferred(cls, settle: Callable[[], dict[str, Any]], **known: Any) -> StepMetrics:
+        """Metrics whose deferred fields `settle()` computes (reading the device) when first read."""
+        metrics = cls(**known)
+        metrics.__dict__["_pending"] = settle
+        return metrics
+
+    def settle(self) -> StepMetrics:
+        """Read the deferred fields from the device now (a no-op once read); returns self."""
+        pending = self.__dict__.pop("_pending", None)
+        if pending is not None:
+            for name, value in pending().items():
+                setattr(self, name, value)
+            self._check()
+        return self
+
+    def _check(self) -> None:
         if self.step < 0 or self.tokens < 0 or self.step_time_s < 0:
             raise ValueError(f"StepMetrics: step, tokens and step_time_s must be >= 0, got {self}")
 
@@ -158,10 +204,14 @@ class MetricsLogger:
         """Record one step: advance the bar; at logged steps write the line, scalars and text."""
         if not self.is_main:
             return
+        if not self.should_log(metrics.step):
+            if (
+                self._progress is not None
+            ):  # the numbers wait for a logged step: reading them syncs the device
+                self._progress.update(self._task, completed=metrics.step)
+            return
         if self._progress is not None:
             self._progress.update(self._task, completed=metrics.step, info=_format(metrics))
-        if not self.should_log(metrics.step):
-            return
         self._write({"kind": "step", **metrics.to_dict()})
         if self._writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale"):

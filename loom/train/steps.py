@@ -35,7 +35,7 @@ from loom.train.precision import autocast
 if TYPE_CHECKING:
     from loom.train.trainer import Trainer
 
-__all__ = ["ModuleSteps", "PipelineSteps", "steps_for"]
+__all__ = ["ModuleSteps", "PipelineSteps", "global_mean", "mean_loss", "steps_for"]
 
 
 def steps_for(
@@ -55,27 +55,28 @@ class ModuleSteps:
     def __init__(self, model: nn.Module) -> None:
         self.module = model
 
-    def forward_backward(self, trainer: Trainer, micro_batches: Sequence[tuple]) -> float:
-        """Accumulate the (scaled) gradients of the step's mean loss; returns that loss, global."""
+    def forward_backward(self, trainer: Trainer, micro_batches: Sequence[tuple]) -> torch.Tensor:
+        """Accumulate the (scaled) gradients of the step's mean loss; returns that loss, global, on the
+        device (read it later: reading it syncs)."""
         count = len(micro_batches)
         losses = []
         scale = trainer.scaler.scale if trainer.scaler else 1.0
         for index, batch in enumerate(micro_batches):
             # gradients accumulate locally and are reduced once, in the last micro-batch's backward
             with self._sync_gradients(index == count - 1):
-                with autocast(trainer.precision, env.device_type()):
+                with autocast(trainer.precision, trainer.device.type):
                     loss = self.module(*batch)
                 # mixtures of experts: their balancing losses join the gradient, not the reported loss
                 aux = aux_losses(self.module)
                 ((loss if aux is None else loss + aux) * (scale / count)).backward()
             losses.append(loss.detach())
-        return global_mean(losses, trainer.group)
+        return mean_loss(losses, trainer.group)
 
     def eval_loss(self, trainer: Trainer, batches: Iterable[tuple]) -> float:
         """The mean loss over `batches`, global."""
         losses = []
         for batch in batches:
-            with autocast(trainer.precision, env.device_type()):
+            with autocast(trainer.precision, trainer.device.type):
                 losses.append(self.module(*batch))
         return global_mean(losses, trainer.group)
 
@@ -96,17 +97,23 @@ class ModuleSteps:
 
 
 def global_mean(losses: Sequence, group: dist.ProcessGroup | None = None) -> float:
-    """The mean of per-micro-batch losses as one global number: DTensor losses are global already; plain
-    (data-parallel) losses are local and averaged over the ranks of `group` (default: the world)."""
+    """The mean of per-micro-batch losses as one global number (see `mean_loss`; reads the device)."""
+    return mean_loss(losses, group).item()
+
+
+def mean_loss(losses: Sequence, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The mean of per-micro-batch losses, global, as a 0-d fp32 tensor left on the device (no host
+    synchronisation): DTensor losses are global already; plain (data-parallel) losses are local and
+    averaged over the ranks of `group` (default: the world)."""
     if not losses:
-        return float("nan")
+        return torch.tensor(float("nan"))
     if isinstance(losses[0], DTensor):
-        return torch.stack([loss.full_tensor() for loss in losses]).float().mean().item()
+        return torch.stack([loss.full_tensor() for loss in losses]).float().mean()
     mean = torch.stack(losses).float().mean()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(mean, group=group)
         mean /= dist.get_world_size(group)
-    return mean.item()
+    return mean
 
 
 class PipelineSteps:
@@ -134,14 +141,14 @@ class PipelineSteps:
         weight = (trainer.scaler.scale if trainer.scaler else 1.0) / count
         losses = []
         # unsharded: the stages' operators compute on this process alone, also when recomputed in backward
-        with unsharded(), autocast(trainer.precision, env.device_type()):
+        with unsharded(), autocast(trainer.precision, trainer.device.type):
             for index, (inputs, targets) in enumerate(micro_batches):
                 losses.append(self.pipeline.run(inputs, targets, weight=weight, sync=index == count - 1))
         return self.pipeline.global_loss(losses, self.group)
 
     def eval_loss(self, trainer: Trainer, batches: Iterable[tuple]) -> float:
         """The schedule's forward only over `batches`; the mean loss, global."""
-        with unsharded(), autocast(trainer.precision, env.device_type()):
+        with unsharded(), autocast(trainer.precision, trainer.device.type):
             losses = [self.pipeline.run_eval(inputs, targets) for inputs, targets in batches]
         return self.pipeline.global_loss(losses, self.group) if losses else float("nan")
 

@@ -8,11 +8,17 @@ a global norm taken across every shard and rank, update (unless skipped) and mov
 biases, adjust the loss scale and the learning rate, and tell the callbacks. A run is a list of model parts:
 one module, or this rank's pipeline stages (a `Pipeline`, whose schedule runs the first half);
 `loom.train.steps` holds the first half for each.
+
+The step computes on the device of the model's parameters (its batches are moved there) and waits for
+nothing from it: the loss, the gradient norm and the finiteness check stay device tensors, clipping scales
+by a device coefficient, and with a fused torch optimizer the skip of a non-finite step is its `found_inf`
+flag. The step's `StepMetrics` read them (one synchronisation) when something reads a metric: a logger at
+`log_every`, a callback. Where the host must decide (fp16's loss scale, a non-fused optimizer, replicas that
+count skipped steps, experts' balancing biases) it reads the one flag it needs.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -24,10 +30,12 @@ from loom.dist import env
 from loom.dist.context import current_mesh
 from loom.dist.mesh import Mesh
 from loom.dist.rng import StepSeeds
-from loom.models.moe import update_biases
+from loom.models.moe import moe_layers, update_biases
 from loom.parallel.grads import GradView, all_finite, clip_grads_, global_grad_norm, scale_grads_
 from loom.parallel.local_sgd import Replicated
 from loom.parallel.pipeline import Pipeline
+from loom.parallel.zero import ZeroOptimizer
+from loom.train.device import model_device
 from loom.train.metrics import StepMetrics, mfu, peak_memory_bytes
 from loom.train.precision import DynamicLossScaler, autocast
 from loom.train.steps import global_mean, steps_for
@@ -103,34 +111,61 @@ class Trainer:
         self.rng = None if seed is None else StepSeeds.on_mesh(seed, mesh or _mesh_of(self.model))
         self.step = 0
         self.is_main = env.rank() == 0
+        self.device = model_device(self.model)  # where the step computes: its batches go there
         autocast(precision)  # validates the name now rather than at the first step
 
     def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
-        """One optimizer step over `micro_batches` (this rank's parts of the global batch)."""
-        start = time.perf_counter()
+        """One optimizer step over `micro_batches` (this rank's parts of the global batch, moved to the
+        model's device here). The step waits for no result of the device (see the module's docstring):
+        its metrics are read when something reads them."""
+        clock = StepClock(self.device)
         if self.rng is not None:  # what the step draws depends on the seed, the step and the rank alone
             self.rng.apply(self.step)
-        loss = self._forward_backward(micro_batches)
-        return self._update(loss, start)
+        loss = self._forward_backward([self._on_device(batch) for batch in micro_batches])
+        return self._update(loss, clock)
 
-    def _forward_backward(self, micro_batches: Sequence[tuple]) -> float:
+    def _on_device(self, batch: tuple) -> tuple:
+        """`batch`'s tensors on the model's device (from pinned memory on a GPU: a copy from pageable
+        memory would wait for the device)."""
+        device = self.device
+
+        def move(value: object) -> object:
+            if not isinstance(value, torch.Tensor) or value.device == device:
+                return value
+            if device.type == "cuda" and value.device.type == "cpu":
+                value = value.pin_memory()
+            return value.to(device, non_blocking=True)
+
+        return tuple(move(value) for value in batch)
+
+    def _forward_backward(self, micro_batches: Sequence[tuple]) -> torch.Tensor | float:
         """Accumulate the (scaled) gradients of the step's mean loss; returns that loss, global."""
         return self.steps.forward_backward(self, micro_batches)
 
-    def _update(self, loss: float, start: float) -> StepMetrics:
+    def _update(self, loss: torch.Tensor | float, clock: StepClock) -> StepMetrics:
         """The rest of a step, on the accumulated gradients: unscale, check, clip, update (or skip), adjust
-        the loss scale and the learning rate, report to the callbacks."""
+        the loss scale and the learning rate, report to the callbacks.
+
+        The non-finite check stays on the device when the optimizer can skip on a device flag (torch's
+        fused optimizers read `found_inf`); otherwise (and for fp16's loss scale, which the host adjusts)
+        the host reads the flag: one synchronisation."""
         views = self._grad_views()
         finite = all_finite(views, self.group) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
         norm = global_grad_norm(views, self.group) if finite else torch.tensor(float("nan"))
-        norm_value = norm.item()  # one device sync, read by the check and the metrics
-        if self.skip_nonfinite:  # the loss and the norm are global: every rank decides alike
-            finite = finite and math.isfinite(loss) and math.isfinite(norm_value)
+        if not isinstance(loss, torch.Tensor):  # a pipeline's loss, read already
+            loss = torch.full((), loss, dtype=torch.float32, device=norm.device)
+        # the loss and the norm are global: every rank decides alike
+        ok = torch.isfinite(loss).logical_and(torch.isfinite(norm)) if self.skip_nonfinite else None
+        skippers = self._device_skippers() if ok is not None and finite else None
+        if ok is not None and skippers is None:
+            finite = finite and bool(ok)  # the host decides: one device synchronisation
         if self.clip_grad_norm is not None and finite:
             clip_grads_(views, self.clip_grad_norm, norm)
-        if finite:
+        if finite and skippers is not None:
+            _step_unless(self.optimizer, skippers, ok.logical_not().float())
+        elif finite:
             self.optimizer.step()
             # the experts' balancing biases, from the loads of every rank's tokens
             update_biases(self.steps.module, self.steps.balance_group())
@@ -143,19 +178,47 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        metrics = self._metrics(loss, norm_value, lr, not finite, time.perf_counter() - start)
+        skipped = ok.logical_not() if skippers is not None else torch.tensor(not finite)
+        metrics = self._metrics(loss, norm, lr, skipped, clock.stop())
         self._call("on_step_end", self, metrics)
         return metrics
 
-    def _metrics(self, loss: float, norm: float, lr: float, skipped: bool, seconds: float) -> StepMetrics:
-        rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
-        utilisation = None
-        if self.flops_per_token and self.peak_flops:
-            utilisation = mfu(rate, self.flops_per_token, self.peak_flops, env.world_size())
-        return StepMetrics(
-            step=self.step, loss=loss, lr=lr, grad_norm=norm, tokens=self.tokens_per_step, step_time_s=seconds,
-            tokens_per_s=rate, mfu=utilisation, peak_memory_bytes=peak_memory_bytes(),
-            loss_scale=self.scaler.scale if self.scaler else None, skipped=skipped,
+    def _device_skippers(self) -> list[torch.optim.Optimizer] | None:
+        """The torch optimizers that can skip this step on a device flag (`found_inf`, read by torch's
+        fused optimizers), or None when the host must decide: a non-fused optimizer, replicas that count
+        their skipped steps, experts' balancing biases (moved after a step that was taken), or a sharding
+        optimizer that has not built its inner optimizers yet (its first step)."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, Replicated) or _balances_by_bias(self.steps.module):
+            return None
+        inner = optimizer.inner if isinstance(optimizer, ZeroOptimizer) else [optimizer]
+        if not inner or not all(getattr(o, "defaults", {}).get("fused") for o in inner):
+            return None
+        return list(inner)
+
+    def _metrics(
+        self, loss: torch.Tensor, norm: torch.Tensor, lr: float, skipped: torch.Tensor, seconds: Callable
+    ) -> StepMetrics:
+        """The step's metrics, its device values read (one synchronisation) when first read."""
+
+        def settle() -> dict:
+            device = norm.device
+            values = torch.stack([loss.float().to(device), norm.float(), skipped.float().to(device)])
+            loss_value, norm_value, skipped_value = values.tolist()
+            step_time = seconds()
+            rate = self.tokens_per_step / step_time if step_time > 0 else 0.0
+            utilisation = None
+            if self.flops_per_token and self.peak_flops:
+                utilisation = mfu(rate, self.flops_per_token, self.peak_flops, env.world_size())
+            return dict(
+                loss=loss_value, grad_norm=norm_value, skipped=bool(skipped_value), step_time_s=step_time,
+                tokens_per_s=rate, mfu=utilisation,
+            )  # fmt: skip
+
+        return StepMetrics.deferred(
+            settle, step=self.step, lr=lr, tokens=self.tokens_per_step,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            loss_scale=self.scaler.scale if self.scaler else None,
         )  # fmt: skip
 
     def fit(
@@ -186,7 +249,7 @@ class Trainer:
         return loss
 
     def _eval_loss(self, batches: Iterable[tuple]) -> float:
-        return self.steps.eval_loss(self, batches)
+        return self.steps.eval_loss(self, [self._on_device(batch) for batch in batches])
 
     def _grad_views(self) -> list[GradView]:
         """The step's gradients as this rank holds them."""
@@ -197,6 +260,43 @@ class Trainer:
             method = getattr(callback, hook, None)
             if method is not None:
                 method(*args)
+
+
+def _balances_by_bias(model: nn.Module) -> bool:
+    """Whether a mixture of experts in `model` moves balancing biases after each step taken."""
+    return any(moe.config.expert_bias for moe in moe_layers(model))
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, inner: list, found_inf: torch.Tensor) -> None:
+    """`optimizer.step()`, which the `inner` fused optimizers skip on the device where `found_inf` is 1."""
+    for each in inner:
+        each.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        for each in inner:
+            del each.found_inf  # a later step of a non-fused path must not see it
+
+
+class StepClock:
+    """A step's duration without a host synchronisation: CUDA events on a GPU (read with the metrics), the
+    host's clock on a CPU (whose work is done when the host moves on)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.start = time.perf_counter()
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def stop(self) -> Callable[[], float]:
+        """The step ends now: a function giving its seconds (on a GPU it waits for the end event)."""
+        if self.events is None:
+            seconds = time.perf_counter() - self.start
+            return lambda: seconds
+        begin, end = self.events
+        end.record()
+        return lambda: begin.elapsed_time(end) / 1000.0
 
 
 def _mesh_of(model: nn.Module) -> Mesh | None:
