@@ -204,6 +204,8 @@ def search_plans(
     grad_accumulation: str = "fused",
     fp8_matmuls: bool = False,
     overlap_tp_comm: bool = False,
+    moe_dispatcher: str = "all_to_all",
+    moe_sync: str = "dropless",
     context: tuple[int, ...] | None = None,
     context_pipelines: bool = True,
 ) -> SearchResult:
@@ -215,7 +217,7 @@ def search_plans(
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
     tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
     `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
-    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; PyTorch
+    `grad_accumulation`, `fp8_matmuls`, `moe_dispatcher` and `moe_sync` (`ParallelPlan`; `**plan.system()` passes a plan's; PyTorch
     FSDP's `UNIT_COPIES` try levels 2 and 3 only; `overlap_tp_comm` applies to the plans that can run it). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
@@ -232,6 +234,7 @@ def search_plans(
         optimizer_level=optimizer_levels[0], global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
         overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
         grad_dtype=grad_dtype, grad_accumulation=grad_accumulation, fp8_matmuls=fp8_matmuls,
+        moe_dispatcher=moe_dispatcher, moe_sync=moe_sync,
     )  # fmt: skip
     choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel, overlap_tp_comm)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))
