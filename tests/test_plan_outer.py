@@ -204,3 +204,17 @@ def test_a_search_holding_tp_overlap_fixed_overlaps_where_a_plan_can():
         assert c.plan.overlap_tp_comm == can, c.plan
         check_tp_overlap(c.plan, case.cluster)
     assert any(c.plan.overlap_tp_comm for c in found.candidates)
+
+
+def test_the_search_holds_every_system_field_a_plan_gives_and_refuses_others() -> None:
+    # how a system runs a plan reaches every candidate (here fp8 GEMMs under delayed scaling, FSDP2's copies);
+    # a name that is not a system field is refused naming it
+    cluster = PROFILES["h100-sxm"].with_size(8)
+    system = {"fp8_matmuls": True, "fp8_scaling": "delayed", "grad_accumulation": "copy_in_out"}
+    found = search_plans(SMALL, cluster, 8, 64, 2048, keep=3, **system)
+    assert found.candidates
+    for candidate in found.candidates:
+        assert {key: getattr(candidate.plan, key) for key in system} == system
+        assert candidate.plan.optimizer_level in (2, 3)
+    with pytest.raises(TypeError, match=r"\['fp8_scalin'\] are not fields of how a system runs a plan"):
+        search_plans(SMALL, cluster, 8, 64, 2048, fp8_scalin="delayed")

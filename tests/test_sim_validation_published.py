@@ -129,3 +129,16 @@ def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():
     assert {"qwen3_30b_a3b 25.11 fp8-cs", "qwen3_30b_a3b 26.02.01 fp8"} <= set(qwen)
     hybrid = {s.label for s in skipped if s.reason.startswith("HybridEP's node-deduplicated dispatch")}
     assert hybrid == {"qwen3_30b_a3b 26.04.01 fp8", "qwen3_30b_a3b 26.06 fp8"}
+
+
+def test_moe_rows_sync_host_and_device_as_their_systems_dispatch():
+    # every simulated MoE row is dropless without CUDA graphs (the per-expert counts read on the host in each MoE
+    # layer); Megatron-Bridge 25.09's "(tokendrop)" rows pad to capacity (left out: no precision stated)
+    from loom.sim.validation.published import BRIDGE, _bridge_sync, _rows
+
+    cases, _ = published_cases()
+    assert {c.plan.moe_sync for c in cases if c.model.is_moe} == {"dropless"}
+    syncs = {(row["model"], row["release"]): _bridge_sync(row) for row in _rows(BRIDGE) if row["experts"]}
+    assert {key for key, sync in syncs.items() if sync == "token_drop"} == {
+        ("qwen3_30b_a3b", "25.09"), ("qwen3_235b_a22b", "25.09")
+    }  # fmt: skip

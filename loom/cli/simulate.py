@@ -27,6 +27,7 @@ from loom.cost.plan import (
     GRAD_DTYPES,
     GRAD_REDUCES,
     MOE_DISPATCHERS,
+    MOE_SYNCS,
     PRICED_ATTENTIONS,
     PRICED_RECOMPUTE,
     FieldError,
@@ -117,7 +118,7 @@ MODEL_FLAGS += ("top_k", "vocab", "swiglu")
 RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a Plan does not fix
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
-SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling")
+SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling", "moe_sync")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -214,6 +215,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=MOE_DISPATCHERS,
         help="how tokens reach their experts' ranks: all_to_all (default, a copy per routed expert) or deepep "
         "(DeepEP's kernels: a copy per destination rank, across nodes one per node forwarded over NVLink)",
+    )
+    system.add_argument(
+        "--moe-sync",
+        choices=MOE_SYNCS,
+        help="whether each MoE layer's dispatch makes the host wait for the device: dropless (default, as loom "
+        "runs: the per-expert counts read on the host, so a short layer pass runs at the host's launch pace), "
+        "token_drop (capacity factor, fixed shapes) or cuda_graph (the MoE layer captured in CUDA graphs)",
     )
     system.add_argument(
         "--blocking-p2p",

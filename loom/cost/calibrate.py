@@ -283,7 +283,7 @@ def build_profile(ranks: list[dict], nprocs: int, name: str = "this-machine") ->
         name=name, peak_flops={"fp32": peak}, memory_gib=_total_memory_gib() / nprocs,
         memory_bandwidth=memory, matmul_efficiency=1.0, matmul_knee=knee,
         memory_efficiency=elementwise / memory, kernel_overhead_s=statistics.median(r["kernel_overhead_s"] for r in ranks),
-        reserved_gib=0.0,
+        reserved_gib=0.0, host_kernel_s=0.0,  # on a CPU the host runs the kernels: kernel_overhead_s holds it
     )  # fmt: skip
     cluster = Cluster(
         device=device, intra=link, inter=link, gpus_per_node=nprocs, gpus=nprocs,

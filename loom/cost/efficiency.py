@@ -29,6 +29,7 @@ __all__ = [
     "FIT_BOUNDS",
     "ATTENTION_EFFICIENCY",
     "FP8_MATMUL_EFFICIENCY",
+    "HOST_KERNEL_S",
     "LINK_EFFICIENCY",
     "MATMUL_EFFICIENCY",
     "MATMUL_KNEE",
@@ -53,6 +54,13 @@ ATTENTION_EFFICIENCY = {"a100": 0.392, "h100": 0.277}
 MEMORY_EFFICIENCY = 0.876
 # fraction of a link's bandwidth that NCCL collectives reach as bus bandwidth
 LINK_EFFICIENCY = 0.948
+# seconds of host work per kernel loom counts in a layer pass (`loom.cost.layer.layer_kernels`: eager PyTorch's
+# dispatch, the framework's Python around each op, the kernels loom does not count, the driver's launch): what a
+# pass costs when the host, not the device, sets its pace after each host-device synchronisation of a dropless MoE
+# dispatch (`loom.cost.host`, `ParallelPlan.moe_sync`). No published measurement gives it per counted kernel;
+# fitted 2026-11-25 on the fit half alone, the other constants held (`--fit`'s golden section on it), where only
+# the Megatron-Bridge Qwen3 rows depend on it (docs/simulator.md)
+HOST_KERNEL_S = 26.018e-6
 
 # the range the fit searches for each constant (names as `loom.sim.validation.fit` knows them)
 FIT_BOUNDS = {
@@ -62,4 +70,5 @@ FIT_BOUNDS = {
     "attention_a100": (0.2, 1.0),
     "attention_h100": (0.15, 1.0),
     "link": (0.4, 0.95),  # NCCL's protocols never carry the link's data-sheet rate
+    "host_kernel_us": (0.0, 60.0),  # `HOST_KERNEL_S` in microseconds (the fit rounds to 3 decimals)
 }

@@ -33,7 +33,9 @@ class Device:
 
     `matmul_knee` models shape dependence: a GEMM of sizes (m, k, n) runs at
     `peak * matmul_efficiency * prod(d / (d + matmul_knee))`, so small dims (thin tensor-parallel shards, short
-    head dims) run slower than large ones. `kernel_overhead_s` is paid once per kernel launch.
+    head dims) run slower than large ones. `kernel_overhead_s` is paid once per kernel launch, on the device.
+    `host_kernel_s` is the host's work to launch one kernel, which sets the pace of a pass only after the host
+    has waited for the device (`loom.cost.host`; 0 where host and device are one, as on a CPU).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Device:
     ]  # fused attention's speed relative to a GEMM's
     memory_efficiency: float = fitted.MEMORY_EFFICIENCY
     kernel_overhead_s: float = 0.0
+    host_kernel_s: float = fitted.HOST_KERNEL_S
     reserved_gib: float = 2.0  # runtime context, allocator slack and workspace, never usable by the model
 
     def __post_init__(self) -> None:
@@ -63,8 +66,10 @@ class Device:
         for name in ("matmul_efficiency", "fp8_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Device {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
-        if self.matmul_knee < 0 or self.kernel_overhead_s < 0 or self.reserved_gib < 0:
-            raise ValueError(f"Device {self.name!r}: knee, kernel overhead and reserved memory must be >= 0")
+        if min(self.matmul_knee, self.kernel_overhead_s, self.host_kernel_s, self.reserved_gib) < 0:
+            raise ValueError(
+                f"Device {self.name!r}: knee, kernel overhead, host time per kernel and reserved memory must be >= 0"
+            )
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (fp16 and bf16 stand in for each other)."""

@@ -33,7 +33,8 @@ from loom.cost.compute import (
 )
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
-from loom.cost.moe import deepep_layer_time, layer_moe_collectives
+from loom.cost.host import Segment, host_bound_pass
+from loom.cost.moe import COUNTS, deepep_layer_time, layer_moe_collectives
 from loom.cost.plan import RING_ATTENTIONS, ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
@@ -50,7 +51,7 @@ from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
     "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "fp8_cast_times", "gemm_shapes",
-    "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
+    "layer_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
 ]  # fmt: skip
 
 Costs = dict[str, float]
@@ -58,6 +59,9 @@ CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention k
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
 UB_PIPELINE_SPLITS = 4  # Transformer Engine's `initialize_ub` default num_splits for its "pipeline" method
 FP8_LINEARS = 4  # the first four of `_layer_gemms` run in fp8 with `fp8_matmuls`; a mixture's router does not
+# memory-bound kernels of a layer's forward outside its attention core (`_elementwise_bytes`: residual adds,
+# norms, activation, a mixture's permutations), and as many in its backward
+ELEMENTWISE_KERNELS = 6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +188,7 @@ def _layer_forward(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     # fp8 recipes run the linear layers' GEMMs in fp8; attention, norms and activations stay in `dtype`
     matmul = sum(_linear_times(model, plan, cluster))
     moved = _elementwise_bytes(model, plan)
-    elementwise = memory_time(cluster.device, sum(moved.values()), kernels=6)
+    elementwise = memory_time(cluster.device, sum(moved.values()), kernels=ELEMENTWISE_KERNELS)
     costs = {
         "matmul": matmul + core["matmul"],
         "elementwise": elementwise + core["elementwise"],
@@ -222,14 +226,28 @@ def fp8_cast_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
     With `fp8_scaling = "delayed"` (DelayedScaling, Transformer Engine 1.x's recipe: NeMo 24.07) the scale comes
     from the amax history: no amax pass and no amax all-reduce before a cast (the cast records the amax; the
     history is reduced once per step, not priced)."""
+    passes = _fp8_cast_passes(model, plan, cluster)
+    fwd, bwd = (sum(seconds for p, seconds, _ in passes if p == phase) for phase in ("forward", "backward"))
+    return fwd, bwd
+
+
+def _fp8_cast_passes(
+    model: TransformerConfig, plan: ParallelPlan, cluster: Cluster
+) -> list[tuple[str, float, int]]:
+    """The work `fp8_cast_times` prices, pass by pass: (phase, seconds, kernels launched); none without
+    `fp8_matmuls`."""
     if not plan.fp8_matmuls:
-        return 0.0, 0.0
+        return []
     dev, dt = cluster.device, plan.dtype
     delayed = plan.fp8_scaling == "delayed"
     sp = plan.tp if plan.sequence_parallel and plan.tp > 1 else 1
     span = _span("tp", plan, cluster)
     amax_reduce = collective_time("all_reduce", 4, span, cluster) if sp > 1 and not delayed else 0.0
-    fwd = bwd = 0.0
+    passes: list[tuple[str, float, int]] = []
+
+    def cast(phase: str, nbytes: float, kernels: int) -> None:
+        passes.append((phase, memory_time(dev, nbytes, kernels=kernels), kernels))
+
     for i, (m, k, n, batch) in enumerate(_layer_gemms(model, plan)[:FP8_LINEARS]):
         expert = model.is_moe and i >= 2  # grouped linears: no gather, one quantizer per local expert
         column = i in (0, 2)  # query/key/value and the MLP's first linear gather their input over tp
@@ -239,16 +257,21 @@ def fp8_cast_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
         made, transposed = fp8_quantize_bytes(
             m * k * batch / ranks_in, dtype=dt, amax_fused=fused, gathered=ranks_in
         )
-        fwd += memory_time(dev, made, kernels=batch * fp8_quantize_kernels(amax_fused=fused, delayed=delayed))
-        bwd += memory_time(dev, transposed, kernels=1) if transposed else 0.0
+        cast("forward", made, round(batch * fp8_quantize_kernels(amax_fused=fused, delayed=delayed)))
+        if transposed:
+            cast("backward", transposed, 1)
         made, transposed = fp8_quantize_bytes(
             m * n * batch / ranks_grad, dtype=dt, amax_fused=delayed, gathered=ranks_grad
         )
-        kernels = batch * fp8_quantize_kernels(amax_fused=delayed, delayed=delayed) + int(ranks_grad > 1)
-        bwd += memory_time(dev, made + transposed, kernels=kernels)
-        fwd += amax_reduce if ranks_in > 1 else 0.0
-        bwd += amax_reduce if ranks_grad > 1 else 0.0
-    return fwd, bwd
+        kernels = round(batch * fp8_quantize_kernels(amax_fused=delayed, delayed=delayed)) + int(
+            ranks_grad > 1
+        )
+        cast("backward", made + transposed, kernels)
+        if amax_reduce and ranks_in > 1:
+            passes.append(("forward", amax_reduce, 1))
+        if amax_reduce and ranks_grad > 1:
+            passes.append(("backward", amax_reduce, 1))
+    return passes
 
 
 def _layer_tp_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
@@ -468,6 +491,15 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     )
     layer_bwd["tp_comm"] = _layer_tp_comm(model, rows, cluster, "backward")
     layer_bwd["ep_comm"] = _ep_comm(model, rows, cluster, "backward")
+    if model.is_moe and plan.moe_sync == "dropless":
+        # each MoE layer's forward waits on the host for its per-expert counts, so each layer pass runs at
+        # the pace the host launches its kernels when that is slower than the device (`loom.cost.host`); the
+        # backward reuses the forward's counts, but starts with the host level with the device after the sync
+        kernels = layer_kernels(model, plan, cluster)
+        fwd["host_bound"] = _host_bound(_total(fwd), kernels["forward"], cluster)
+        layer_bwd["host_bound"] = _host_bound(_total(layer_bwd), kernels["backward"], cluster)
+        if plan.recompute == "full":  # the re-run forward dispatches, and syncs, again
+            recompute["host_bound"] = fwd["host_bound"]
     return PieceCosts(
         layer_fwd=fwd,
         layer_bwd=layer_bwd,
@@ -482,6 +514,46 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         p2p_bytes=p2p_bytes,
         layer_cp=tuple(layer_cp),
     )
+
+
+def layer_kernels(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> dict[str, int]:
+    """Kernels the host launches for one layer pass on one rank, by phase ("forward", "backward"), as the
+    cost model prices them: the linear layers' GEMMs (a mixture's experts one per local expert and linear, as
+    Transformer Engine's grouped GEMM launches them from host-side counts; two per GEMM backward, input and
+    weight gradients), the attention core's kernels, `ELEMENTWISE_KERNELS`, fp8 casts (`fp8_cast_times`),
+    and one per collective over tp, ep (the counts' exchange, dispatch, combine) and cp."""
+    rows = shards_as_rows(plan)
+    gemms = sum(round(batch) for *_, batch in _layer_gemms(model, rows))
+    if plan.cp > 1 and plan.attention in RING_ATTENTIONS:
+        core = plan.cp if plan.flash_attention else 4 * plan.cp  # per ring step: fused, or 2 GEMMs + softmax
+    else:
+        core = 1 if plan.flash_attention else 4
+    casts = _fp8_cast_passes(model, rows, cluster)
+    collectives = layer_collectives(model, rows) + attention_collectives(model, plan)
+    out = {}
+    for phase, per_gemm in (("forward", 1), ("backward", 2)):
+        exchanges = sum(c.count for c in collectives if c.phase == phase) + _ep_launches(model, plan, phase)
+        launches = per_gemm * gemms + core + ELEMENTWISE_KERNELS + exchanges
+        out[phase] = launches + sum(kernels for p, _, kernels in casts if p == phase)
+    return out
+
+
+def _ep_launches(model: TransformerConfig, plan: ParallelPlan, phase: str) -> int:
+    """Expert-parallel exchanges of one MoE layer in `phase` (`_ep_comm`'s): the all-to-alls, or under DeepEP
+    the counts' all-to-all (forward) and its dispatch and combine."""
+    if not model.is_moe or plan.ep == 1:
+        return 0
+    moe = [c for c in layer_moe_collectives(model, plan) if c.phase == phase]
+    if plan.moe_dispatcher == "deepep":
+        return sum(c.source == COUNTS for c in moe) + 2
+    return len(moe)
+
+
+def _host_bound(device_s: float, kernels: int, cluster: Cluster) -> float:
+    """Seconds a layer pass of `device_s` on the device and `kernels` launches takes beyond `device_s` when
+    it starts right after a host-device sync (`loom.cost.host.host_bound_pass`)."""
+    segment = Segment(device_s=device_s, kernels=kernels)
+    return host_bound_pass([segment], cluster.device.host_kernel_s).exposed
 
 
 def _p2p_time(send_bytes: float, gather_bytes: float, tp: int, span: GroupSpan, cluster: Cluster) -> float:

@@ -31,6 +31,7 @@ __all__ = [
     "GRAD_ACCUMULATIONS",
     "FP8_SCALINGS",
     "MOE_DISPATCHERS",
+    "MOE_SYNCS",
     "UNIT_COPIES",
     "UNIT_COPY_LEVELS",
     "GRAD_DTYPES",
@@ -90,6 +91,11 @@ MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep")
 # an amax of each tensor before its cast) or "delayed" (DelayedScaling, TE 1.x's only recipe: the scale from
 # the amax history, the new amax recorded by the cast kernel itself)
 FP8_SCALINGS: tuple[str, ...] = ("current", "delayed")
+# whether a mixture's dispatch synchronises host and device in every MoE layer's forward (`loom.cost.host`):
+# "dropless" (the per-expert counts read on the host: Megatron-Core's all-to-all split sizes, DeepEP's receive
+# counts, loom's own `.tolist()` of the counts), "token_drop" (capacity factor, inputs padded to capacity: fixed
+# shapes, no read) or "cuda_graph" (the MoE layer captured in CUDA graphs: no host work per kernel)
+MOE_SYNCS: tuple[str, ...] = ("dropless", "token_drop", "cuda_graph")
 
 
 class FieldError(ValueError):
@@ -153,6 +159,7 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
 SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
+SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +209,10 @@ class ParallelPlan:
     `moe_dispatcher` is how a mixture's tokens reach their experts' ranks: "all_to_all" (loom's runtime:
     one copy per routed expert) or "deepep" (DeepEP's kernels, Megatron-Core's flex dispatcher: one copy per
     destination rank, and across nodes one per destination node over RDMA, forwarded inside it over NVLink;
-    `loom.cost.moe.deepep_bytes`). loom's runtime does not run DeepEP.
+    `loom.cost.moe.deepep_bytes`). loom's runtime does not run DeepEP. `moe_sync` (one of `MOE_SYNCS`) says
+    whether that dispatch makes the host wait for the device in every MoE layer's forward ("dropless", what
+    loom's runtime does), so that a short layer pass runs at the pace the host launches its kernels
+    (`loom.cost.host`), or not ("token_drop", "cuda_graph").
     """
 
     dp: int = 1
@@ -235,6 +245,7 @@ class ParallelPlan:
     scatter_gather_p2p: bool = False
     overlap_tp_comm: bool = False  # see the class docstring
     moe_dispatcher: str = "all_to_all"  # one of MOE_DISPATCHERS; see the class docstring
+    moe_sync: str = "dropless"  # one of MOE_SYNCS; see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -277,6 +288,7 @@ class ParallelPlan:
             raise FieldError(
                 owner, "fp8_scaling", self.fp8_scaling, "it scales fp8 GEMMs: set fp8_matmuls too"
             )
+        check_choice(owner, "moe_sync", self.moe_sync, MOE_SYNCS)
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import check_tp_overlap
 from loom.cost.plan import (
     OPTIMIZER_LEVELS,
     RECOMPUTE,
+    SYSTEM_FIELDS,
     UNIT_COPIES,
     UNIT_COPY_LEVELS,
     ParallelPlan,
@@ -195,17 +197,9 @@ def search_plans(
     recompute: tuple[str, ...] = RECOMPUTE,
     optimizer_levels: tuple[int, ...] = OPTIMIZER_LEVELS,
     sequence_parallel: tuple[bool, ...] = (True, False),
-    dtype: str = "bf16",
-    overlap_grad_sync: bool = True,
-    overlap_p2p: bool = True,
-    scatter_gather_p2p: bool = False,
-    flash_attention: bool = False,
-    grad_dtype: str = "",
-    grad_accumulation: str = "fused",
-    fp8_matmuls: bool = False,
-    overlap_tp_comm: bool = False,
     context: tuple[int, ...] | None = None,
     context_pipelines: bool = True,
+    **system: Any,
 ) -> SearchResult:
     """Search mesh shapes, stages, micro-batches, optimizer levels and recompute policies for `model` on
     `gpus` devices of `cluster`'s kind at `global_batch` sequences of `seq` tokens.
@@ -213,10 +207,10 @@ def search_plans(
     `memory_limit`: bytes per device (default: the device's memory). Returns the fitting plans best
     first, exact for the first `keep` (later ones are those simulated on the way), and the infeasible
     regions with the reason. `recompute`, `optimizer_levels` and `sequence_parallel` are the choices
-    tried, cheapest first; how the training system runs a plan is held fixed: `dtype`,
-    `overlap_grad_sync`, `overlap_p2p`, `scatter_gather_p2p`, `flash_attention`, `grad_dtype`,
-    `grad_accumulation` and `fp8_matmuls` (`ParallelPlan`; `**plan.system()` passes a plan's; PyTorch
-    FSDP's `UNIT_COPIES` try levels 2 and 3 only; `overlap_tp_comm` applies to the plans that can run it). `context`:
+    tried, cheapest first; how the training system runs a plan is held fixed: `system`, any of the
+    `ParallelPlan` fields `SYSTEM_FIELDS` names (`**plan.system()` passes a plan's; those not given keep
+    `ParallelPlan`'s defaults, `dtype` bf16; PyTorch FSDP's `UNIT_COPIES` try levels 2 and 3 only;
+    `overlap_tp_comm` applies to the plans that can run it). `context`:
     the cp degrees to try (1 for none); None tries the powers of two (`context_degrees`) when `seq` is at
     least `LONG_SEQUENCE`, and otherwise only when no plan without cp fits. `context_pipelines`: cp meshes
     with pipelines too (a run that cannot cut sequences inside pipeline stages, a Hugging Face model's in
@@ -227,12 +221,15 @@ def search_plans(
     start = time.perf_counter()
     cluster = cluster.with_size(gpus, cluster.gpus_per_node)
     limit = memory_limit / GIB if memory_limit is not None else cluster.device.memory_gib
-    optimizer_levels = _levels_for(grad_accumulation, optimizer_levels)
-    base = ParallelPlan(
-        optimizer_level=optimizer_levels[0], global_batch=global_batch, seq=seq, dtype=dtype, overlap_grad_sync=overlap_grad_sync,
-        overlap_p2p=overlap_p2p, scatter_gather_p2p=scatter_gather_p2p, flash_attention=flash_attention,
-        grad_dtype=grad_dtype, grad_accumulation=grad_accumulation, fp8_matmuls=fp8_matmuls,
-    )  # fmt: skip
+    system = {"dtype": "bf16", **system}
+    if unknown := sorted(set(system) - set(SYSTEM_FIELDS)):
+        raise TypeError(
+            f"search_plans: {unknown} are not fields of how a system runs a plan; use those of SYSTEM_FIELDS "
+            f"{SYSTEM_FIELDS}"
+        )
+    overlap_tp_comm = system.pop("overlap_tp_comm", False)  # applied below where a plan can run it
+    optimizer_levels = _levels_for(system.get("grad_accumulation", "fused"), optimizer_levels)
+    base = ParallelPlan(optimizer_level=optimizer_levels[0], global_batch=global_batch, seq=seq, **system)
     choices = (model, cluster, base, limit, recompute, optimizer_levels, sequence_parallel, overlap_tp_comm)
     degrees = context or (context_degrees(gpus, seq) if seq >= LONG_SEQUENCE else (1,))
     options, infeasible = _options(

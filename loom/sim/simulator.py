@@ -116,6 +116,10 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
         reasons.append(f"{model.experts} experts do not split over ep={plan.ep}")
     if plan.ep > 1 and not model.is_moe:
         reasons.append(f"ep={plan.ep} needs a mixture-of-experts model (--experts)")
+    if plan.moe_sync != "dropless" and not model.is_moe:
+        reasons.append(
+            f"--moe-sync {plan.moe_sync} says how MoE layers dispatch: it needs a mixture-of-experts model (--experts)"
+        )
     if plan.schedule == "interleaved" and plan.interleave > 1 and plan.micro_batches % plan.pp:
         reasons.append(
             f"the interleaved schedule needs micro-batches ({plan.micro_batches}) to be a multiple of pp={plan.pp}"

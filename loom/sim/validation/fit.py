@@ -29,6 +29,7 @@ CURRENT = {
     "attention_h100": efficiency.ATTENTION_EFFICIENCY["h100"],
     "memory": efficiency.MEMORY_EFFICIENCY,
     "link": efficiency.LINK_EFFICIENCY,
+    "host_kernel_us": efficiency.HOST_KERNEL_S * 1e6,
 }
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -42,6 +43,7 @@ def apply(cluster: Cluster, constants: dict[str, float]) -> Cluster:
         fp8_efficiency=constants["fp8_matmul"],
         attention_efficiency=constants[f"attention_{generation}"],
         memory_efficiency=constants["memory"],
+        host_kernel_s=constants["host_kernel_us"] * 1e-6,
     )
     intra = dataclasses.replace(cluster.intra, efficiency=constants["link"])
     inter = dataclasses.replace(cluster.inter, efficiency=constants["link"])

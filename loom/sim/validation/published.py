@@ -186,6 +186,14 @@ def _bridge_dispatcher(row: dict[str, str]) -> str:
     return "HybridEP" if release >= (26, 2, 1) else "DeepEP" if release >= (26, 2) else "all-to-all"
 
 
+def _bridge_sync(row: dict[str, str]) -> str:
+    """Whether a Megatron-Bridge H100 MoE run's dispatch reads the per-expert counts on the host in every MoE
+    layer: 25.09's "(tokendrop)" runs pad to capacity (`apply_moe_token_drop`, fixed shapes); the later perf
+    configs are dropless, and their fp8 H100 configs capture no CUDA graphs (`QWEN3_30B_A3B_H100_FP8_CS_BASE_
+    CONFIG`, `QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG` at v0.2.0, the `*_H100_FP8_CS_V1` configs after)."""
+    return "token_drop" if "(tokendrop)" in row["notes"] else "dropless"
+
+
 def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
     """NeMo 24.07 and Megatron-Bridge performance summaries (DGX-H100, Megatron-Core)."""
     out, skipped = [], []
@@ -243,7 +251,7 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
             flash_attention=True, dtype="bf16", fp8_matmuls=fp8, fp8_scaling=scaling,
-            overlap_tp_comm=overlap_tp,
+            overlap_tp_comm=overlap_tp, moe_sync=_bridge_sync(row),
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
@@ -352,6 +360,7 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute=recompute,
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
             dtype="bf16", grad_dtype="fp32", moe_dispatcher=DISPATCHERS[row["dispatcher"]],
+            moe_sync="dropless",  # no capacity factor in the command; its CUDA-graph variant came later
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
