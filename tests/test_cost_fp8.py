@@ -79,11 +79,11 @@ def test_delayed_scaling_casts_without_amax_passes_or_amax_all_reduces():
     plan = ParallelPlan(
         dp=4, tp=2, global_batch=4, seq=128, sequence_parallel=True, fp8_matmuls=True, fp8_scaling="delayed"
     )
-    # forward: qkv's and fc1's inputs gathered (3 B each on 128 * 64 / 2), the projection's (128 x 32) and
-    # fc2's (128 x 128) inputs cast with their transposed copies, 4 B each
-    forward = 3 * 4096 + 4 * 4096 + 3 * 4096 + 4 * 16384
+    # forward: qkv's and fc1's inputs are written in fp8 by their norms (no cast); the projection's (128 x 32)
+    # and fc2's (128 x 128) inputs cast with their transposed copies, 4 B each
+    forward = 4 * 4096 + 4 * 16384
     # backward: qkv's and fc1's output gradients 4 B each; the projection's and fc2's gathered (3 B on 4096)
-    # and transposed whole (2 B x 8192); qkv's and fc1's inputs transposed whole (2 B x 8192 each)
+    # and transposed whole (2 B x 8192); qkv's and fc1's gathered fp8 inputs transposed (2 B x 8192 each)
     backward = 4 * 12288 + 4 * 16384 + 2 * (3 * 4096 + 2 * 8192) + 2 * (2 * 8192)
     fwd, bwd = fp8_cast_times(GPT, plan, cluster)
     assert fwd == pytest.approx(forward / 1e12, rel=1e-12)

@@ -216,5 +216,10 @@ def test_the_search_holds_every_system_field_a_plan_gives_and_refuses_others() -
     for candidate in found.candidates:
         assert {key: getattr(candidate.plan, key) for key in system} == system
         assert candidate.plan.optimizer_level in (2, 3)
+    # loom's runtime runs neither: no loom Plan comes of such a candidate
+    with pytest.raises(
+        ValueError, match=r"grad_accumulation = 'copy_in_out', fp8_matmuls = True\), which loom"
+    ):
+        to_plan(found.best)
     with pytest.raises(TypeError, match=r"\['fp8_scalin'\] are not fields of how a system runs a plan"):
         search_plans(SMALL, cluster, 8, 64, 2048, fp8_scalin="delayed")

@@ -225,7 +225,8 @@ def fp8_cast_times(model: TransformerConfig, plan: ParallelPlan, cluster: Cluste
 
     With `fp8_scaling = "delayed"` (DelayedScaling, Transformer Engine 1.x's recipe: NeMo 24.07) the scale comes
     from the amax history: no amax pass and no amax all-reduce before a cast (the cast records the amax; the
-    history is reduced once per step, not priced)."""
+    history is reduced once per step, not priced), and a LayerNormLinear's norm writes its fp8 output itself
+    (no cast; the backward transposes it)."""
     passes = _fp8_cast_passes(model, plan, cluster)
     fwd, bwd = (sum(seconds for p, seconds, _ in passes if p == phase) for phase in ("forward", "backward"))
     return fwd, bwd
@@ -251,15 +252,20 @@ def _fp8_cast_passes(
     for i, (m, k, n, batch) in enumerate(_layer_gemms(model, plan)[:FP8_LINEARS]):
         expert = model.is_moe and i >= 2  # grouped linears: no gather, one quantizer per local expert
         column = i in (0, 2)  # query/key/value and the MLP's first linear gather their input over tp
-        # LayerNormLinear's norm computes the amax, delayed scaling's cast records it
-        fused = i == 0 or (i == 2 and not model.is_moe) or delayed
+        norm_fed = i == 0 or (i == 2 and not model.is_moe)  # a LayerNormLinear: its norm computes the amax
+        fused = norm_fed or delayed  # delayed scaling's cast records the amax itself
         ranks_in, ranks_grad = (1, 1) if expert else ((sp, 1) if column else (1, sp))
-        made, transposed = fp8_quantize_bytes(
-            m * k * batch / ranks_in, dtype=dt, amax_fused=fused, gathered=ranks_in
-        )
-        cast("forward", made, round(batch * fp8_quantize_kernels(amax_fused=fused, delayed=delayed)))
-        if transposed:
-            cast("backward", transposed, 1)
+        if norm_fed and delayed:
+            # Transformer Engine 1.x's LayerNormLinear: the norm writes fp8 itself, and the backward transposes
+            # the (gathered) fp8 input for the weight gradient (`fp8_transpose`: 1 byte read, 1 written)
+            cast("backward", 2.0 * m * k * batch, 1)
+        else:
+            made, transposed = fp8_quantize_bytes(
+                m * k * batch / ranks_in, dtype=dt, amax_fused=fused, gathered=ranks_in
+            )
+            cast("forward", made, round(batch * fp8_quantize_kernels(amax_fused=fused, delayed=delayed)))
+            if transposed:
+                cast("backward", transposed, 1)
         made, transposed = fp8_quantize_bytes(
             m * n * batch / ranks_grad, dtype=dt, amax_fused=delayed, gathered=ranks_grad
         )

@@ -30,6 +30,7 @@ __all__ = [
     "SIMULATED_SCHEDULES",
     "GRAD_ACCUMULATIONS",
     "FP8_SCALINGS",
+    "LOOM_SYSTEM",
     "MOE_DISPATCHERS",
     "MOE_SYNCS",
     "UNIT_COPIES",
@@ -160,6 +161,12 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
 SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
 SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync")
+# the values of those fields loom's own runtime runs, where it runs one only (the other values price other
+# training systems' runs: `loom simulate`'s flags, the validation set)
+LOOM_SYSTEM = {
+    "overlap_p2p": True, "scatter_gather_p2p": False, "grad_accumulation": "fused", "fp8_matmuls": False,
+    "overlap_tp_comm": False, "moe_dispatcher": "all_to_all", "moe_sync": "dropless",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

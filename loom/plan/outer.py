@@ -23,6 +23,7 @@ from typing import Any
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import check_tp_overlap
 from loom.cost.plan import (
+    LOOM_SYSTEM,
     OPTIMIZER_LEVELS,
     RECOMPUTE,
     SYSTEM_FIELDS,
@@ -295,10 +296,10 @@ def to_plan(candidate: Candidate) -> Plan:
     """`candidate` as a `loom.plan.Plan` with its predictions (the inverse of `Plan.parallel_plan`:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
-    if p.overlap_tp_comm or p.grad_accumulation != "fused":
+    if foreign := {key: getattr(p, key) for key, ours in LOOM_SYSTEM.items() if getattr(p, key) != ours}:
         raise ValueError(
-            "to_plan: this candidate prices another system's ways (overlap_tp_comm, grad_accumulation "
-            f"{p.grad_accumulation!r}), which loom's runtime does not run: search without them for a loom Plan"
+            f"to_plan: this candidate prices another system's ways ({', '.join(f'{k} = {v!r}' for k, v in foreign.items())}), "
+            "which loom's runtime does not run: search without them for a loom Plan"
         )
     return Plan(
         dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, attention=p.attention, schedule=p.schedule,

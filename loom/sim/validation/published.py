@@ -16,8 +16,8 @@ origin. Rules applied to every row of a source, never per row:
 - FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`; the
   casts around them are Transformer Engine's current scaling, the recipe of every Megatron-Bridge H100 run).
 - Megatron-Bridge: what the tables do not print, from the perf configs of the release: Qwen3's experts whole
-  (expert tp 1), Qwen3-235B without tp communication overlap, and Qwen3-30B-A3B's rows whose HybridEP
-  dispatch crosses nodes left out as the ModelZoo's DeepEP rows (`_bridge_dispatcher`).
+  (expert tp 1), Qwen3-235B without tp communication overlap, and Qwen3-30B-A3B's dispatcher (DeepEP, then
+  Hybrid-EP, priced as DeepEP's: `_bridge_dispatcher`).
 - Throughput rows are compared as tokens/s over all devices (tokens/s per GPU times the GPUs); rows that
   publish only a time per iteration are compared on it.
 - BigScience BLOOM: the cluster its README describes (`jean_zay`: 4 Omni-Path links per node) and DeepSpeed's
@@ -63,10 +63,12 @@ ARCHITECTURES: dict[str, dict[str, int]] = {
 }
 
 
-# the ModelZoo's `dispatcher` column -> `ParallelPlan.moe_dispatcher`: Megatron-Core's alltoall dispatcher
-# sends a copy per routed expert, as loom's all-to-all; DeepEP (`--moe-token-dispatcher-type flex
-# --moe-enable-deepep`) a copy per destination rank, across nodes one per node (`loom.cost.moe`)
-DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep"}
+# a run's token dispatcher (the ModelZoo's `dispatcher` column, `_bridge_dispatcher`) -> `ParallelPlan.
+# moe_dispatcher`: Megatron-Core's alltoall dispatcher sends a copy per routed expert, as loom's all-to-all;
+# DeepEP (`--moe-token-dispatcher-type flex --moe-enable-deepep`) a copy per destination rank, across nodes one
+# per node (`loom.cost.moe`); NVIDIA's Hybrid-EP, DeepEP's hierarchical backend (RDMA between nodes, NVLink
+# inside them), dispatches to the experts' nodes and ranks alike
+DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep", "HybridEP": "deepep"}
 
 
 def jean_zay() -> Cluster:
@@ -179,11 +181,11 @@ def _bridge_dispatcher(row: dict[str, str]) -> str:
     where they name no flex backend (v0.2.0, 25.11) or set `moe_token_dispatcher_type = "alltoall"`
     (Qwen3-235B-A22B through r0.5.0); Qwen3-30B-A3B's `moe_flex_dispatcher_backend` is "deepep" at v0.3.0
     (26.02) and "hybridep" with ep 16 from f29a269 (2026-02-23, "Update Qwen3 30B H100 Base Configs with
-    HybridEP"), which r0.4.0 to r0.5.0 keep (26.02.01 to 26.06)."""
+    HybridEP"), which r0.4.0 to r0.5.0 keep (26.02.01 to 26.06). A key of `DISPATCHERS`."""
     if not row["model"].startswith("qwen3_30b"):
-        return "all-to-all"
+        return "A2A"
     release = tuple(int(part) for part in row["release"].split("."))  # "26.02.01" -> (26, 2, 1)
-    return "HybridEP" if release >= (26, 2, 1) else "DeepEP" if release >= (26, 2) else "all-to-all"
+    return "HybridEP" if release >= (26, 2, 1) else "DeepEP" if release >= (26, 2) else "A2A"
 
 
 def _bridge_sync(row: dict[str, str]) -> str:
@@ -218,16 +220,6 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             reason = f"architecture not recorded ({', '.join(missing)})"
         elif not row["precision"]:
             reason = "precision not stated"
-        elif (
-            stem == BRIDGE
-            and (flex := _bridge_dispatcher(row)) != "all-to-all"
-            and _int(row, "ep", 1) * _int(row, "etp", 1) > PROFILES["h100-sxm"].gpus_per_node
-        ):
-            # as the ModelZoo's DeepEP rows: an ep group across nodes, each token sent once per destination
-            # node and forwarded over NVLink, where loom prices a flat all-to-all that sends it once per expert
-            reason = (
-                f"{flex}'s node-deduplicated dispatch across nodes is not simulated (flat all-to-all only)"
-            )
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
@@ -251,7 +243,7 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
             flash_attention=True, dtype="bf16", fp8_matmuls=fp8, fp8_scaling=scaling,
-            overlap_tp_comm=overlap_tp, moe_sync=_bridge_sync(row),
+            overlap_tp_comm=overlap_tp, moe_sync=_bridge_sync(row), moe_dispatcher=DISPATCHERS[_bridge_dispatcher(row)],
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
