@@ -149,3 +149,23 @@ def test_loom_simulate_prices_deepep(capsys):
         assert data["plan"]["moe_dispatcher"] == dispatcher
         seconds[dispatcher] = data["breakdown"]["ep_comm"]
     assert 0 < seconds["deepep"] < seconds["all_to_all"]
+
+
+def test_deepep_is_refused_where_it_cannot_dispatch(capsys):
+    # across nodes DeepEP pairs each rank with its counterpart in every other node: an ep group of 12 over
+    # nodes of 8 (8 + 4) cannot run it; on a dense model the flag would say nothing: refused, naming the flag
+    from loom.cli.main import main
+
+    small = ["simulate", "--layers", "2", "--hidden", "1024", "--heads", "16", "--vocab", "32000"]
+    args = [*small, "--hardware", "h100-sxm", "--moe-dispatcher", "deepep"]
+    assert main([*args, "--experts", "48", "--top-k", "2", "--ep", "12", "--gpus", "24"]) == 1
+    err = capsys.readouterr().err
+    assert "--moe-dispatcher deepep across nodes needs the ep group in whole nodes alike" in err, err
+    assert "holds 8 ranks in some of its 2 nodes and 4 in the last: use an ep that is a multiple of 8" in err
+    assert main([*args, "--experts", "48", "--top-k", "2", "--ep", "16", "--gpus", "16"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--gpus", "8"]) == 1
+    assert (
+        "--moe-dispatcher deepep says how MoE layers dispatch: it needs a mixture-of-experts"
+        in capsys.readouterr().err
+    )

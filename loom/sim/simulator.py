@@ -24,7 +24,7 @@ from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
-from loom.cost.plan import RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
+from loom.cost.plan import LOOM_SYSTEM, RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
@@ -116,10 +116,14 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
         reasons.append(f"{model.experts} experts do not split over ep={plan.ep}")
     if plan.ep > 1 and not model.is_moe:
         reasons.append(f"ep={plan.ep} needs a mixture-of-experts model (--experts)")
-    if plan.moe_sync != "dropless" and not model.is_moe:
-        reasons.append(
-            f"--moe-sync {plan.moe_sync} says how MoE layers dispatch: it needs a mixture-of-experts model (--experts)"
-        )
+    for name in ("moe_sync", "moe_dispatcher"):
+        if getattr(plan, name) != LOOM_SYSTEM[name] and not model.is_moe:
+            flag = "--" + name.replace("_", "-")
+            reasons.append(
+                f"{flag} {getattr(plan, name)} says how MoE layers dispatch: it needs a mixture-of-experts model (--experts)"
+            )
+    if plan.moe_dispatcher == "deepep" and model.is_moe:
+        reasons += _deepep_reasons(plan, cluster)
     if plan.schedule == "interleaved" and plan.interleave > 1 and plan.micro_batches % plan.pp:
         reasons.append(
             f"the interleaved schedule needs micro-batches ({plan.micro_batches}) to be a multiple of pp={plan.pp}"
@@ -136,6 +140,20 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     except ValueError as error:
         reasons.append(str(error))
     return reasons
+
+
+def _deepep_reasons(plan: ParallelPlan, cluster: Cluster) -> list[str]:
+    """Why DeepEP cannot dispatch over `plan`'s ep groups: across nodes its internode kernels pair each rank
+    with its counterpart in every other node, so the group must fill whole nodes alike."""
+    span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+    if span.crosses_nodes and span.size % span.per_node:
+        return [
+            f"--moe-dispatcher deepep across nodes needs the ep group in whole nodes alike, but ep={plan.ep} "
+            f"({plan.etp} apart) holds {span.per_node} ranks in some of its {span.nodes} nodes and "
+            f"{span.size % span.per_node} in the last: use an ep that is a multiple of {span.per_node}, or one "
+            "inside a node"
+        ]
+    return []
 
 
 def _cp_reasons(model: TransformerConfig, plan: ParallelPlan) -> list[str]:
