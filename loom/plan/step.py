@@ -47,6 +47,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
+from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
@@ -74,12 +75,13 @@ def predicted_collectives(
                           phase="forward", source="even-batch check of the inputs' rows")] if inputs else []  # fmt: skip
     synced = []  # (parameter decision, placements its gradient is bucketed in)
     chained, again = _parameter_view_edges(problem), _moved_before(solution)
+    flow = gradient_flow(solution, frozenset(chained))
     for edge in problem.edges:
         out += _edge_collectives(
-            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained
+            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained, flow=flow
         )
     for name in _parameters_in_backward_order(problem):
-        gradient = _parameter_gradient(solution, name)
+        gradient = _parameter_gradient(solution, name, flow)
         if gradient is not None:
             steps, bucketed = gradient
             out += _collectives(steps, problem.decisions[name].weight, "backward", f"gradient of {name}")
@@ -105,12 +107,13 @@ def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) 
 
 
 def _edge_collectives(
-    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True
+    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True, flow: GradientFlow | None = None
 ) -> list[StepCollective]:
     """An edge's forward redistribution (unless `forward` is False: a hook moved its tensor for an earlier
     reader, `_moved_before`) and, unless it is a parameter's own gradient (`_parameter_gradient`:
-    `backward` False for the edges through the views the parameter is read by), its gradient's way back,
-    as priced."""
+    `backward` False for the edges through the views the parameter is read by), its gradient's way back:
+    as `flow` moves it (`loom.plan.gradients`: summed over the tensor's readers, carried pending through
+    operators linear in it), else from the layout the consumer leaves to the producer's."""
     problem = solution.problem
     producer, consumer = problem.decisions[edge.ref.node], problem.decisions[edge.target]
     picked = producer.options[solution.choice[edge.ref.node]]
@@ -127,7 +130,11 @@ def _edge_collectives(
         out += _collectives(
             redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
         )
-    if backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
+    if flow is not None and backward and id(edge) in flow.moves:
+        move = flow.moves[id(edge)]
+        if move is not None:
+            out += _collectives(redistribution(nbytes, *move, mesh, cluster), edge.weight, "backward", where)
+    elif backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
         left, wanted = gradient_layouts(made, required, split)
         out += _collectives(
             redistribution(nbytes, left, wanted, mesh, cluster), edge.weight, "backward", where
@@ -168,15 +175,18 @@ def _moved_before(solution: Any) -> set[int]:
     return again
 
 
-def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placements | None] | None:
+def _parameter_gradient(
+    solution: Any, name: str, flow: GradientFlow | None = None
+) -> tuple[list[Step], Placements | None] | None:
     """The gradient of trainable parameter `name` (a decision): the collectives DTensor runs on it before
     the sync, and the placements it is bucketed in (None: nothing pending over a whole axis); None when no
     gradient reaches it.
 
     Its first reader stands for all: the layout required by the first operator past the views it is read
     through (carried back through them, `read_through_views`: a `t` swaps the cut dims) and the axes that
-    operator cuts its work along decide what its backward leaves. A parameter read by several operators
-    whose backwards leave different layouts is not predicted exactly."""
+    operator cuts its work along decide what its backward leaves, pending too along the axes where that
+    operator carries a pending gradient on (`flow`). A parameter read by several operators whose backwards
+    leave different layouts is not predicted exactly."""
     problem = solution.problem
     if not _trainable(problem, problem.decisions[name]):
         return None
@@ -195,6 +205,8 @@ def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placement
     if through is not None:  # read through views: what the consumer requires, as the parameter's placements
         required = through
     left, wanted = gradient_layouts(kept, required, split)
+    if flow is not None:
+        left = pending_along(left, flow.carried.get(reader.target, frozenset()))
     mesh, cluster, nbytes = problem.mesh, problem.cluster, edges[0].tensor.nbytes
     if required != kept:
         # read in another layout (a compute layout, or DTensor's move): autograd brings the gradient back
