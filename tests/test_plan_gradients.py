@@ -75,4 +75,3 @@ def test_pending_gradients_are_summed_carried_through_a_whole_product_and_moved_
     ]
     # the scale's gradient arrives pending over tp (the product's output gradient was): a bucket over tp
     assert predicted[("all_reduce", "tp", WIDTH * 4)] == 1, predicted
-

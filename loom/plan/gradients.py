@@ -116,9 +116,7 @@ def _ends(solution: Any, edge: Any) -> tuple[Placements, Placements, tuple]:
 
 def pending_along(placements: Placements, axes: frozenset[int]) -> Placements:
     """`placements` pending along `axes` where whole (a pending gradient times whole factors stays pending)."""
-    return tuple(
-        Partial() if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(placements)
-    )
+    return tuple(Partial() if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(placements))
 
 
 def _instance(problem: Any, edge: Any) -> tuple[float, float, float]:
