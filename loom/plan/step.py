@@ -10,9 +10,12 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
   `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
   it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made;
-- backward: each edge's gradient redistribution as priced, but for the parameters' own gradients, which
-  are what `GradSync` makes of them: a parameter read as it is kept gets its gradient in the layout its
-  consumer's backward leaves (`gradient_layouts`); DTensor brings the axes where the parameter is cut to
+- backward: each edge's gradient moved as DTensor moves it (`loom.plan.gradients`: the gradients of a
+  tensor's readers summed before they move, a pending sum carried on through operators linear in it with
+  whole factors and moved by the first operator that cannot take it pending; the solver prices each
+  edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
+  them: a parameter read as it is kept gets its gradient in the layout its consumer's backward leaves
+  (`gradient_layouts`; pending too along the axes that consumer carries a pending gradient on); DTensor brings the axes where the parameter is cut to
   its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
   buckets; a parameter read in another layout (`compute_layouts`) gets its gradient back to its kept
   layout inside autograd, where the move is priced; a parameter read through views (a linear weight's
@@ -29,8 +32,7 @@ micro-batches, a parameter read by operators that leave its gradient in differen
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
 operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight), and a pending gradient carried back through the operators linear in it, summed over a tensor's
-readers, and moved where an operator cannot take it pending; and the collectives of loom's own
+weight); and the collectives of loom's own
 `F.cross_entropy` (`loom.parallel.lift.local_cross_entropy`: for a mean, the count of kept targets summed
 over the mesh axes that cut the rows; the vocabulary-parallel path's per-row sums) (docs/planner.md,
 "Not yet exact").
