@@ -1,7 +1,8 @@
 """Tier 1: a chosen plan's gradients in backward (`loom.plan.gradients`), as DTensor moves them: the pending
 gradients a tensor's readers leave are summed before they move, carried on through an operator linear in
 its gradient whose factors are whole (a product with a whole scale), moved once by the first operator that
-cannot take them pending, and a parameter that linear operator reads gets its gradient pending.
+cannot take them pending, and a parameter that linear operator reads gets its gradient pending; and the
+count of kept targets `F.cross_entropy`'s mean sums over the mesh axes cutting the rows (`step._loss_counts`).
 Single process; the multi-rank measurement is Llama's case in tests/test_plan_auto_collectives.py."""
 
 from __future__ import annotations
@@ -75,3 +76,35 @@ def test_pending_gradients_are_summed_carried_through_a_whole_product_and_moved_
     ]
     # the scale's gradient arrives pending over tp (the product's output gradient was): a bucket over tp
     assert predicted[("all_reduce", "tp", WIDTH * 4)] == 1, predicted
+
+
+class Classifier(nn.Module):
+    """One linear layer and `F.cross_entropy`'s mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(x), labels)
+
+
+def _classifier_counts(logits) -> list[tuple]:
+    """The predicted count collectives of the classifier's plan with its logits laid out as `logits`."""
+    graph = capture(Classifier(), (torch.randn(64, 16), torch.randint(0, 10, (64,))))
+    problem = build_problem(graph, MESH)
+    options = problem.decisions["addmm"].options
+    solution = solve(problem, pinned={"addmm": {i for i, c in enumerate(options) if c.outputs[0] == logits}})
+    return [
+        (c.kind, c.axis, c.nbytes, c.count)
+        for c in solution.predicted_collectives()
+        if c.source.startswith("count of kept targets")
+    ]
+
+
+def test_a_mean_cross_entropy_on_cut_rows_sums_its_count_of_targets():
+    """`local_cross_entropy` divides by the count of kept targets over the mesh axes cutting the rows (one
+    all-reduce of an fp32 count); logits cut along their classes take the vocabulary-parallel path."""
+    assert _classifier_counts((Shard(0), R)) == [("all_reduce", "dp", 4, 1)]
+    assert _classifier_counts((Shard(0), Shard(0))) == [("all_reduce", "dp+tp", 4, 1)]
+    assert _classifier_counts((R, Shard(1))) == []

@@ -9,7 +9,9 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
   (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
   `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
-  it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made;
+  it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made; for
+  `F.cross_entropy`'s mean, run as `loom.parallel.lift.local_cross_entropy`, the count of kept targets
+  summed over the mesh axes that cut the logits' rows (`_loss_counts`; not priced by the solver);
 - backward: each edge's gradient moved as DTensor moves it (`loom.plan.gradients`: the gradients of a
   tensor's readers summed before they move, a pending sum carried on through operators linear in it with
   whole factors and moved by the first operator that cannot take it pending; the solver prices each
@@ -32,10 +34,8 @@ micro-batches, a parameter read by operators that leave its gradient in differen
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
 operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight); and the collectives of loom's own
-`F.cross_entropy` (`loom.parallel.lift.local_cross_entropy`: for a mean, the count of kept targets summed
-over the mesh axes that cut the rows; the vocabulary-parallel path's per-row sums) (docs/planner.md,
-"Not yet exact").
+weight); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
+exact").
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
+from loom.parallel.local_region import cuts_classes, pending_over_rows, row_placements
 from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
@@ -82,6 +83,7 @@ def predicted_collectives(
         out += _edge_collectives(
             solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained, flow=flow
         )
+    out += _loss_counts(solution)
     for name in _parameters_in_backward_order(problem):
         gradient = _parameter_gradient(solution, name, flow)
         if gradient is not None:
@@ -140,6 +142,40 @@ def _edge_collectives(
         left, wanted = gradient_layouts(made, required, split)
         out += _collectives(
             redistribution(nbytes, left, wanted, mesh, cluster), edge.weight, "backward", where
+        )
+    return out
+
+
+MEAN = 1  # `nll_loss_forward`'s reduction argument for a mean (torch's `Reduction.MEAN`)
+COUNT_BYTES = 4  # `local_cross_entropy` counts the kept targets in fp32
+
+
+def _loss_counts(solution: Any) -> list[StepCollective]:
+    """The count of kept targets that `F.cross_entropy` with a mean all-reduces, run as loom's
+    `local_cross_entropy` (`loom.parallel.lift`): captured as `_log_softmax` and `nll_loss_forward`, it
+    divides each rank's sum of losses by the count over the mesh axes that cut the logits' rows as they
+    arrive (`full_tensor` of a pending count, `COUNT_BYTES`). Logits whose classes are cut take the
+    vocabulary-parallel path instead, whose per-row sums are not predicted."""
+    problem = solution.problem
+    graph, mesh = problem.graph, problem.mesh
+    out = []
+    for edge in problem.edges:
+        node = graph[edge.target] if edge.target in graph else None
+        if node is None or node.target != "aten._log_softmax.default" or edge.index != 0:
+            continue
+        readers = [graph[user] for user in graph.users(node.name)]
+        mean = [r for r in readers if r.target == "aten.nll_loss_forward.default" and r.args[3] == MEAN]
+        if not mean or edge.tensor.ndim != 2:
+            continue
+        producer = problem.decisions[edge.ref.node]
+        picked = producer.options[solution.choice[edge.ref.node]]
+        logits = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
+        if cuts_classes(logits, edge.tensor.shape[1], list(mesh.values())):
+            continue
+        pending = tuple(pending_over_rows(row_placements(logits)))
+        steps = redistribution(COUNT_BYTES, pending, tuple(Replicate() for _ in mesh), mesh, problem.cluster)
+        out += _collectives(
+            steps, edge.weight * len(mean), "forward", f"count of kept targets of {mean[0].name}"
         )
     return out
 
