@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from loom.dist import consistency
-from loom.parallel.local_region import contiguous_strides, pending_over_rows, row_placements
+from loom.parallel.local_region import contiguous_strides, cuts_classes, pending_over_rows, row_placements
 
 __all__ = [
     "ELEMENTWISE_LOSSES",
@@ -247,11 +247,7 @@ def _cuts_classes(logits: torch.Tensor) -> bool:
     """Logits (rows, classes) with the classes cut evenly (an uneven cut is gathered instead)."""
     if not isinstance(logits, DTensor) or logits.ndim != 2:
         return False
-    mesh = logits.device_mesh
-    parts = math.prod(
-        mesh.size(i) for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim == 1
-    )
-    return parts > 1 and logits.shape[1] % parts == 0
+    return cuts_classes(logits.placements, logits.shape[1], logits.device_mesh.shape)
 
 
 def vocab_parallel_cross_entropy(

@@ -36,6 +36,16 @@ def pending_over_rows(placements: Sequence[Placement]) -> list[Placement]:
     return [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
 
 
+def cuts_classes(placements: Sequence[Placement], classes: int, sizes: Sequence[int]) -> bool:
+    """Whether logits (rows, classes) laid out as `placements` on mesh dims of `sizes` have their classes
+    cut evenly: the vocabulary-parallel cross entropy's case (an uneven cut is gathered instead)."""
+    parts = 1
+    for p, size in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard) and p.dim == 1:
+            parts *= size
+    return parts > 1 and classes % parts == 0
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of `shape` (for a DTensor built from its local piece)."""
     return torch.empty(tuple(shape), device="meta").stride()

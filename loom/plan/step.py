@@ -9,10 +9,15 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
   (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
   `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
-  it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made;
-- backward: each edge's gradient redistribution as priced, but for the parameters' own gradients, which
-  are what `GradSync` makes of them: a parameter read as it is kept gets its gradient in the layout its
-  consumer's backward leaves (`gradient_layouts`); DTensor brings the axes where the parameter is cut to
+  it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made; for
+  `F.cross_entropy`'s mean, run as `loom.parallel.lift.local_cross_entropy`, the count of kept targets
+  summed over the mesh axes that cut the logits' rows (`_loss_counts`; not priced by the solver);
+- backward: each edge's gradient moved as DTensor moves it (`loom.plan.gradients`: the gradients of a
+  tensor's readers summed before they move, a pending sum carried on through operators linear in it with
+  whole factors and moved by the first operator that cannot take it pending; the solver prices each
+  edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
+  them: a parameter read as it is kept gets its gradient in the layout its consumer's backward leaves
+  (`gradient_layouts`; pending too along the axes that consumer carries a pending gradient on); DTensor brings the axes where the parameter is cut to
   its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
   buckets; a parameter read in another layout (`compute_layouts`) gets its gradient back to its kept
   layout inside autograd, where the move is priced; a parameter read through views (a linear weight's
@@ -29,11 +34,8 @@ micro-batches, a parameter read by operators that leave its gradient in differen
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
 operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight), and a pending gradient carried back through the operators linear in it, summed over a tensor's
-readers, and moved where an operator cannot take it pending; and the collectives of loom's own
-`F.cross_entropy` (`loom.parallel.lift.local_cross_entropy`: for a mean, the count of kept targets summed
-over the mesh axes that cut the rows; the vocabulary-parallel path's per-row sums) (docs/planner.md,
-"Not yet exact").
+weight); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
+exact").
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from torch.distributed.tensor import Partial, Replicate
 
 from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
+from loom.parallel.local_region import cuts_classes, pending_over_rows, row_placements
+from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
@@ -74,12 +78,14 @@ def predicted_collectives(
                           phase="forward", source="even-batch check of the inputs' rows")] if inputs else []  # fmt: skip
     synced = []  # (parameter decision, placements its gradient is bucketed in)
     chained, again = _parameter_view_edges(problem), _moved_before(solution)
+    flow = gradient_flow(solution, frozenset(chained))
     for edge in problem.edges:
         out += _edge_collectives(
-            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained
+            solution, edge, forward=id(edge) not in again, backward=id(edge) not in chained, flow=flow
         )
+    out += _loss_counts(solution)
     for name in _parameters_in_backward_order(problem):
-        gradient = _parameter_gradient(solution, name)
+        gradient = _parameter_gradient(solution, name, flow)
         if gradient is not None:
             steps, bucketed = gradient
             out += _collectives(steps, problem.decisions[name].weight, "backward", f"gradient of {name}")
@@ -105,12 +111,13 @@ def _collectives(steps: Iterable[Step], weight: float, phase: str, source: str) 
 
 
 def _edge_collectives(
-    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True
+    solution: Any, edge: Any, *, forward: bool = True, backward: bool = True, flow: GradientFlow | None = None
 ) -> list[StepCollective]:
     """An edge's forward redistribution (unless `forward` is False: a hook moved its tensor for an earlier
     reader, `_moved_before`) and, unless it is a parameter's own gradient (`_parameter_gradient`:
-    `backward` False for the edges through the views the parameter is read by), its gradient's way back,
-    as priced."""
+    `backward` False for the edges through the views the parameter is read by), its gradient's way back:
+    as `flow` moves it (`loom.plan.gradients`: summed over the tensor's readers, carried pending through
+    operators linear in it), else from the layout the consumer leaves to the producer's."""
     problem = solution.problem
     producer, consumer = problem.decisions[edge.ref.node], problem.decisions[edge.target]
     picked = producer.options[solution.choice[edge.ref.node]]
@@ -127,10 +134,48 @@ def _edge_collectives(
         out += _collectives(
             redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
         )
-    if backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
+    if flow is not None and backward and id(edge) in flow.moves:
+        move = flow.moves[id(edge)]
+        if move is not None:
+            out += _collectives(redistribution(nbytes, *move, mesh, cluster), edge.weight, "backward", where)
+    elif backward and producer.kind != "parameter" and carries_gradient(problem.graph, edge.ref, edge.target):
         left, wanted = gradient_layouts(made, required, split)
         out += _collectives(
             redistribution(nbytes, left, wanted, mesh, cluster), edge.weight, "backward", where
+        )
+    return out
+
+
+MEAN = 1  # `nll_loss_forward`'s reduction argument for a mean (torch's `Reduction.MEAN`)
+COUNT_BYTES = 4  # `local_cross_entropy` counts the kept targets in fp32
+
+
+def _loss_counts(solution: Any) -> list[StepCollective]:
+    """The count of kept targets that `F.cross_entropy` with a mean all-reduces, run as loom's
+    `local_cross_entropy` (`loom.parallel.lift`): captured as `_log_softmax` and `nll_loss_forward`, it
+    divides each rank's sum of losses by the count over the mesh axes that cut the logits' rows as they
+    arrive (`full_tensor` of a pending count, `COUNT_BYTES`). Logits whose classes are cut take the
+    vocabulary-parallel path instead, whose per-row sums are not predicted."""
+    problem = solution.problem
+    graph, mesh = problem.graph, problem.mesh
+    out = []
+    for edge in problem.edges:
+        node = graph[edge.target] if edge.target in graph else None
+        if node is None or node.target != "aten._log_softmax.default" or edge.index != 0:
+            continue
+        readers = [graph[user] for user in graph.users(node.name)]
+        mean = [r for r in readers if r.target == "aten.nll_loss_forward.default" and r.args[3] == MEAN]
+        if not mean or edge.tensor.ndim != 2:
+            continue
+        producer = problem.decisions[edge.ref.node]
+        picked = producer.options[solution.choice[edge.ref.node]]
+        logits = picked.outputs[edge.ref.index] if producer.kind == "op" else picked
+        if cuts_classes(logits, edge.tensor.shape[1], list(mesh.values())):
+            continue
+        pending = tuple(pending_over_rows(row_placements(logits)))
+        steps = redistribution(COUNT_BYTES, pending, tuple(Replicate() for _ in mesh), mesh, problem.cluster)
+        out += _collectives(
+            steps, edge.weight * len(mean), "forward", f"count of kept targets of {mean[0].name}"
         )
     return out
 
@@ -168,15 +213,18 @@ def _moved_before(solution: Any) -> set[int]:
     return again
 
 
-def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placements | None] | None:
+def _parameter_gradient(
+    solution: Any, name: str, flow: GradientFlow | None = None
+) -> tuple[list[Step], Placements | None] | None:
     """The gradient of trainable parameter `name` (a decision): the collectives DTensor runs on it before
     the sync, and the placements it is bucketed in (None: nothing pending over a whole axis); None when no
     gradient reaches it.
 
     Its first reader stands for all: the layout required by the first operator past the views it is read
     through (carried back through them, `read_through_views`: a `t` swaps the cut dims) and the axes that
-    operator cuts its work along decide what its backward leaves. A parameter read by several operators
-    whose backwards leave different layouts is not predicted exactly."""
+    operator cuts its work along decide what its backward leaves, pending too along the axes where that
+    operator carries a pending gradient on (`flow`). A parameter read by several operators whose backwards
+    leave different layouts is not predicted exactly."""
     problem = solution.problem
     if not _trainable(problem, problem.decisions[name]):
         return None
@@ -195,6 +243,8 @@ def _parameter_gradient(solution: Any, name: str) -> tuple[list[Step], Placement
     if through is not None:  # read through views: what the consumer requires, as the parameter's placements
         required = through
     left, wanted = gradient_layouts(kept, required, split)
+    if flow is not None:
+        left = pending_along(left, flow.carried.get(reader.target, frozenset()))
     mesh, cluster, nbytes = problem.mesh, problem.cluster, edges[0].tensor.nbytes
     if required != kept:
         # read in another layout (a compute layout, or DTensor's move): autograd brings the gradient back
