@@ -173,7 +173,7 @@ def test_another_systems_gradients_and_fp8_are_priced_as_the_plan_fields_say(cap
     assert delayed["plan"]["fp8_scaling"] == "delayed"
     assert 0 < delayed["breakdown"]["fp8_cast"] < current["breakdown"]["fp8_cast"]
     assert main(["simulate", *GPT3, *h100, "--fp8-scaling", "delayed"]) == 1
-    assert "--fp8-scaling delayed: it scales fp8 GEMMs: set fp8_matmuls too" in capsys.readouterr().err
+    assert "--fp8-scaling delayed: it scales fp8 GEMMs: set --fp8-matmuls too" in capsys.readouterr().err
     assert main(["simulate", *GPT3, "--fp8-matmuls"]) == 1
     message = capsys.readouterr().err
     assert "--fp8-matmuls: a100-80gb has no fp8 peak" in message and "h100-sxm" in message, message
@@ -235,3 +235,29 @@ def test_tp_comm_overlap_hides_tensor_parallel_collectives_and_needs_sequence_pa
     assert main(["simulate", *GPT3, "--tp-comm-overlap", "--gpus-per-node", "4"]) == 1
     message = capsys.readouterr().err
     assert "overlap_tp_comm: Transformer Engine's userbuffers exchange over NVLink" in message
+
+
+def test_another_systems_flags_are_refused_in_flags_where_they_would_say_nothing(capsys):
+    """A refusal of a system flag names flags, not the plan's fields, and a flag that would change nothing is
+    refused rather than ignored."""
+    small = ["simulate", "--layers", "2", "--hidden", "1024", "--heads", "16", "--vocab", "32000"]
+    cases = {
+        ("--fp8-scaling", "current"): "--fp8-scaling current: it scales fp8 GEMMs: give --fp8-matmuls too",
+        ("--fp8-scaling", "delayed"): "--fp8-scaling delayed: it scales fp8 GEMMs: set --fp8-matmuls too",
+        (
+            "--cp",
+            "2",
+            "--attention",
+            "megatron_p2p",
+        ): "fused attention kernels per block: set --flash-attention,",
+        ("--experts", "8", "--top-k", "2", "--moe-dispatcher", "deepep"): "give --ep above 1",
+    }
+    for flags, message in cases.items():
+        assert main([*small, "--hardware", "h100-sxm", "--gpus", "8", *flags]) == 1
+        assert message in capsys.readouterr().err, flags
+    stages = ["--model", "llama3-8b", "--hardware", "h100-sxm", "--gpus", "8", "--pp", "4"]
+    assert main(["simulate", *stages, "--stage-layers", "8,0,16,8"]) == 1
+    assert (
+        "--stage-layers[1] = 0: use a whole number >= 1: only the first virtual stage"
+        in capsys.readouterr().err
+    )

@@ -13,7 +13,9 @@ parallelism over the link.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass
 
@@ -445,13 +447,33 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> P
         if flag in given:
             given[field] = given.pop(flag)
     try:
-        return plan.replace(**given)
+        priced = plan.replace(**given)
     except FieldError as error:
-        if error.key not in given:
+        key = error.key.split("[")[0]  # "stage_layers[2]": the flag of the whole list
+        if key not in given:
             raise
-        flag = next((flag for flag, field in FLAG_FIELDS.items() if field == error.key), error.key)
         value = "" if isinstance(error.value, bool) else f" {error.value}"  # a switch's value says nothing
-        raise PlanError([f"--{flag.replace('_', '-')}{value}: {error.fix}"]) from None
+        if key != error.key:  # one entry of a list: "--stage-layers[1] = 0"
+            value = f"{error.key[len(key) :]} = {error.value}"
+        raise PlanError([f"{_flag(key)}{value}: {_as_flags(error.fix)}"]) from None
+    if (
+        args.fp8_scaling is not None and not priced.fp8_matmuls
+    ):  # "current" is the default: the plan cannot tell
+        raise PlanError([f"--fp8-scaling {args.fp8_scaling}: it scales fp8 GEMMs: give --fp8-matmuls too"])
+    return priced
+
+
+def _flag(field: str) -> str:
+    """The `loom simulate` flag that sets the `ParallelPlan` field `field`."""
+    flag = next((flag for flag, name in FLAG_FIELDS.items() if name == field), field)
+    return "--" + flag.replace("_", "-")
+
+
+def _as_flags(text: str) -> str:
+    """`text` (a `ParallelPlan` error's fix) with the plan's two-word field names spelled as the flags that set
+    them (`fp8_matmuls` -> `--fp8-matmuls`)."""
+    fields = [f.name for f in dataclasses.fields(ParallelPlan) if "_" in f.name]
+    return re.sub(r"\b(" + "|".join(fields) + r")\b", lambda m: _flag(m.group(1)), text)
 
 
 def _check_fp8(plan: ParallelPlan, cluster: Cluster, hardware: str) -> None:

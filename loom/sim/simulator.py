@@ -145,6 +145,8 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
 def _deepep_reasons(plan: ParallelPlan, cluster: Cluster) -> list[str]:
     """Why DeepEP cannot dispatch over `plan`'s ep groups: across nodes its internode kernels pair each rank
     with its counterpart in every other node, so the group must fill whole nodes alike."""
+    if plan.ep == 1:
+        return ["--moe-dispatcher deepep dispatches over the ep group: give --ep above 1"]
     span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
     if span.crosses_nodes and span.size % span.per_node:
         return [
