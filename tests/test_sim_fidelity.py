@@ -13,6 +13,7 @@ from loom.cost.compute import fused_attention_time
 from loom.cost.hardware import Device, Link, get_cluster
 from loom.cost.layer import gemm_shapes
 from loom.cost.plan import FieldError, ParallelPlan
+from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
     UnitBytes,
@@ -282,3 +283,19 @@ def test_sharded_experts_sync_over_their_own_data_parallel_group_without_a_dense
     assert plan.edp == 4
     result = simulate(get_model("mixtral-8x7b"), plan, get_cluster("h100-sxm", 8))
     assert result.breakdown["fsdp_exposed_comm"] > 0
+
+
+def test_fsdp_copies_under_context_parallelism_are_sized_over_dp_times_cp():
+    # with cp the parameters are sharded over dp x cp: at dp 1, cp 2 each unit's fp16 gradients are reduced
+    # over 2 ranks, so FSDP2 pre-divides them (4 B) beside the copy-in (4 B), where a shard group of dp = 1
+    # alone would reduce nothing and pre-divide nothing
+    cluster = dataclasses.replace(_free_links(), gpus=2)
+    plan = ParallelPlan(
+        dp=1, cp=2, global_batch=1, seq=64, optimizer_level=3, dtype="fp16", grad_accumulation="copy_in_out"
+    )
+    params = 4 * LAYER + 128 * 64 + 128  # every unit (embedding, 4 layers, final norm) in one micro-batch
+    rows = shards_as_rows(plan)
+    assert copy_in_out_bytes(params, 2, rows).compute == 8 * params
+    assert copy_in_out_bytes(params, 1, plan).compute == 4 * params
+    priced = simulate(GPT, plan, cluster).breakdown["grad_accumulation"]
+    assert priced == pytest.approx(8 * params / 1e12, rel=1e-12)
