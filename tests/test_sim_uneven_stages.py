@@ -132,4 +132,4 @@ def test_loom_simulate_prices_ends_without_layers(capsys):
     assert main([*args, "--stage-layers", "0,1,1,1,1,0"]) == 0
     assert "memory per pipeline stage, GiB: " in capsys.readouterr().out
     assert main([*args, "--stage-layers", "1,1,0,1,1,0"]) == 1
-    assert "stage_layers[2] = 0" in capsys.readouterr().err
+    assert "--stage-layers[2] = 0" in capsys.readouterr().err

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from loom.dist._torch_private import all_to_all_autograd
 from loom.dist.mesh import Mesh
+from loom.layout.placements import row_placements
 from loom.models.moe import (
     GroupedExperts,
     MoE,
@@ -58,7 +59,7 @@ from loom.models.moe import (
     moe_layers,
 )
 from loom.models.recipes import RECIPES, ExpertsRecipe, known_recipe
-from loom.parallel.local_region import contiguous_strides, row_placements
+from loom.parallel.local_region import contiguous_strides
 
 __all__ = [
     "connect_experts",

@@ -35,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from loom.dist import consistency
-from loom.parallel.local_region import contiguous_strides, cuts_classes, pending_over_rows, row_placements
+from loom.layout.placements import cuts_classes, pending_over_rows, row_placements
+from loom.parallel.local_region import contiguous_strides
 
 __all__ = [
     "ELEMENTWISE_LOSSES",

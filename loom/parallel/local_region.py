@@ -20,30 +20,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_map
 
+from loom.layout.placements import pending_over_rows, row_placements
+
 __all__ = ["run_locally", "run_normally"]
-
-
-def row_placements(placements: Sequence[Placement]) -> list[Placement]:
-    """Rows (dim 0) stay cut where they are; every other placement becomes whole (gathered, summed)."""
-    return [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in placements]
-
-
-def pending_over_rows(placements: Sequence[Placement]) -> list[Placement]:
-    """What a sum over rows is, given the rows' placements: pending where the rows are cut."""
-    return [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
-
-
-def cuts_classes(placements: Sequence[Placement], classes: int, sizes: Sequence[int]) -> bool:
-    """Whether logits (rows, classes) laid out as `placements` on mesh dims of `sizes` have their classes
-    cut evenly: the vocabulary-parallel cross entropy's case (an uneven cut is gathered instead)."""
-    parts = 1
-    for p, size in zip(placements, sizes, strict=True):
-        if isinstance(p, Shard) and p.dim == 1:
-            parts *= size
-    return parts > 1 and classes % parts == 0
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
-from loom.parallel.local_region import cuts_classes, pending_over_rows, row_placements
+from loom.layout.placements import cuts_classes, pending_over_rows, row_placements
 from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
 from loom.plan.problem import carries_gradient, local_bytes, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
