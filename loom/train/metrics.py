@@ -72,7 +72,9 @@ class _Deferred:
     """A `StepMetrics` field whose value the Trainer may leave on the device: the first read of any such
     field settles them all at once (one host synchronisation for the step's loss, norm, skip and time)."""
 
-    def __init__(self, default: Any) -> None:
+    REQUIRED = object()  # a field with no default: `StepMetrics(...)` must be given it
+
+    def __init__(self, default: Any = REQUIRED) -> None:
         self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -80,6 +82,8 @@ class _Deferred:
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:  # the dataclass asks the class for the field's default
+            if self.default is _Deferred.REQUIRED:
+                raise AttributeError(self.slot[1:])  # no default: the dataclass makes the field required
             return self.default
         if obj.__dict__.get("_pending") is not None:
             obj.settle()
@@ -95,11 +99,12 @@ class StepMetrics:
 
     The Trainer builds it with `StepMetrics.deferred`: the loss, gradient norm, skip flag and timings stay
     on the device until something reads one of them (a logger at `log_every`, a callback), so that a step
-    needs no host synchronisation of its own. Read, they are plain Python numbers."""
+    needs no host synchronisation of its own. Read, they are plain Python numbers. A pickled one is read
+    first (`pickle` carries plain numbers)."""
 
     step: int
-    loss: float = _Deferred(math.nan)
-    lr: float = 0.0
+    loss: float = _Deferred()
+    lr: float
     grad_norm: float | None = _Deferred(None)
     tokens: int = 0
     step_time_s: float = _Deferred(0.0)
@@ -113,16 +118,35 @@ class StepMetrics:
         self._check()
 
     @classmethod
-    def deferred(cls, settle: Callable[[], dict[str, Any]], **known: Any) -> StepMetrics:
-        """Metrics whose deferred fields `settle()` computes (reading the device) when first read."""
-        metrics = cls(**known)
+    def deferred(
+        cls, settle: Callable[[], dict[str, Any]], skipped_on_device: Any = None, **known: Any
+    ) -> StepMetrics:
+        """Metrics whose deferred fields `settle()` computes (reading the device) when first read (the loss
+        among them). `skipped_on_device`: the skip flag as a device tensor, for callbacks that count
+        skipped steps without reading it (`skipped_flag`), until the metrics are read."""
+        metrics = cls(loss=math.nan, **known)
         metrics.__dict__["_pending"] = settle
+        metrics.__dict__["_skipped_on_device"] = skipped_on_device
         return metrics
+
+    def skipped_flag(self) -> torch.Tensor:
+        """Whether the step was skipped, as a tensor: on the device, unread, while the metrics are
+        deferred; a CPU tensor of `skipped` once they are read."""
+        flag = self.__dict__.get("_skipped_on_device")
+        if self.__dict__.get("_pending") is not None and flag is not None:
+            return flag
+        return torch.tensor(self.skipped)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plain numbers for pickle: the deferred fields read first."""
+        self.settle()
+        return {k: v for k, v in self.__dict__.items() if k != "_skipped_on_device"}
 
     def settle(self) -> StepMetrics:
         """Read the deferred fields from the device now (a no-op once read); returns self."""
         pending = self.__dict__.pop("_pending", None)
         if pending is not None:
+            self.__dict__.pop("_skipped_on_device", None)  # held only until read
             for name, value in pending().items():
                 setattr(self, name, value)
             self._check()
