@@ -290,7 +290,9 @@ class _Shifted(torch.nn.Module):
 
 def _regression_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(steps)]
+    return [
+        (torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW])

@@ -211,8 +211,10 @@ class Trainer:
         are computed with (tokens, FLOPs, peak, world size) is taken now: a read after the run (its process
         group gone) gives the step's figures."""
         device = norm.device
-        values, ready = _to_host(torch.stack([loss.float().to(device), norm.float(), skipped.float().to(device)]))
-        tokens, flops, peak, world = self.tokens_per_step, self.flops_per_token, self.peak_flops, env.world_size()
+        values = torch.stack([loss.float().to(device), norm.float(), skipped.float().to(device)])
+        values, ready = _to_host(values)
+        tokens, flops, peak = self.tokens_per_step, self.flops_per_token, self.peak_flops
+        world = env.world_size()
 
         def settle() -> dict:
             if ready is not None:
@@ -286,7 +288,8 @@ FOUND_INF_READERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch
 
 def _skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` skips a step on the device: one of `FOUND_INF_READERS`, fused in every group."""
-    return type(optimizer) in FOUND_INF_READERS and all(group.get("fused") for group in optimizer.param_groups)
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return type(optimizer) in FOUND_INF_READERS and fused
 
 
 def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
