@@ -465,7 +465,10 @@ def _train(
     callbacks = [MetricsCallback(logger), Heartbeat()]
     if checkpointer is not None:
         if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
-            callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
+            # it reads its count where the run reads the device anyway: a logged step, before a save
+            reads_at = lambda step: logger.should_log(step) or checkpointer.due(step)  # noqa: E731
+            guard = NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches, reads_at)
+            callbacks.append(guard)
         callbacks.append(checkpointer)
     _phase("building the trainer")
     trainer = build_trainer(config, model, callbacks, pipeline, mesh=mesh, membership=membership)
