@@ -35,7 +35,8 @@ def model_flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: i
     """Training FLOPs per token of a decoder: `6 N + 12 L d s` (forward and backward).
 
     `6 N`: each of the N non-embedding weights does one multiply-add (2 FLOPs) per token forward and two
-    backward (input and weight gradients). `12 L d s`: attention scores and the weighted sum of values,
+    backward (input and weight gradients); N counts the output head also when it is tied to the token
+    table (`loom.train.job.flop_parameters`), which a table lookup alone leaves out. `12 L d s`: attention scores and the weighted sum of values,
     `2 * 2 * d * s` FLOPs per token and layer forward (for a context of s tokens), times 3 with the backward
     (PaLM, Chowdhery et al. 2022, appendix B; no causal discount). Recomputation is not counted: MFU
     counts the model's FLOPs, not the hardware's.
