@@ -18,22 +18,23 @@ import torch
 from equivalence import ADAMW, RTOL, assert_params_close
 
 import loom
+from benchmarks.gpu_step import count_reads
 from loom.cli.main import main
 from loom.dist import env
+from loom.fault import NonFiniteGuard
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
 from loom.parallel.grads import any_nonfinite, global_grad_norm
 from loom.train import Trainer
 from loom.train.config import load_config
 from loom.train.device import compile_blocks, device_setting, optimizer_kernels
+from loom.train.job import step_callbacks
 from loom.train.metrics import MetricsCallback, MetricsLogger, StepMetrics
+from loom.train.report import ReportedCheckpointer
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
 CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
 SDPA = GPTConfig(**{**vars(CONFIG), "attention_kernel": "sdpa"})
-
-# What reads a tensor's value into Python: on a GPU each waits for the device.
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 
 def _gpus(monkeypatch, count: int, local_rank: int = 0, local_world: int | None = None) -> None:
@@ -113,22 +114,8 @@ def test_fused_attention_equals_the_matmul_path():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)
 
 
-def _count_reads(monkeypatch) -> collections.Counter:
-    """Count every read of a tensor's value into Python from now on."""
-    counts = collections.Counter()
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counts
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(monkeypatch, precision):
+def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(precision):
     """Between logged steps nothing is read back (no `.item()`, no tensor in a Python condition): the
     non-finite check, the clipping and the skip stay on the device; a logged step reads its metrics once."""
     torch.manual_seed(0)
@@ -140,12 +127,35 @@ def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(monkeypatc
     )
     batches = _batches(6)
     trainer.train_step([batches[0]])  # the first step builds the optimizer's state
-    counts = _count_reads(monkeypatch)
-    trainer.train_step([batches[1]])  # step 2: not logged
-    assert counts == {}, f"a step not logged read the device: {dict(counts)}"
-    metrics = trainer.train_step([batches[2]])  # step 3: logged, its metrics read in one go
-    assert counts == {"tolist": 1}, dict(counts)
+    with count_reads(collections.Counter()) as counts:
+        trainer.train_step([batches[1]])  # step 2: not logged
+        assert counts == {}, f"a step not logged read the device: {dict(counts)}"
+        metrics = trainer.train_step([batches[2]])  # step 3: logged, its metrics read in one go
+        assert counts == {"tolist": 1}, dict(counts)
     assert isinstance(metrics.loss, float) and not metrics.skipped and metrics.grad_norm > 0
+
+
+def test_loom_trains_callbacks_read_the_device_only_at_logged_steps(tmp_path):
+    """`loom train`'s callbacks with a checkpoint directory (the non-finite guard among them) and batches
+    on the CPU, as the loader gives them: a step not logged reads nothing; a logged one reads its metrics
+    and the guard's count."""
+    config = load_config(
+        None, ["--train.log_every", "3", "--train.steps", "6", "--checkpoint.dir", str(tmp_path)]
+    )
+    logger = MetricsLogger(None, is_main=True, total_steps=6, log_every=3, console=False)
+    callbacks = step_callbacks(config, logger, ReportedCheckpointer.from_config(config), None)
+    assert any(isinstance(callback, NonFiniteGuard) for callback in callbacks)
+    torch.manual_seed(0)
+    model = GPT(SDPA)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    trainer = Trainer(model, optimizer, clip_grad_norm=0.5, callbacks=callbacks)
+    batches = _batches(3)
+    trainer.train_step([batches[0]])  # the first step builds the optimizer's state
+    with count_reads(collections.Counter()) as counts:
+        trainer.train_step([batches[1]])  # step 2: not logged
+        assert counts == {}, f"a step not logged read the device: {dict(counts)}"
+        trainer.train_step([batches[2]])  # step 3: logged
+        assert counts == {"tolist": 2}, dict(counts)  # the metrics and the guard's streak
 
 
 @pytest.mark.parametrize("fused", [True, False])
