@@ -131,12 +131,17 @@ class StepMetrics:
         return metrics
 
     def skipped_flag(self) -> torch.Tensor:
-        """Whether the step was skipped, as a tensor: on the device, unread, while the metrics are
-        deferred; a CPU tensor of `skipped` once they are read."""
+        """Whether the step was skipped, as a tensor: on the device, unread, while the metrics are deferred
+        and the step's callbacks run; else a CPU tensor of `skipped` (read)."""
         flag = self.__dict__.get("_skipped_on_device")
         if self.__dict__.get("_pending") is not None and flag is not None:
             return flag
         return torch.tensor(self.skipped)
+
+    def release_device_flag(self) -> None:
+        """Let go of the device skip flag (the Trainer does, once the step's callbacks have seen it):
+        metrics kept unread hold no device memory; `skipped_flag` then reads the flag."""
+        self.__dict__.pop("_skipped_on_device", None)
 
     def __getstate__(self) -> dict[str, Any]:
         """Plain numbers for pickle: the deferred fields read first."""

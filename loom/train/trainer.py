@@ -186,6 +186,7 @@ class Trainer:
         skipped = ok.logical_not() if skippers is not None else torch.tensor(not finite)
         metrics = self._metrics(loss, norm, lr, skipped, clock.stop())
         self._call("on_step_end", self, metrics)
+        metrics.release_device_flag()  # kept unread (a list of a run's steps), they hold no device memory
         return metrics
 
     def _device_skippers(self) -> list[torch.optim.Optimizer] | None:
