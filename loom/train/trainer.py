@@ -155,8 +155,10 @@ class Trainer:
         finite = all_finite(views, self.group, self.device) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
-        nan = torch.full((), float("nan"), device=self.device)
-        norm = global_grad_norm(views, self.group, self.device) if finite else nan
+        if finite:
+            norm = global_grad_norm(views, self.group, self.device)
+        else:
+            norm = torch.full((), float("nan"), device=self.device)
         if not isinstance(loss, torch.Tensor):  # a pipeline's loss, read already
             loss = torch.full((), loss, dtype=torch.float32, device=norm.device)
         # the loss and the norm are global: every rank decides alike
@@ -183,7 +185,8 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        skipped = ok.logical_not() if skippers is not None else torch.tensor(not finite)
+        # filled on the device: a tensor copied there from the host would wait for the device
+        skipped = ok.logical_not() if skippers is not None else torch.full((), not finite, device=self.device)
         metrics = self._metrics(loss, norm, lr, skipped, clock.stop())
         self._call("on_step_end", self, metrics)
         metrics.release_device_flag()  # kept unread (a list of a run's steps), they hold no device memory
