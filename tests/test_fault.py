@@ -202,6 +202,21 @@ def test_the_guard_reads_the_device_only_where_the_run_does_and_rolls_back_alike
     assert none is None
 
 
+def test_a_save_due_by_the_clock_is_due_for_the_guard_and_the_checkpointer_alike(tmp_path, monkeypatch):
+    """The guard asks `due(step)` before the checkpointer does: the clock is read once per step, so that a
+    minute passing between the two questions cannot make a save the guard did not read before."""
+    from loom.checkpoint import periodic
+
+    now = [0.0]
+    monkeypatch.setattr(periodic.time, "monotonic", lambda: now[0])
+    checkpointer = periodic.Checkpointer(tmp_path, every_minutes=1.0)
+    now[0] = 59.0
+    assert not checkpointer.due(5)
+    now[0] = 61.0
+    assert not checkpointer.due(5)  # the same step: the same answer
+    assert checkpointer.due(6)
+
+
 # ---- tier 3: the main job, killed, hung and poisoned ------------------------------------------------------------
 
 
