@@ -64,8 +64,8 @@ class NonFiniteGuard:
         flag = metrics.skipped_flag()
         counts = self._counts
         if counts is None:  # filled on the device: a tensor copied from the host would wait for it
-            counts = torch.zeros(2, dtype=torch.int64, device=flag.device)
-            counts[0] = self.streak
+            counts = torch.full((2,), self.streak, dtype=torch.int64, device=flag.device)
+            counts[1].zero_()
         streak = (counts[0] + 1) * flag.to(counts.device, torch.int64)
         reached = (counts[1] == 0) & (streak >= self.rollback_after)
         self._counts = torch.stack([streak, torch.where(reached, trainer.step, counts[1])])
