@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -21,9 +22,17 @@ from loom.cli.main import main
 from loom.cli.train import restart_policy
 from loom.dist.env import restart_count
 from loom.dist.launch import WorkerDiedError, WorkerError, WorkerGroup, WorkerHangError, heartbeat
-from loom.fault import Fault, RestartBudgetExceeded, RestartPolicy, supervise
+from loom.fault import (
+    Fault,
+    NonFiniteGuard,
+    NonFiniteRollback,
+    RestartBudgetExceeded,
+    RestartPolicy,
+    supervise,
+)
 from loom.train.config import TrainConfig
 from loom.train.job import STARTUP_PHASES, _startup_faults, run
+from loom.train.metrics import StepMetrics
 from loom.train.trainer import Trainer
 
 STEPS = 6
@@ -143,6 +152,69 @@ def test_trainer_skips_a_non_finite_step():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     good = trainer.train_step([(x, y)])
     assert not good.skipped and not torch.equal(before[0], model.linear.weight)
+
+
+class _Position:
+    """A data loader's position, for the guard's marker: the number of batches drawn."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+
+def _guarded_run(
+    skips: list[bool], reads_at, rollback_after: int, directory
+) -> tuple[list[int], dict | None]:
+    """Feed `NonFiniteGuard` steps skipped as `skips` says, their metrics deferred as the Trainer leaves
+    them; returns the steps whose metrics were read and the rollback marker (None: no rollback)."""
+    data, read = _Position(), []
+    guard = NonFiniteGuard(rollback_after, directory, data, reads_at=reads_at)
+    trainer = types.SimpleNamespace(step=0)
+    try:
+        for step, skipped in enumerate(skips, start=1):
+            trainer.step, data.index = step, step
+            settle = lambda step=step, skipped=skipped: read.append(step) or {"loss": 1.0, "skipped": skipped}  # noqa: E731
+            metrics = StepMetrics.deferred(settle, torch.tensor(skipped), step=step, lr=0.1)
+            guard.on_step_end(trainer, metrics)
+    except NonFiniteRollback:
+        return read, json.loads((directory / "rollback.json").read_text())
+    return read, None
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_the_guard_reads_the_device_only_where_the_run_does_and_rolls_back_alike(tmp_path, every):
+    """The guard counts skipped steps on the device and reads the count at the steps `reads_at` names
+    (a logged step, before a save): it reads no step's metrics, and rolls back to the marker that reading
+    every step gives (the step that completed the streak, the data position after it)."""
+    skips = [False, True, False, True, True, True, False, False]
+    eager, marker = _guarded_run(skips, None, 3, tmp_path / "eager")
+    assert eager == [] and marker["failed_at_step"] == 6 and marker["data"] == {"index": 6}
+    read, deferred = _guarded_run(skips, lambda step: step % every == 0, 3, tmp_path / f"every_{every}")
+    assert read == [] and deferred == marker
+    _, none = _guarded_run(
+        [True, True, False, True, True, False, True, True],
+        lambda step: step % every == 0,
+        3,
+        tmp_path / "none",
+    )
+    assert none is None
+
+
+def test_a_save_due_by_the_clock_is_due_for_the_guard_and_the_checkpointer_alike(tmp_path, monkeypatch):
+    """The guard asks `due(step)` before the checkpointer does: the clock is read once per step, so that a
+    minute passing between the two questions cannot make a save the guard did not read before."""
+    from loom.checkpoint import periodic
+
+    now = [0.0]
+    monkeypatch.setattr(periodic.time, "monotonic", lambda: now[0])
+    checkpointer = periodic.Checkpointer(tmp_path, every_minutes=1.0)
+    now[0] = 59.0
+    assert not checkpointer.due(5)
+    now[0] = 61.0
+    assert not checkpointer.due(5)  # the same step: the same answer
+    assert checkpointer.due(6)
 
 
 # ---- tier 3: the main job, killed, hung and poisoned ------------------------------------------------------------

@@ -8,6 +8,7 @@ import collections
 import io
 import json
 import math
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +18,23 @@ import torch
 from equivalence import ADAMW, RTOL, assert_params_close
 
 import loom
+from benchmarks.gpu_step import count_reads
 from loom.cli.main import main
 from loom.dist import env
+from loom.fault import NonFiniteGuard
 from loom.models.gpt import GPT, GPTConfig, Strategies
 from loom.parallel import make_optimizer
+from loom.parallel.grads import any_nonfinite, global_grad_norm
 from loom.train import Trainer
 from loom.train.config import load_config
 from loom.train.device import compile_blocks, device_setting, optimizer_kernels
+from loom.train.job import step_callbacks
 from loom.train.metrics import MetricsCallback, MetricsLogger, StepMetrics
+from loom.train.report import ReportedCheckpointer
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
 CONFIG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
 SDPA = GPTConfig(**{**vars(CONFIG), "attention_kernel": "sdpa"})
-
-# What reads a tensor's value into Python: on a GPU each waits for the device.
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 
 def _gpus(monkeypatch, count: int, local_rank: int = 0, local_world: int | None = None) -> None:
@@ -111,22 +114,8 @@ def test_fused_attention_equals_the_matmul_path():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)
 
 
-def _count_reads(monkeypatch) -> collections.Counter:
-    """Count every read of a tensor's value into Python from now on."""
-    counts = collections.Counter()
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counts
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(monkeypatch, precision):
+def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(precision):
     """Between logged steps nothing is read back (no `.item()`, no tensor in a Python condition): the
     non-finite check, the clipping and the skip stay on the device; a logged step reads its metrics once."""
     torch.manual_seed(0)
@@ -138,12 +127,35 @@ def test_a_step_waits_for_the_device_only_when_its_metrics_are_logged(monkeypatc
     )
     batches = _batches(6)
     trainer.train_step([batches[0]])  # the first step builds the optimizer's state
-    counts = _count_reads(monkeypatch)
-    trainer.train_step([batches[1]])  # step 2: not logged
-    assert counts == {}, f"a step not logged read the device: {dict(counts)}"
-    metrics = trainer.train_step([batches[2]])  # step 3: logged, its metrics read in one go
-    assert counts == {"tolist": 1}, dict(counts)
+    with count_reads(collections.Counter()) as counts:
+        trainer.train_step([batches[1]])  # step 2: not logged
+        assert counts == {}, f"a step not logged read the device: {dict(counts)}"
+        metrics = trainer.train_step([batches[2]])  # step 3: logged, its metrics read in one go
+        assert counts == {"tolist": 1}, dict(counts)
     assert isinstance(metrics.loss, float) and not metrics.skipped and metrics.grad_norm > 0
+
+
+def test_loom_trains_callbacks_read_the_device_only_at_logged_steps(tmp_path):
+    """`loom train`'s callbacks with a checkpoint directory (the non-finite guard among them) and batches
+    on the CPU, as the loader gives them: a step not logged reads nothing; a logged one reads its metrics
+    and the guard's count."""
+    config = load_config(
+        None, ["--train.log_every", "3", "--train.steps", "6", "--checkpoint.dir", str(tmp_path)]
+    )
+    logger = MetricsLogger(None, is_main=True, total_steps=6, log_every=3, console=False)
+    callbacks = step_callbacks(config, logger, ReportedCheckpointer.from_config(config), None)
+    assert any(isinstance(callback, NonFiniteGuard) for callback in callbacks)
+    torch.manual_seed(0)
+    model = GPT(SDPA)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    trainer = Trainer(model, optimizer, clip_grad_norm=0.5, callbacks=callbacks)
+    batches = _batches(3)
+    trainer.train_step([batches[0]])  # the first step builds the optimizer's state
+    with count_reads(collections.Counter()) as counts:
+        trainer.train_step([batches[1]])  # step 2: not logged
+        assert counts == {}, f"a step not logged read the device: {dict(counts)}"
+        trainer.train_step([batches[2]])  # step 3: logged
+        assert counts == {"tolist": 2}, dict(counts)  # the metrics and the guard's streak
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -271,3 +283,122 @@ def test_gpu_step_smoke_runs_every_part_and_writes_the_table(tmp_path):
     assert results["simulate"]["measured"]["step_s"] > 0  # the profile measured here, priced
     assert (tmp_path / "profile.json").is_file()
     assert results["ratios"]["loom_over_plain_mfu_eager"] > 0
+
+
+class _Shifted(torch.nn.Module):
+    """A linear regression whose loss can be made non-finite by a constant (`poison`) while its gradients
+    stay finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.poison = 0.0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.linear(x) - y) ** 2).mean() + self.poison
+
+
+def _regression_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_non_finite_first_step_leaves_the_fused_optimizer_as_the_foreach_one(optimizer_class):
+    """A first step skipped (infinite gradients) and the steps after it: fused kernels give the foreach
+    kernels' losses. torch's fused SGD fills its momentum buffers with `empty_like` before a kernel that
+    returns at once on `found_inf`: a first step skipped on the device would train on garbage."""
+    hyper = {"lr": 0.1, "momentum": 0.9} if optimizer_class is torch.optim.SGD else {"lr": 0.01}
+    losses = []
+    for kernels in ({"fused": True}, {"foreach": True}):
+        torch.manual_seed(0)
+        model = _Shifted()
+        trainer = Trainer(model, optimizer_class(model.parameters(), **hyper, **kernels))
+        handle = model.linear.weight.register_hook(lambda grad: grad * float("inf"))
+        first = trainer.train_step([_regression_batches(1)[0]])
+        handle.remove()
+        assert first.skipped
+        losses.append([trainer.train_step([batch]).loss for batch in _regression_batches(4)])
+    assert all(math.isfinite(loss) for loss in losses[0]), losses[0]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
+
+
+def test_only_optimizers_that_read_found_inf_skip_on_the_device():
+    """A fused optimizer class torch's kernels are not known to skip with (a subclass may step otherwise)
+    leaves the decision to the host; AdamW and SGD, after their first step, skip on the device."""
+
+    class Stepping(torch.optim.AdamW):
+        pass
+
+    for optimizer_class, on_device in ((torch.optim.AdamW, True), (torch.optim.SGD, True), (Stepping, False)):
+        model = _Shifted()
+        trainer = Trainer(model, optimizer_class(model.parameters(), lr=0.01, fused=True))
+        assert trainer._device_skippers() is None  # no step taken yet: the host decides
+        trainer.train_step([_regression_batches(1)[0]])
+        assert (trainer._device_skippers() is not None) == on_device, optimizer_class
+
+
+def test_fp16_loss_scale_backs_off_after_a_non_finite_loss_with_a_fused_optimizer():
+    """With a loss scaler the host decides the skip: a step whose loss is not finite (its gradients
+    finite) backs the scale off, as with any optimizer, rather than counting as a finite step."""
+    torch.manual_seed(0)
+    model = _Shifted()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    trainer = Trainer(model, optimizer, precision="fp16")
+    batches = _regression_batches(2)
+    trainer.train_step([batches[0]])
+    scale = trainer.scaler.scale
+    model.poison = float("inf")
+    skipped = trainer.train_step([batches[1]])
+    assert skipped.skipped
+    assert trainer.scaler.scale < scale
+
+
+def test_deferred_metrics_keep_the_step_figures_and_pickle(monkeypatch):
+    """What MFU is computed with (here the world size) is taken at the step, not when the metrics are
+    read (after the run its process group is gone); deferred metrics pickle as plain numbers."""
+    model = _Shifted()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tokens_per_step=8, flops_per_token=1e6,
+        peak_flops=1e9,
+    )  # fmt: skip
+    monkeypatch.setattr(env, "world_size", lambda: 4)
+    metrics = trainer.train_step([_regression_batches(1)[0]])
+    monkeypatch.setattr(env, "world_size", lambda: 1)
+    trainer.tokens_per_step = 1
+    copy = pickle.loads(pickle.dumps(metrics))
+    assert copy.mfu == pytest.approx(metrics.tokens_per_s * 1e6 / (1e9 * 4))
+    assert copy.tokens_per_s == pytest.approx(8 / copy.step_time_s)
+    assert copy.loss == metrics.loss and math.isfinite(copy.loss)
+
+
+def test_step_metrics_require_the_loss_and_the_learning_rate():
+    with pytest.raises(TypeError, match="loss"):
+        StepMetrics(step=1, lr=0.1)
+    with pytest.raises(TypeError, match="lr"):
+        StepMetrics(step=1, loss=1.0)
+    assert StepMetrics(step=1, loss=1.0, lr=0.1).loss == 1.0
+
+
+def test_a_rank_without_gradients_measures_on_its_device():
+    """A rank holding no gradient view still joins the norm's and the finiteness check's all-reduce: on
+    the run's device (NCCL reduces GPU tensors only), not on the CPU."""
+    assert global_grad_norm([], device="meta").device.type == "meta"
+    assert any_nonfinite([], device="meta").device.type == "meta"
+
+
+def test_fused_attention_with_grouped_query_heads_equals_the_matmul_path():
+    """`attention_kernel = "sdpa"` with fewer key/value heads than query heads (grouped-query attention)
+    gives the matmul path's loss and gradients."""
+    grouped = GPTConfig(**{**vars(CONFIG), "n_kv_heads": 2})
+    matmul, fused = GPT(grouped), GPT(GPTConfig(**{**vars(grouped), "attention_kernel": "sdpa"}))
+    fused.load_state_dict(matmul.state_dict())
+    ids, targets = _batches(1)[0]
+    losses = [model(ids, targets) for model in (matmul, fused)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=0)
+    for (name, a), b in zip(matmul.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)

@@ -25,6 +25,34 @@ def metrics(step: int, loss: float = 2.0, **kw) -> StepMetrics:
     return StepMetrics(step=step, loss=loss, lr=1e-3, tokens=1024, step_time_s=0.5, tokens_per_s=2048.0, **kw)
 
 
+def test_model_flops_count_the_output_head_tied_or_not():
+    """`6 N` counts the output head's weights, which multiply every token (2 V d FLOPs forward), also when
+    the head is the token table itself (tied): tied and untied models of one shape count alike; the input
+    embeddings (token table lookup, learned positions) are left out."""
+    from loom.models.gpt import GPT, GPTConfig
+    from loom.train.job import flop_parameters
+
+    shape = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=8)
+    tied, untied = GPT(GPTConfig(**shape)), GPT(GPTConfig(**shape, tie_embeddings=False))
+    head = 64 * 16
+    assert flop_parameters(tied) == tied.num_parameters(exclude_embeddings=True) + head
+    assert flop_parameters(untied) == untied.num_parameters(exclude_embeddings=True) == flop_parameters(tied)
+
+
+def test_model_flops_count_a_tied_hugging_face_head():
+    transformers = pytest.importorskip("transformers")
+    from loom.train.job import flop_parameters
+
+    shapes = dict(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    tied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shapes))
+    untied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shapes, tie_word_embeddings=False))
+    assert (
+        flop_parameters(tied)
+        == flop_parameters(untied)
+        == tied.num_parameters(exclude_embeddings=True) + 64 * 16
+    )
+
+
 def test_flops_formula_numbers():
     # 6 N + 12 L d s: GPT-2 small-like numbers worked by hand.
     assert model_flops_per_token(85_000_000, 12, 768, 1024) == 6 * 85e6 + 12 * 12 * 768 * 1024

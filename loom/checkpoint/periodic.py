@@ -68,6 +68,7 @@ class Checkpointer:
         self._blocked = 0.0  # seconds the save in progress has held training up so far
         self.last_blocking_s: float | None = None  # the same for the newest finished (or failed) save
         self.total_blocking_s = 0.0
+        self._due_at: tuple[int, bool] | None = None  # the step last asked about by the clock, and the answer
 
     @classmethod
     def from_config(cls, config: Any, data: Any = None) -> Checkpointer:
@@ -87,11 +88,20 @@ class Checkpointer:
         return self._pending.step if self._pending is not None else None
 
     def due(self, step: int) -> bool:
-        """Whether to save after `step` (the same answer on every rank: rank 0's clock decides)."""
+        """Whether to save after `step` (the same answer on every rank: rank 0's clock decides). Asked again
+        for the same step (a callback that reads the device before a save, `NonFiniteGuard`), it gives the
+        same answer without asking the clock again."""
         if self.every_steps and step % self.every_steps == 0:
             return True
         if not self.every_minutes:
             return False
+        if self._due_at is not None and self._due_at[0] == step:
+            return self._due_at[1]
+        self._due_at = (step, self._late())
+        return self._due_at[1]
+
+    def _late(self) -> bool:
+        """Whether `every_minutes` have passed since the last save, by rank 0's clock (collective)."""
         late = time.monotonic() - self._last_save >= 60 * self.every_minutes
         flag = torch.tensor([float(late)], device=env.device_type())  # NCCL broadcasts device tensors only
         if dist.is_available() and dist.is_initialized():

@@ -117,7 +117,7 @@ def execute(args: argparse.Namespace) -> int:
         policy = restart_policy(config)
         if config.fault.elastic_replicas:  # a death drops the replica and a replacement joins, no restart
             results = supervise_replicas(
-                run, config.train.workers, config, faults, policy=policy, verbose=verbose
+                run, config.train.workers, config, faults, policy=policy, verbose=verbose, backend=backend
             ).results
             summary = _elastic_summary(console, results)
         else:

@@ -164,12 +164,14 @@ def supervise_replicas(
     *args: Any,
     policy: RestartPolicy | None = None,
     log: Callable[[str], None] = print,
+    backend: str | None = None,
     **kwargs: Any,
 ) -> Supervised:
     """Run `fn` on `nprocs` replicas that come and go (`loom.dist.elastic`): a worker that dies, or stays
     silent past the heartbeat timeout (and is killed), is an event (`kind = "replica_left"`, its rank and
     last step), logged and recorded like a failure, and a replacement starts in its slot while the others go
-    on; `policy.max_restarts` bounds the replacements. A worker that raises ends the job (`WorkerError`)."""
+    on; `policy.max_restarts` bounds the replacements. A worker that raises ends the job (`WorkerError`).
+    `backend`: each replica's process group's (as `supervise`'s)."""
     policy = policy or RestartPolicy()
     events: list[FailureEvent] = []
 
@@ -181,7 +183,7 @@ def supervise_replicas(
         _record(event, policy, log, then=then)
         return left > 0
 
-    workers = ReplicaWorkers(nprocs, env=_attempt_env(0, policy))
+    workers = ReplicaWorkers(nprocs, backend, env=_attempt_env(0, policy))
     results = workers.run(
         fn, *args, heartbeat_timeout=policy.heartbeat_timeout_s, on_leave=on_leave, **kwargs
     )

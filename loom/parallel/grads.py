@@ -49,12 +49,18 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def global_grad_norm(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def global_grad_norm(
+    views: Iterable[GradView],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """The 2-norm of all gradients together, as `clip_grad_norm_` computes it on one device (fp32), over
     the ranks of `group` (default: the world; a replica's own ranks when replicas step alone). It stays on
-    the gradients' device: no host synchronisation."""
+    the gradients' device: no host synchronisation. `device`: where the norm lives when this rank holds no
+    gradient (default: the CPU); a rank with none still joins the all-reduce, which NCCL takes on a GPU
+    tensor only."""
     views = list(views)
-    device = views[0].local.device if views else torch.device("cpu")
+    device = views[0].local.device if views else torch.device(device or "cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     by_copies: dict[int, list[torch.Tensor]] = {}
     for view in views:
@@ -86,19 +92,24 @@ def scale_grads_(views: Iterable[GradView], factor: float) -> None:
             view.local.mul_(factor)
 
 
-def any_nonfinite(views: Iterable[GradView]) -> torch.Tensor:
+def any_nonfinite(views: Iterable[GradView], device: torch.device | str | None = None) -> torch.Tensor:
     """1.0 when a gradient this rank holds has an inf or a NaN, else 0.0: a float32 tensor on the
-    gradients' device, computed without a host synchronisation."""
+    gradients' device (on `device`, default the CPU, when it holds none), computed without a host
+    synchronisation."""
     flags = [torch.isfinite(view.local).all().logical_not() for view in views]
     if not flags:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device or "cpu")
     return torch.stack(flags).any().float()
 
 
-def all_finite(views: Iterable[GradView], group: dist.ProcessGroup | None = None) -> bool:
+def all_finite(
+    views: Iterable[GradView],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> bool:
     """True when no gradient on any rank of `group` (default: the world) holds an inf or a NaN (every rank
-    gets the same answer; one host synchronisation, for the answer)."""
-    bad = any_nonfinite(views)
+    gets the same answer; one host synchronisation, for the answer). `device`: as `any_nonfinite`'s."""
+    bad = any_nonfinite(views, device)
     if _size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return bad.item() == 0.0

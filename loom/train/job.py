@@ -266,6 +266,25 @@ class Heartbeat:
         heartbeat(trainer.step)
 
 
+def step_callbacks(
+    config: TrainConfig, logger: MetricsLogger, checkpointer: ReportedCheckpointer | None, batches: object
+) -> list:
+    """The callbacks of `loom train`'s Trainer, in their order: the metrics logger, the heartbeat, and with
+    a checkpoint directory the non-finite guard (when `fault.rollback_after`) before the checkpointer, so
+    that a failing streak is never saved. The guard reads its device count only where the run reads the
+    device anyway: a logged step, a step before a save. `batches`: the data loader (its position goes into
+    checkpoints and rollbacks)."""
+    callbacks = [MetricsCallback(logger), Heartbeat()]
+    if checkpointer is None:
+        return callbacks
+    if config.fault.rollback_after:
+        reads_at = lambda step: logger.should_log(step) or checkpointer.due(step)  # noqa: E731
+        callbacks.append(
+            NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches, reads_at)
+        )
+    return [*callbacks, checkpointer]
+
+
 def build_trainer(
     config: TrainConfig,
     model: nn.Module,
@@ -306,7 +325,7 @@ def build_trainer(
         group = replica_group(mesh)
     scaler = DynamicLossScaler(scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
     flops_per_token = model_flops_per_token(
-        _active_parameters(model), config.model.n_layers, config.model.d_model,
+        flop_parameters(model), config.model.n_layers, config.model.d_model,
         config.data.seq_len,
     )  # fmt: skip
     options = dict(
@@ -324,12 +343,18 @@ def build_trainer(
     return Trainer(model, optimizer, **options)
 
 
-def _active_parameters(model: nn.Module) -> int:
-    """Parameters (embeddings left out) one token computes with: loom's GPT counts `top_k` of each
-    mixture's experts."""
+def flop_parameters(model: nn.Module) -> int:
+    """The parameters one token multiplies with, the `N` of `model_flops_per_token`'s `6 N`: all but the
+    input embeddings (a lookup: the token table, learned positions), with the output head counted also when
+    it is tied to the token table (its logits cost 2 V d FLOPs per token forward: Megatron-LM's and
+    torchtitan's convention); of a mixture's experts (loom's GPT), the `top_k` a token uses. `model`: loom's
+    GPT or a Hugging Face causal LM."""
     if isinstance(model, GPT):
-        return model.num_parameters(exclude_embeddings=True, active=True)
-    return model.num_parameters(exclude_embeddings=True)
+        tied = model.embedding.numel() if model.config.tie_embeddings else 0
+        return model.num_parameters(exclude_embeddings=True, active=True) + tied
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and table is not None and head.weight is table.weight
+    return model.num_parameters(exclude_embeddings=True) + (head.weight.numel() if tied else 0)
 
 
 @torch.no_grad()
@@ -407,7 +432,7 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
         check_faults(config, faults)
         mesh = loom.init({"dp": 1})
         with use_mesh(None):
-            return _train(config, faults, verbose, mesh, disarm, membership, model_mesh=None)
+            return _train(config, faults, verbose, mesh, disarm, membership, model_mesh=None, device=device)
     # the run's Plan: [parallel], its plan file, or the planner's choice (made before the workers started);
     # replicas stepping alone lie on an outermost "replica" axis, each with the plan's axes inside
     replicas, world = config.parallel.replicas_step_alone, loom.world_size()
@@ -416,10 +441,10 @@ def _run(config: TrainConfig, faults: Sequence[Fault], verbose: bool) -> dict:
     config.validate(mesh.world_size)  # the pipeline rules included (`TrainConfig.check_pipeline`)
     check_faults(config, faults)
     if not replicas:
-        return _train(config, faults, verbose, mesh, disarm, model_mesh=mesh)
+        return _train(config, faults, verbose, mesh, disarm, model_mesh=mesh, device=device)
     inner = replica_mesh(mesh)
     with use_mesh(inner):  # each replica computes on its own ranks alone
-        return _train(config, faults, verbose, mesh, disarm, model_mesh=inner)
+        return _train(config, faults, verbose, mesh, disarm, model_mesh=inner, device=device)
 
 
 def _train(
@@ -431,17 +456,17 @@ def _train(
     membership: elastic.Membership | None = None,
     *,
     model_mesh: loom.Mesh | None,
+    device: torch.device,
 ) -> dict:
     """The rest of `_run` once the mesh is joined: data, model, trainer, checkpoint, training, report.
     `membership`: this replica's slot among replicas that come and go (its data rank), else None.
     `model_mesh`: the mesh the model is laid out on: the run's, a replica's own (`replica_mesh`), or None
-    for a replica of one process."""
+    for a replica of one process. `device`: this rank's (`train.device` resolved by `_run`)."""
     # the rank's data position: its dp index over every replica, or its slot among replicas that come and go
     dp_rank, dp_size = data_position(mesh) if membership is None else (membership.rank, membership.size)
     t, is_main = config.train, (loom.rank() if membership is None else membership.rank) == 0
     replicas = config.parallel.replicas_step_alone
     torch.manual_seed(t.seed)
-    device = env.resolve_device(device_setting(config))  # this rank's (its mesh's too, see `_run`)
     _phase("loading the data")
     dataset = build_dataset(config.data)
     batches = DistributedBatches(dataset, t.global_batch, dp_rank, dp_size, seed=t.seed)
@@ -462,11 +487,7 @@ def _train(
         tensorboard_dir=t.tensorboard_dir,
     )  # fmt: skip
     checkpointer = ReportedCheckpointer.from_config(config, batches) if config.checkpoint.dir else None
-    callbacks = [MetricsCallback(logger), Heartbeat()]
-    if checkpointer is not None:
-        if config.fault.rollback_after:  # before the checkpointer: a failing streak is never saved
-            callbacks.append(NonFiniteGuard(config.fault.rollback_after, config.checkpoint.dir, batches))
-        callbacks.append(checkpointer)
+    callbacks = step_callbacks(config, logger, checkpointer, batches)
     _phase("building the trainer")
     trainer = build_trainer(config, model, callbacks, pipeline, mesh=mesh, membership=membership)
     if checkpointer is not None:

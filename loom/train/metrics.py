@@ -35,7 +35,8 @@ def model_flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: i
     """Training FLOPs per token of a decoder: `6 N + 12 L d s` (forward and backward).
 
     `6 N`: each of the N non-embedding weights does one multiply-add (2 FLOPs) per token forward and two
-    backward (input and weight gradients). `12 L d s`: attention scores and the weighted sum of values,
+    backward (input and weight gradients); N counts the output head also when it is tied to the token
+    table (`loom.train.job.flop_parameters`), which a table lookup alone leaves out. `12 L d s`: attention scores and the weighted sum of values,
     `2 * 2 * d * s` FLOPs per token and layer forward (for a context of s tokens), times 3 with the backward
     (PaLM, Chowdhery et al. 2022, appendix B; no causal discount). Recomputation is not counted: MFU
     counts the model's FLOPs, not the hardware's.
@@ -72,7 +73,9 @@ class _Deferred:
     """A `StepMetrics` field whose value the Trainer may leave on the device: the first read of any such
     field settles them all at once (one host synchronisation for the step's loss, norm, skip and time)."""
 
-    def __init__(self, default: Any) -> None:
+    REQUIRED = object()  # a field with no default: `StepMetrics(...)` must be given it
+
+    def __init__(self, default: Any = REQUIRED) -> None:
         self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -80,6 +83,8 @@ class _Deferred:
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:  # the dataclass asks the class for the field's default
+            if self.default is _Deferred.REQUIRED:
+                raise AttributeError(self.slot[1:])  # no default: the dataclass makes the field required
             return self.default
         if obj.__dict__.get("_pending") is not None:
             obj.settle()
@@ -95,11 +100,12 @@ class StepMetrics:
 
     The Trainer builds it with `StepMetrics.deferred`: the loss, gradient norm, skip flag and timings stay
     on the device until something reads one of them (a logger at `log_every`, a callback), so that a step
-    needs no host synchronisation of its own. Read, they are plain Python numbers."""
+    needs no host synchronisation of its own. Read, they are plain Python numbers. A pickled one is read
+    first (`pickle` carries plain numbers)."""
 
     step: int
-    loss: float = _Deferred(math.nan)
-    lr: float = 0.0
+    loss: float = _Deferred()
+    lr: float
     grad_norm: float | None = _Deferred(None)
     tokens: int = 0
     step_time_s: float = _Deferred(0.0)
@@ -113,16 +119,40 @@ class StepMetrics:
         self._check()
 
     @classmethod
-    def deferred(cls, settle: Callable[[], dict[str, Any]], **known: Any) -> StepMetrics:
-        """Metrics whose deferred fields `settle()` computes (reading the device) when first read."""
-        metrics = cls(**known)
+    def deferred(
+        cls, settle: Callable[[], dict[str, Any]], skipped_on_device: Any = None, **known: Any
+    ) -> StepMetrics:
+        """Metrics whose deferred fields `settle()` computes (reading the device) when first read (the loss
+        among them). `skipped_on_device`: the skip flag as a device tensor, for callbacks that count
+        skipped steps without reading it (`skipped_flag`), until the metrics are read."""
+        metrics = cls(loss=math.nan, **known)
         metrics.__dict__["_pending"] = settle
+        metrics.__dict__["_skipped_on_device"] = skipped_on_device
         return metrics
+
+    def skipped_flag(self) -> torch.Tensor:
+        """Whether the step was skipped, as a tensor: on the device, unread, while the metrics are deferred
+        and the step's callbacks run; else a CPU tensor of `skipped` (read)."""
+        flag = self.__dict__.get("_skipped_on_device")
+        if self.__dict__.get("_pending") is not None and flag is not None:
+            return flag
+        return torch.tensor(self.skipped)
+
+    def release_device_flag(self) -> None:
+        """Let go of the device skip flag (the Trainer does, once the step's callbacks have seen it):
+        metrics kept unread hold no device memory; `skipped_flag` then reads the flag."""
+        self.__dict__.pop("_skipped_on_device", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plain numbers for pickle: the deferred fields read first."""
+        self.settle()
+        return {k: v for k, v in self.__dict__.items() if k != "_skipped_on_device"}
 
     def settle(self) -> StepMetrics:
         """Read the deferred fields from the device now (a no-op once read); returns self."""
         pending = self.__dict__.pop("_pending", None)
         if pending is not None:
+            self.__dict__.pop("_skipped_on_device", None)  # held only until read
             for name, value in pending().items():
                 setattr(self, name, value)
             self._check()

@@ -11,10 +11,11 @@ one module, or this rank's pipeline stages (a `Pipeline`, whose schedule runs th
 
 The step computes on the device of the model's parameters (its batches are moved there) and waits for
 nothing from it: the loss, the gradient norm and the finiteness check stay device tensors, clipping scales
-by a device coefficient, and with a fused torch optimizer the skip of a non-finite step is its `found_inf`
-flag. The step's `StepMetrics` read them (one synchronisation) when something reads a metric: a logger at
-`log_every`, a callback. Where the host must decide (fp16's loss scale, a non-fused optimizer, replicas that
-count skipped steps, experts' balancing biases) it reads the one flag it needs.
+by a device coefficient, and with a fused torch optimizer that reads `found_inf` (after its first step) the
+skip of a non-finite step is that flag. The step's `StepMetrics` copy them to the host without waiting and
+read them (one synchronisation) when something reads a metric: a logger at `log_every`, a callback. Where
+the host must decide (fp16's loss scale, another optimizer, an optimizer's first step, replicas that count
+skipped steps, experts' balancing biases) it reads the one flag it needs.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class Trainer:
         self.step = 0
         self.is_main = env.rank() == 0
         self.device = model_device(self.model)  # where the step computes: its batches go there
+        self._stepped = False  # whether the optimizer took a step the host decided (see _device_skippers)
         autocast(precision)  # validates the name now rather than at the first step
 
     def train_step(self, micro_batches: Sequence[tuple]) -> StepMetrics:
@@ -133,7 +135,7 @@ class Trainer:
             if not isinstance(value, torch.Tensor) or value.device == device:
                 return value
             if device.type == "cuda" and value.device.type == "cpu":
-                value = value.pin_memory()
+                value = value.contiguous().pin_memory()  # pin_memory refuses some non-contiguous views
             return value.to(device, non_blocking=True)
 
         return tuple(move(value) for value in batch)
@@ -150,15 +152,19 @@ class Trainer:
         fused optimizers read `found_inf`); otherwise (and for fp16's loss scale, which the host adjusts)
         the host reads the flag: one synchronisation."""
         views = self._grad_views()
-        finite = all_finite(views, self.group) if self.scaler else True
+        finite = all_finite(views, self.group, self.device) if self.scaler else True
         if self.scaler:
             scale_grads_(views, 1.0 / self.scaler.scale)
-        norm = global_grad_norm(views, self.group) if finite else torch.tensor(float("nan"))
+        if finite:
+            norm = global_grad_norm(views, self.group, self.device)
+        else:
+            norm = torch.full((), float("nan"), device=self.device)
         if not isinstance(loss, torch.Tensor):  # a pipeline's loss, read already
             loss = torch.full((), loss, dtype=torch.float32, device=norm.device)
         # the loss and the norm are global: every rank decides alike
         ok = torch.isfinite(loss).logical_and(torch.isfinite(norm)) if self.skip_nonfinite else None
-        skippers = self._device_skippers() if ok is not None and finite else None
+        # fp16's loss scaler grows or backs off on the host, after the step it must know was taken
+        skippers = self._device_skippers() if ok is not None and finite and not self.scaler else None
         if ok is not None and skippers is None:
             finite = finite and bool(ok)  # the host decides: one device synchronisation
         if self.clip_grad_norm is not None and finite:
@@ -167,6 +173,7 @@ class Trainer:
             _step_unless(self.optimizer, skippers, ok.logical_not().float())
         elif finite:
             self.optimizer.step()
+            self._stepped = True  # its state exists now: later steps may skip on the device
             # the experts' balancing biases, from the loads of every rank's tokens
             update_biases(self.steps.module, self.steps.balance_group())
         elif isinstance(self.optimizer, Replicated):
@@ -178,45 +185,55 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
-        skipped = ok.logical_not() if skippers is not None else torch.tensor(not finite)
+        # filled on the device: a tensor copied there from the host would wait for the device
+        skipped = ok.logical_not() if skippers is not None else torch.full((), not finite, device=self.device)
         metrics = self._metrics(loss, norm, lr, skipped, clock.stop())
         self._call("on_step_end", self, metrics)
+        metrics.release_device_flag()  # kept unread (a list of a run's steps), they hold no device memory
         return metrics
 
     def _device_skippers(self) -> list[torch.optim.Optimizer] | None:
-        """The torch optimizers that can skip this step on a device flag (`found_inf`, read by torch's
-        fused optimizers), or None when the host must decide: a non-fused optimizer, replicas that count
-        their skipped steps, experts' balancing biases (moved after a step that was taken), or a sharding
-        optimizer that has not built its inner optimizers yet (its first step)."""
+        """The torch optimizers that can skip this step on a device flag (`found_inf`, which the fused
+        kernels of `FOUND_INF_READERS` read), or None when the host must decide: another optimizer,
+        replicas that count their skipped steps, experts' balancing biases (moved after a step that was
+        taken), or an optimizer that has not taken a step yet. A first step builds the state (a sharding
+        optimizer its inner optimizers): torch's fused SGD fills its momentum buffers with `empty_like`
+        before a kernel that returns at once on `found_inf`, so a first step skipped there would leave
+        garbage for the next."""
         optimizer = self.optimizer
-        if isinstance(optimizer, Replicated) or _balances_by_bias(self.steps.module):
+        if not self._stepped or isinstance(optimizer, Replicated) or _balances_by_bias(self.steps.module):
             return None
         inner = optimizer.inner if isinstance(optimizer, ZeroOptimizer) else [optimizer]
-        if not inner or not all(getattr(o, "defaults", {}).get("fused") for o in inner):
+        if not inner or not all(_skips_on_found_inf(o) for o in inner):
             return None
         return list(inner)
 
     def _metrics(
         self, loss: torch.Tensor, norm: torch.Tensor, lr: float, skipped: torch.Tensor, seconds: Callable
     ) -> StepMetrics:
-        """The step's metrics, its device values read (one synchronisation) when first read."""
+        """The step's metrics, its device values read (one synchronisation) when first read. What they
+        are computed with (tokens, FLOPs, peak, world size) is taken now: a read after the run (its process
+        group gone) gives the step's figures."""
+        device = norm.device
+        values = torch.stack([loss.float().to(device), norm.float(), skipped.float().to(device)])
+        values, ready = _to_host(values)
+        tokens, flops, peak = self.tokens_per_step, self.flops_per_token, self.peak_flops
+        world = env.world_size()
 
         def settle() -> dict:
-            device = norm.device
-            values = torch.stack([loss.float().to(device), norm.float(), skipped.float().to(device)])
+            if ready is not None:
+                ready.synchronize()  # the copy of the three values, and the step's end event before it
             loss_value, norm_value, skipped_value = values.tolist()
             step_time = seconds()
-            rate = self.tokens_per_step / step_time if step_time > 0 else 0.0
-            utilisation = None
-            if self.flops_per_token and self.peak_flops:
-                utilisation = mfu(rate, self.flops_per_token, self.peak_flops, env.world_size())
+            rate = tokens / step_time if step_time > 0 else 0.0
+            utilisation = mfu(rate, flops, peak, world) if flops and peak else None
             return dict(
                 loss=loss_value, grad_norm=norm_value, skipped=bool(skipped_value), step_time_s=step_time,
                 tokens_per_s=rate, mfu=utilisation,
             )  # fmt: skip
 
         return StepMetrics.deferred(
-            settle, step=self.step, lr=lr, tokens=self.tokens_per_step,
+            settle, step=self.step, lr=lr, tokens=tokens, skipped_on_device=skipped,
             peak_memory_bytes=peak_memory_bytes(self.device),
             loss_scale=self.scaler.scale if self.scaler else None,
         )  # fmt: skip
@@ -267,6 +284,31 @@ def _balances_by_bias(model: nn.Module) -> bool:
     return any(moe.config.expert_bias for moe in moe_layers(model))
 
 
+# The torch optimizers whose fused kernels read `found_inf` and skip the whole update where it is 1 (torch
+# 2.13's torch/optim: adam.py, adamw.py, sgd.py, adagrad.py; `_adafactor.py` takes the argument but refuses
+# it). Exact classes: a subclass may step otherwise.
+FOUND_INF_READERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def _skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips a step on the device: one of `FOUND_INF_READERS`, fused in every group."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return type(optimizer) in FOUND_INF_READERS and fused
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`values` copied to the host without waiting: on a GPU into pinned memory, with the event that
+    marks the copy done (wait for it before reading); on a CPU they are there already (no event). The
+    step's metrics then hold no device memory."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(values.device))
+    return host, ready
+
+
 def _step_unless(optimizer: torch.optim.Optimizer, inner: list, found_inf: torch.Tensor) -> None:
     """`optimizer.step()`, which the `inner` fused optimizers skip on the device where `found_inf` is 1."""
     for each in inner:
@@ -285,9 +327,11 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.start = time.perf_counter()
         self.events = None
-        if device.type == "cuda":
+        self.stream = None
+        if device.type == "cuda":  # the events go on the stream the step's work is queued on
+            self.stream = torch.cuda.current_stream(device)
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
+            self.events[0].record(self.stream)
 
     def stop(self) -> Callable[[], float]:
         """The step ends now: a function giving its seconds (on a GPU it waits for the end event)."""
@@ -295,7 +339,7 @@ class StepClock:
             seconds = time.perf_counter() - self.start
             return lambda: seconds
         begin, end = self.events
-        end.record()
+        end.record(self.stream)
         return lambda: begin.elapsed_time(end) / 1000.0
 
 
