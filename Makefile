@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo lint format bench clean
+.PHONY: setup test test-all demo lint format bench gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -44,5 +44,23 @@ demo: setup
 bench: setup
 	$(BIN)/python benchmarks/dp_overhead.py
 
+# The wheels benchmarks/gpu_step.py installs on a GPU machine (no network) when its image lacks one of the
+# packages it needs besides torch (benchmarks/gpu_deps.py REQUIRED; docs/gpu.md). For CPython 3.12, the GPU
+# image's python3, and 3.11; manylinux x86_64. One folder, refilled each time; it must travel with the working
+# tree (`carry`), so the last step checks the two together against the device tool's 64 MiB.
+GPU_WHEELS := .gpu-wheels
+GPU_PYTHONS ?= 3.12 3.11
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+gpu-wheels: setup
+	rm -rf $(GPU_WHEELS)
+	for v in $(GPU_PYTHONS); do \
+		$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+			--python-version $$v $(foreach p,$(GPU_PLATFORMS),--platform $(p)) -d $(GPU_WHEELS) \
+			$$($(BIN)/python benchmarks/gpu_deps.py names) || exit 1; \
+	done
+	ls -s --block-size=K $(GPU_WHEELS)
+	$(BIN)/python benchmarks/gpu_deps.py size $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(GPU_WHEELS)

@@ -61,6 +61,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
 
+from benchmarks import gpu_deps  # noqa: E402  (standard library only)
+
+if __name__ == "__main__":
+    # before torch and loom load: what loom needs and this machine lacks comes from --wheels, or the run
+    # stops here saying what is missing (GPU time is too short to find it out at the first part needing it)
+    gpu_deps.ensure_from_argv(sys.argv[1:])
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -831,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=480.0, help="the whole run's time budget (default 480)"
     )
+    gpu_deps.add_argument(parser)  # read before torch loads (gpu_deps.ensure_from_argv); listed for --help
     parser.add_argument("--equivalence", metavar="DEVICE", help=argparse.SUPPRESS)  # the subprocess's entry
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -32,7 +32,8 @@ NOT_RUN = {
     "make test": "the test suite, which includes this test",
     "python benchmarks/simulator_validation.py": "a benchmark script, run by hand (not a loom command)",
     "python benchmarks/simulator_calibration.py": "a benchmark: it times a training step on this machine",
-    "python benchmarks/gpu_step.py --out gpu-results": "needs a GPU; its --smoke run on a CPU is in tests/test_gpu_path.py",
+    "python benchmarks/gpu_step.py --out gpu-results": "needs a GPU (docs/gpu.md); tests/test_gpu_path.py "
+    "runs its --smoke form",
 }
 
 # Appended to a command (by its first two words) so that it ends in seconds: 2 steps, a checkpoint at the

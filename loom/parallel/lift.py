@@ -34,7 +34,7 @@ from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from loom.dist import consistency
+from loom.dist import consistency, torch_compat
 from loom.layout.placements import cuts_classes, pending_over_rows, row_placements
 from loom.parallel.local_region import contiguous_strides
 
@@ -328,6 +328,7 @@ LOCAL_REGIONS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: local_attention,
     F.cross_entropy: local_cross_entropy,
     **{loss: reduced_after_elementwise(loss) for loss in ELEMENTWISE_LOSSES},
+    **torch_compat.local_regions(),  # torch 2.11's F.pad rule (loom.dist.torch_compat)
 }
 
 

@@ -319,7 +319,9 @@ class Pipeline:
 
     def _run(self, call: Callable, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        # contiguous: torch 2.11's first stage refuses inputs whose strides differ from its example's (a
+        # batch sliced from a longer one, `ids[:, :-1]`); 2.13 compares shapes alone
+        args = (inputs.contiguous(),) if self.has_first else ()
         # stages laid out on a stage mesh compute on it: their primitives are bound to it (no current mesh)
         call(*args, **({"target": targets, "losses": losses} if self.has_last else {}))
         if not self.has_last:
