@@ -258,6 +258,24 @@ def test_metrics_stay_on_the_device_until_read():
     assert metrics.to_dict()["tokens_per_s"] == 10.0 and reads == [1]
 
 
+def test_metrics_settle_early_only_once_their_values_have_arrived():
+    """`settle_if_arrived` reads nothing before the values reach the host (on a GPU: their copy's event),
+    and never where no arrival can be asked (a CPU run's metrics wait to be read)."""
+    reads, arrived = [], [False]
+
+    def settle():
+        reads.append(1)
+        return {"loss": 2.5, "grad_norm": 0.5, "skipped": False, "step_time_s": 0.1, "tokens_per_s": 10.0}
+
+    metrics = StepMetrics.deferred(settle, step=1, lr=0.1, tokens=1, arrived=lambda: arrived[0])
+    assert not metrics.settle_if_arrived() and reads == []
+    arrived[0] = True
+    assert metrics.settle_if_arrived() and reads == [1]
+    assert metrics.settle_if_arrived() and reads == [1] and metrics.loss == 2.5
+    never = StepMetrics.deferred(settle, step=2, lr=0.1, tokens=1)
+    assert not never.settle_if_arrived() and reads == [1]
+
+
 @pytest.mark.slow  # two ranks start for the equivalence part: over 10 s on 2 cores
 def test_gpu_step_smoke_runs_every_part_and_writes_the_table(tmp_path):
     """`benchmarks/gpu_step.py --smoke` (what the GPU run does, with a tiny model on the CPU): the table and

@@ -120,15 +120,29 @@ class StepMetrics:
 
     @classmethod
     def deferred(
-        cls, settle: Callable[[], dict[str, Any]], skipped_on_device: Any = None, **known: Any
+        cls,
+        settle: Callable[[], dict[str, Any]],
+        skipped_on_device: Any = None,
+        arrived: Callable[[], bool] | None = None,
+        **known: Any,
     ) -> StepMetrics:
         """Metrics whose deferred fields `settle()` computes (reading the device) when first read (the loss
         among them). `skipped_on_device`: the skip flag as a device tensor, for callbacks that count
-        skipped steps without reading it (`skipped_flag`), until the metrics are read."""
+        skipped steps without reading it (`skipped_flag`), until the metrics are read. `arrived`: whether
+        the values have reached the host (asked without waiting, `settle_if_arrived`); None: never asked."""
         metrics = cls(loss=math.nan, **known)
         metrics.__dict__["_pending"] = settle
         metrics.__dict__["_skipped_on_device"] = skipped_on_device
+        metrics.__dict__["_arrived"] = arrived
         return metrics
+
+    def settle_if_arrived(self) -> bool:
+        """Settle now if the deferred values have reached the host (a read that waits for nothing), so that
+        metrics kept unread give back their host buffers; whether the metrics are settled."""
+        arrived = self.__dict__.get("_arrived")
+        if self.__dict__.get("_pending") is not None and arrived is not None and arrived():
+            self.settle()
+        return self.__dict__.get("_pending") is None
 
     def skipped_flag(self) -> torch.Tensor:
         """Whether the step was skipped, as a tensor: on the device, unread, while the metrics are deferred
@@ -146,13 +160,14 @@ class StepMetrics:
     def __getstate__(self) -> dict[str, Any]:
         """Plain numbers for pickle: the deferred fields read first."""
         self.settle()
-        return {k: v for k, v in self.__dict__.items() if k != "_skipped_on_device"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_skipped_on_device", "_arrived")}
 
     def settle(self) -> StepMetrics:
         """Read the deferred fields from the device now (a no-op once read); returns self."""
         pending = self.__dict__.pop("_pending", None)
         if pending is not None:
             self.__dict__.pop("_skipped_on_device", None)  # held only until read
+            self.__dict__.pop("_arrived", None)
             for name, value in pending().items():
                 setattr(self, name, value)
             self._check()

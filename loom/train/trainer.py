@@ -234,6 +234,7 @@ class Trainer:
 
         return StepMetrics.deferred(
             settle, step=self.step, lr=lr, tokens=tokens, skipped_on_device=skipped,
+            arrived=ready.query if ready is not None else None,
             peak_memory_bytes=peak_memory_bytes(self.device),
             loss_scale=self.scaler.scale if self.scaler else None,
         )  # fmt: skip
@@ -248,10 +249,14 @@ class Trainer:
         """Run `steps` steps (`batches` yields each step's micro-batches); every `eval_every` steps evaluate
         on `eval_batches()`."""
         self._call("on_train_begin", self)
-        results = []
+        results, unsettled = [], 0
         try:
             for _ in range(steps):
                 results.append(self.train_step(next(batches)))
+                # the earlier steps' metrics whose values have reached the host are read (nothing waits):
+                # a long run keeps numbers, not a pinned buffer per step
+                while unsettled < len(results) - 1 and results[unsettled].settle_if_arrived():
+                    unsettled += 1
                 if eval_every and eval_batches is not None and self.step % eval_every == 0:
                     self.evaluate(eval_batches())
         finally:
