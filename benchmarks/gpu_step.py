@@ -134,8 +134,9 @@ class Skip(Exception):
     """A part that cannot run here; its message says why."""
 
 
-class PartTimeout(Exception):
-    """A part ran past its hard limit (`Report.run`'s alarm)."""
+class PartTimeout(BaseException):
+    """A part ran past its hard limit (`Report.run`'s alarm). A BaseException: compile and autotuning code
+    that catches `Exception` cannot swallow it."""
 
 
 def _alarm(signum: int, frame: object) -> None:
@@ -169,7 +170,10 @@ class Report:
                     entry = {"status": "ok", **fn(budget)}
             except Skip as why:
                 entry = {"status": "skipped", "reason": str(why)}
-            except Exception as error:  # recorded: GPU time is too short to rerun for one failure
+            except (
+                Exception,
+                PartTimeout,
+            ) as error:  # recorded: GPU time is too short to rerun for one failure
                 entry = {
                     "status": "failed",
                     "error": f"{type(error).__name__}: {error}"[:2000],

@@ -420,3 +420,24 @@ def test_fused_attention_with_grouped_query_heads_equals_the_matmul_path():
     torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=0)
     for (name, a), b in zip(matmul.named_parameters(), fused.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)
+
+
+def test_a_part_past_its_hard_limit_is_recorded_failed_even_through_code_that_catches_exception(tmp_path):
+    """The benchmark's per-part alarm cannot be swallowed by an `except Exception` inside the part (compile
+    and autotuning code has such): the part is stopped and recorded as failed, and the report goes on."""
+    import time
+
+    from benchmarks.gpu_step import Report
+
+    def stubborn(budget_s: float) -> dict:
+        try:
+            time.sleep(30)
+        except Exception:  # noqa: BLE001 (what the alarm must pass through)
+            time.sleep(30)
+        return {}
+
+    report = Report(tmp_path, total_s=60)
+    entry = report.run("stubborn", 1.2, stubborn)
+    assert entry["status"] == "failed" and "hard time limit" in entry["error"], entry
+    assert entry["seconds"] < 10
+    assert report.run("next", 5, lambda budget: {"figure": 1})["status"] == "ok"
