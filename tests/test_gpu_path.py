@@ -441,3 +441,19 @@ def test_a_part_past_its_hard_limit_is_recorded_failed_even_through_code_that_ca
     assert entry["status"] == "failed" and "hard time limit" in entry["error"], entry
     assert entry["seconds"] < 10
     assert report.run("next", 5, lambda budget: {"figure": 1})["status"] == "ok"
+
+
+def test_loom_trains_guard_reads_its_count_before_every_save(tmp_path):
+    """The guard's device count is read at logged steps and at every step the checkpointer saves after
+    (so that a failing streak is never saved unread), and nowhere else."""
+    config = load_config(
+        None,
+        ["--train.log_every", "5", "--train.steps", "12", "--checkpoint.dir", str(tmp_path),
+         "--checkpoint.every_steps", "2"],
+    )  # fmt: skip
+    logger = MetricsLogger(None, is_main=True, total_steps=12, log_every=5, console=False)
+    callbacks = step_callbacks(config, logger, ReportedCheckpointer.from_config(config), None)
+    (guard,) = [callback for callback in callbacks if isinstance(callback, NonFiniteGuard)]
+    assert callbacks.index(guard) < len(callbacks) - 1  # before the checkpointer
+    read = [step for step in range(1, 13) if guard.reads_at(step)]
+    assert read == [2, 4, 5, 6, 8, 10, 12]

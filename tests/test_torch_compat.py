@@ -109,3 +109,28 @@ def test_dtensor_gradients_of_value_selecting_reductions_equal_one_device(dist_r
         for layout, grads in rank.items():
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-6, msg=f"{layout} {name}")
+
+
+def test_the_registered_kernel_is_what_autograd_runs():
+    """In a fresh process, the fix installed as on an older torch: topk's backward (plain tensors here)
+    runs loom's formula through the `torch.library` registration, with torch's own result."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+import loom.dist.torch_compat as tc
+calls = []
+formula = tc.value_selecting_reduction_backward
+tc.value_selecting_reduction_backward = lambda *a: calls.append(1) or formula(*a)
+tc.VALUE_SELECTING_FIXED_IN = (99, 0)
+x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+(before,) = torch.autograd.grad(x.topk(3, dim=1).values.sum(), x)
+tc.install()
+(after,) = torch.autograd.grad(x.topk(3, dim=1).values.sum(), x)
+assert calls, "the registered formula did not run"
+torch.testing.assert_close(after, before, rtol=0, atol=0)
+print("ok", len(calls))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
