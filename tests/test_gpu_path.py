@@ -102,8 +102,9 @@ def _batches(steps: int = STEPS):
     return [(step[:, :-1], step[:, 1:]) for step in ids]
 
 
-def test_fused_attention_equals_the_matmul_path():
-    matmul, fused = GPT(CONFIG), GPT(SDPA)
+def _same_as_matmul_attention(config: GPTConfig) -> None:
+    """`config`'s GPT with the fused attention gives the matmul path's loss and gradients."""
+    matmul, fused = GPT(config), GPT(GPTConfig(**{**vars(config), "attention_kernel": "sdpa"}))
     fused.load_state_dict(matmul.state_dict())
     ids, targets = _batches(1)[0]
     losses = [model(ids, targets) for model in (matmul, fused)]
@@ -112,6 +113,10 @@ def test_fused_attention_equals_the_matmul_path():
     torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=0)
     for (name, a), b in zip(matmul.named_parameters(), fused.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)
+
+
+def test_fused_attention_equals_the_matmul_path():
+    _same_as_matmul_attention(CONFIG)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -410,16 +415,7 @@ def test_a_rank_without_gradients_measures_on_its_device():
 def test_fused_attention_with_grouped_query_heads_equals_the_matmul_path():
     """`attention_kernel = "sdpa"` with fewer key/value heads than query heads (grouped-query attention)
     gives the matmul path's loss and gradients."""
-    grouped = GPTConfig(**{**vars(CONFIG), "n_kv_heads": 2})
-    matmul, fused = GPT(grouped), GPT(GPTConfig(**{**vars(grouped), "attention_kernel": "sdpa"}))
-    fused.load_state_dict(matmul.state_dict())
-    ids, targets = _batches(1)[0]
-    losses = [model(ids, targets) for model in (matmul, fused)]
-    for loss in losses:
-        loss.backward()
-    torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=0)
-    for (name, a), b in zip(matmul.named_parameters(), fused.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=1e-7, msg=name)
+    _same_as_matmul_attention(GPTConfig(**{**vars(CONFIG), "n_kv_heads": 2}))
 
 
 def test_a_part_past_its_hard_limit_is_recorded_failed_even_through_code_that_catches_exception(tmp_path):
