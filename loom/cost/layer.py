@@ -50,7 +50,7 @@ from loom.cost.traffic import (
 from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
-    "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "fp8_cast_times", "gemm_shapes",
+    "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "ep_span", "fp8_cast_times", "gemm_shapes",
     "layer_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
 ]  # fmt: skip
 
@@ -413,11 +413,16 @@ def _cp_comm(
     return exposed_time(layer_cp, cp_span(plan, cluster), cluster, phase=phase, step_s=step_s)
 
 
+def ep_span(plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
+    """Where an expert-parallel group sits: ep ranks, expert tp apart (Megatron's order)."""
+    return group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+
+
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
     two token exchanges forward, their reverses backward), over ep groups of ranks etp apart; under DeepEP
     (`moe_dispatcher`) its dispatch and combine (`loom.cost.moe.deepep_layer_time`)."""
-    span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+    span = ep_span(plan, cluster)
     if plan.moe_dispatcher == "deepep":
         return deepep_layer_time(model, plan, span, cluster, phase)
     return sum(

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from loom.cost.collectives import collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, piece_costs
+from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, ep_span, piece_costs
 from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import LOOM_SYSTEM, RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
@@ -147,7 +147,7 @@ def _deepep_reasons(plan: ParallelPlan, cluster: Cluster) -> list[str]:
     with its counterpart in every other node, so the group must fill whole nodes alike."""
     if plan.ep == 1:
         return ["--moe-dispatcher deepep dispatches over the ep group: give --ep above 1"]
-    span = group_span(plan.ep, plan.etp, cluster.gpus_per_node)
+    span = ep_span(plan, cluster)
     if span.crosses_nodes and span.size % span.per_node:
         return [
             f"--moe-dispatcher deepep across nodes needs the ep group in whole nodes alike, but ep={plan.ep} "
