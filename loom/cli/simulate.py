@@ -121,6 +121,7 @@ RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a P
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
 SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling", "moe_sync")
+SYSTEM_FLAGS += ("whole_layer_recompute",)
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -224,6 +225,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="whether each MoE layer's dispatch makes the host wait for the device: dropless (default, as loom "
         "runs: the per-expert counts read on the host, so a short layer pass runs at the host's launch pace), "
         "token_drop (capacity factor, fixed shapes) or cuda_graph (the MoE layer captured in CUDA graphs)",
+    )
+    system.add_argument(
+        "--whole-layer-recompute",
+        action="store_true",
+        help="with --recompute full, each layer's whole forward runs again (Megatron-LM's and DeepSpeed's "
+        "checkpointing); loom's, torch's non-reentrant checkpoint, stops once the last tensor the backward "
+        "needs is rebuilt, before the MLP's output projection",
     )
     system.add_argument(
         "--blocking-p2p",
@@ -443,6 +451,8 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> P
         given["stage_layers"] = tuple(stages)
     if given.pop("blocking_p2p", False):
         given["overlap_p2p"] = False
+    if given.pop("whole_layer_recompute", False):
+        given["recompute_early_stop"] = False
     for flag, field in FLAG_FIELDS.items():
         if flag in given:
             given[field] = given.pop(flag)
@@ -460,6 +470,11 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> P
         args.fp8_scaling is not None and not priced.fp8_matmuls
     ):  # "current" is the default: the plan cannot tell
         raise PlanError([f"--fp8-scaling {args.fp8_scaling}: it scales fp8 GEMMs: give --fp8-matmuls too"])
+    if args.whole_layer_recompute and priced.recompute != "full":
+        raise PlanError(
+            [f"--whole-layer-recompute: it says how full recomputation runs (--recompute is {priced.recompute}): "
+             "give --recompute full too, or leave it out"]
+        )  # fmt: skip
     return priced
 
 

@@ -51,7 +51,7 @@ from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
     "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "ep_span", "fp8_cast_times", "gemm_shapes",
-    "layer_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time",
+    "layer_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time", "skips_mlp_out",
 ]  # fmt: skip
 
 Costs = dict[str, float]
@@ -404,6 +404,39 @@ def _op_sac_recompute(model: TransformerConfig, plan: ParallelPlan, cluster: Clu
     }
 
 
+def skips_mlp_out(model: TransformerConfig, plan: ParallelPlan) -> bool:
+    """Whether full recomputation leaves out each layer's MLP output projection: torch's non-reentrant
+    checkpoint stops once the last tensor the backward needs is rebuilt (`set_checkpoint_early_stop`, on by
+    default; `ParallelPlan.recompute_early_stop`), and a plain matmul packs the tensors it saves (its input
+    and weight) before it runs, so the projection, whose output feeds only the residual add (which saves
+    nothing), is never re-run. Not with dropout after it (its mask is rebuilt from that output), nor in a
+    mixture (the combine weighs each expert's output by its routing probability, saving the output), nor
+    where the projection is an autograd function that saves after computing (fp8 linears, Transformer
+    Engine's userbuffers of `overlap_tp_comm`)."""
+    dense_plain = not (model.is_moe or model.dropout or plan.fp8_matmuls or plan.overlap_tp_comm)
+    return plan.recompute == "full" and plan.recompute_early_stop and dense_plain
+
+
+def _stopped_early(forward: Costs, model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
+    """A layer's `forward` re-run by a recomputation that `skips_mlp_out`: less the output projection's
+    GEMM, the tensor-parallel sum after it (the row-parallel all-reduce, or sequence parallelism's
+    reduce-scatter) and the residual add."""
+    rows = shards_as_rows(plan)  # as `_layer_forward` priced the layer
+    mlp_out = _linear_times(model, rows, cluster)[3]
+    add = memory_time(cluster.device, _elementwise_bytes(model, rows)["residual"] / 2, kernels=1)
+    kind = "reduce_scatter" if rows.sequence_parallel else "all_reduce"
+    after = [
+        dataclasses.replace(c, count=1)
+        for c in layer_collectives(model, rows)
+        if c.phase == "forward" and c.kind == kind
+    ]
+    stopped = dict(forward)
+    stopped["matmul"] -= mlp_out
+    stopped["elementwise"] -= add
+    stopped["tp_comm"] -= _comm(after, "forward", rows, cluster)
+    return stopped
+
+
 def _cp_comm(
     layer_cp: list[StepCollective], plan: ParallelPlan, cluster: Cluster, phase: str, core_s: float
 ) -> float:
@@ -485,6 +518,8 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         layer_bwd["cp_comm"] = _cp_comm(layer_cp, plan, cluster, "backward", _total(core_bwd))
     if plan.recompute == "full":
         recompute = dict(fwd)  # the whole forward again, its collectives included
+        if skips_mlp_out(model, plan):
+            recompute = _stopped_early(recompute, model, plan, cluster)
     elif plan.recompute == "selective":
         recompute = {"matmul": 0.0, "elementwise": _total(core)}  # attention core; priced as one lump
     elif plan.recompute == "torchtitan_op":

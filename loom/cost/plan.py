@@ -160,12 +160,12 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
 SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
-SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync")
+SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync", "recompute_early_stop")
 # the values of those fields loom's own runtime runs, where it runs one only (the other values price other
 # training systems' runs: `loom simulate`'s flags, the validation set)
 LOOM_SYSTEM = {
     "overlap_p2p": True, "scatter_gather_p2p": False, "grad_accumulation": "fused", "fp8_matmuls": False,
-    "overlap_tp_comm": False, "moe_dispatcher": "all_to_all", "moe_sync": "dropless",
+    "overlap_tp_comm": False, "moe_dispatcher": "all_to_all", "moe_sync": "dropless", "recompute_early_stop": True,
 }  # fmt: skip
 
 
@@ -220,6 +220,13 @@ class ParallelPlan:
     whether that dispatch makes the host wait for the device in every MoE layer's forward ("dropless", what
     loom's runtime does), so that a short layer pass runs at the pace the host launches its kernels
     (`loom.cost.host`), or not ("token_drop", "cuda_graph").
+
+    `recompute_early_stop` says how far a layer's recomputation runs under `recompute = "full"`: torch's
+    non-reentrant checkpoint (loom's runtime, PyTorch FSDP's `checkpoint_wrapper`, torchtitan) stops once
+    the last tensor the backward needs is rebuilt (`set_checkpoint_early_stop`, on by default), so a layer
+    ending in its MLP's output projection and residual add does not re-run them
+    (`TransformerConfig.early_stop_skips_mlp_out`); False: the whole forward again (Megatron-LM's and
+    DeepSpeed's checkpoint functions).
     """
 
     dp: int = 1
@@ -253,6 +260,7 @@ class ParallelPlan:
     overlap_tp_comm: bool = False  # see the class docstring
     moe_dispatcher: str = "all_to_all"  # one of MOE_DISPATCHERS; see the class docstring
     moe_sync: str = "dropless"  # one of MOE_SYNCS; see the class docstring
+    recompute_early_stop: bool = True  # see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"

@@ -188,23 +188,29 @@ class TransformerConfig:
         order = [("wq", h, q), ("wk", h, kv), ("wv", h, kv), ("wo", q, h), *mlp]
         return order[0::2], order[1::2]  # the 1st, 3rd, ... mm saved; the 2nd, 4th, ... recomputed
 
-    def recompute_flops(self, batch: int, seq: int, recompute: str) -> float:
-        """Extra forward FLOPs that recomputation adds: the whole layers ('full'), attention cores
-        ('selective') or the matmuls torchtitan's op-level policy does not save ('torchtitan_op': its fused
-        attention kernel is saved)."""
+    def recompute_flops(self, batch: int, seq: int, recompute: str, *, skip_mlp_out: bool = False) -> float:
+        """Extra forward FLOPs that recomputation adds: the whole layers ('full'; less the MLP's output
+        projection with `skip_mlp_out`: `loom.cost.layer.skips_mlp_out`), attention cores ('selective') or the
+        matmuls torchtitan's op-level policy does not save ('torchtitan_op': its fused attention kernel is
+        saved)."""
         check_choice("recompute_flops", "recompute", recompute, PRICED_RECOMPUTE)
         if recompute == "none":
             return 0.0
         layer = self.layer_forward_flops_per_token(seq)
         if recompute == "torchtitan_op":
             per_layer = sum(2.0 * k * n for _, k, n in self.op_sac_matmuls()[1])
+        elif recompute == "full":
+            per_layer = layer["dense"] + layer["attention"]
+            if skip_mlp_out:
+                per_layer -= 2.0 * self.ffn * self.hidden
         else:
-            per_layer = layer["dense"] + layer["attention"] if recompute == "full" else layer["attention"]
+            per_layer = layer["attention"]
         return per_layer * self.layers * batch * seq
 
-    def hardware_flops(self, batch: int, seq: int, recompute: str) -> float:
-        """FLOPs the devices execute, recomputation included."""
-        return self.model_flops(batch, seq) + self.recompute_flops(batch, seq, recompute)
+    def hardware_flops(self, batch: int, seq: int, recompute: str, *, skip_mlp_out: bool = False) -> float:
+        """FLOPs the devices execute, recomputation included (`skip_mlp_out`: see `recompute_flops`)."""
+        flops = self.recompute_flops(batch, seq, recompute, skip_mlp_out=skip_mlp_out)
+        return self.model_flops(batch, seq) + flops
 
 
 def transformer_config(config: GPTConfig, name: str = "gpt") -> TransformerConfig:

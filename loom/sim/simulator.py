@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from loom.cost.collectives import collective_time, group_span
 from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, ep_span, piece_costs
+from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, ep_span, piece_costs, skips_mlp_out
 from loom.cost.memory import OPTIMIZER_BYTES
 from loom.cost.plan import LOOM_SYSTEM, RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
@@ -431,7 +431,9 @@ def simulate(
     peak_gib, capacity = sum(fullest.values()) / GIB, cluster.device.memory_gib
     tokens = plan.global_batch * plan.seq
     model_flops = model.model_flops(plan.global_batch, plan.seq)
-    hardware_flops = model.hardware_flops(plan.global_batch, plan.seq, plan.recompute)
+    hardware_flops = model.hardware_flops(
+        plan.global_batch, plan.seq, plan.recompute, skip_mlp_out=skips_mlp_out(model, plan)
+    )
     peak_flops = cluster.device.peak(plan.dtype) * plan.devices
     fits = peak_gib <= capacity
     # FSDP's copies are sized by the shard group the sharded timeline above used: dp x cp
