@@ -9,7 +9,7 @@ import pytest
 
 from loom.cost.hardware import get_cluster
 from loom.cost.host import Segment, host_bound_pass
-from loom.cost.layer import layer_kernels, piece_costs
+from loom.cost.layer import MOE_KERNELS, layer_kernels, moe_kernels, piece_costs
 from loom.cost.plan import FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.sim import simulate
@@ -61,11 +61,70 @@ def test_bad_segments_and_launch_costs_are_refused():
 def test_layer_kernels_of_a_small_mixture():
     """ep 4 of 8 experts: 2 local experts. Forward: query/key/value, output projection, 2 linears x 2 local
     experts, router (7 GEMMs), one fused attention kernel, 6 memory-bound kernels and 3 all-to-alls (counts,
-    dispatch, combine): 17. Backward: 14 GEMMs, 1, 6 and the 2 reverse all-to-alls: 23."""
+    dispatch, combine): 17; Megatron-Core's MoE layer adds its router's 8 (random logits 2, fused top-k,
+    aux-loss scores, tokens per expert, aux loss, logging 2), the permutation's 4 (row-id map 3, unpermute),
+    the all-to-all dispatcher's 12 (split sizes 7, copies to the host 4, the probs' all-to-all) and the sort
+    by local expert's 4: 45. Backward: 14 GEMMs, 1, 6 and the 2 reverse all-to-alls: 23; the router's 10
+    (aux-loss gradient 2, three fused backwards, the logits' gradients summed, fp32 casts 4), the weighted
+    SwiGLU's probs gradient, the unpermute's permute, the probs' all-to-all and the two sorts back: 38."""
     plan = ParallelPlan(dp=4, ep=4, global_batch=4, seq=16, flash_attention=True)
-    assert layer_kernels(MOE, plan, CLUSTER) == {"forward": 17, "backward": 23}
-    deepep = plan.replace(moe_dispatcher="deepep")  # the counts' all-to-all, a dispatch and a combine
-    assert layer_kernels(MOE, deepep, CLUSTER) == {"forward": 17, "backward": 23}
+    assert layer_kernels(MOE, plan, CLUSTER) == {"forward": 45, "backward": 38}
+    # DeepEP: layout, notify + dispatch, notify + combine (5) for the 3 all-to-alls; its top-k (2) and
+    # multihot map (17) for the split sizes, copies, probs' exchange and sort; backward 4 + 3 for 2 + 1 + 2
+    deepep = plan.replace(moe_dispatcher="deepep")
+    assert layer_kernels(MOE, deepep, CLUSTER) == {"forward": 50, "backward": 40}
+    # Hybrid-EP: all-gather, metadata, row-id map, dispatch, unpermute, combine (6), and no separate
+    # permutation: forward 17 - 3 + 6 + 8, backward 23 - 2 + 3 + 10 + 1
+    hybrid = plan.replace(moe_dispatcher="hybridep")
+    assert layer_kernels(MOE, hybrid, CLUSTER) == {"forward": 28, "backward": 35}
+
+
+def test_moe_kernels_pieces_follow_the_plan():
+    """Which rows of the table a layer launches: the counts' all-reduce over tp x cp, the exchanges of the
+    probs over expert tp, the flex dispatcher's copies over expert tp, fp8 padding except under Hybrid-EP,
+    the sort only with more than one local expert, nothing for a dense model."""
+    plan = ParallelPlan(dp=4, ep=4, global_batch=4, seq=16, flash_attention=True)
+    assert list(moe_kernels(MOE, plan)) == [
+        "router",
+        "experts",
+        "permutation",
+        "all_to_all",
+        "all_to_all_sort",
+    ]
+    tp = ParallelPlan(tp=2, dp=4, ep=4, global_batch=4, seq=16, sequence_parallel=True, fp8_matmuls=True)
+    assert list(moe_kernels(MOE, tp)) == [
+        "router", "experts", "router_tp", "permutation", "fp8_padding", "all_to_all", "all_to_all_etp",
+        "all_to_all_sort",
+    ]  # fmt: skip
+    assert "all_to_all_sort" not in moe_kernels(
+        MOE, tp.replace(ep=8, dp=8, global_batch=8)
+    )  # one expert each
+    whole = tp.replace(expert_tp=1, moe_dispatcher="hybridep")
+    assert list(moe_kernels(MOE, whole)) == ["router", "experts", "router_tp"]
+    assert list(moe_kernels(MOE, whole.replace(expert_tp=2, moe_dispatcher="deepep")))[-2:] == [
+        "deepep",
+        "flex_etp",
+    ]
+    assert moe_kernels(MOE.replace(experts=1, top_k=1), ParallelPlan(global_batch=1, seq=8)) == {}
+    # the table's totals per layer pass, forward / backward
+    totals = {
+        name: (sum(k.forward for k in rows), sum(k.backward for k in rows))
+        for name, rows in MOE_KERNELS.items()
+    }
+    assert totals == {
+        "router": (8, 10), "router_tp": (1, 0), "experts": (0, 1), "permutation": (4, 1), "fp8_padding": (3, 3),
+        "all_to_all": (12, 1), "all_to_all_etp": (3, 3), "all_to_all_sort": (4, 2), "deepep": (19, 3),
+        "flex_etp": (2, 0),
+    }  # fmt: skip
+
+
+def test_hybridep_sends_as_deepep_and_launches_its_own_kernels():
+    plan = ParallelPlan(dp=4, ep=4, global_batch=4, seq=16, flash_attention=True, moe_dispatcher="deepep")
+    deepep, hybrid = (piece_costs(MOE, p, CLUSTER) for p in (plan, plan.replace(moe_dispatcher="hybridep")))
+    assert (hybrid.layer_fwd["ep_comm"], hybrid.layer_bwd["ep_comm"]) == (
+        deepep.layer_fwd["ep_comm"], deepep.layer_bwd["ep_comm"],
+    )  # fmt: skip
+    assert hybrid.layer_fwd["host_bound"] < deepep.layer_fwd["host_bound"]  # 28 launches, not 50
 
 
 def _device(costs):
@@ -75,7 +134,7 @@ def _device(costs):
 def test_a_short_layer_pass_runs_at_the_host_pace():
     plan = ParallelPlan(dp=4, ep=4, global_batch=4, seq=16, flash_attention=True)
     pieces = piece_costs(MOE, plan, CLUSTER)
-    for costs, kernels in ((pieces.layer_fwd, 17), (pieces.layer_bwd, 23)):
+    for costs, kernels in ((pieces.layer_fwd, 45), (pieces.layer_bwd, 38)):
         device = _device(costs)
         assert device < kernels * LAUNCH  # a short pass: the host is the slower timeline
         # each kernel runs when enqueued: the last one ends its share of the device time after the last launch
@@ -89,7 +148,7 @@ def test_a_long_layer_pass_hides_the_host():
     plan = ParallelPlan(dp=4, ep=4, global_batch=4, micro_batch=1, seq=8192, flash_attention=True)
     model = MOE.replace(hidden=2048, heads=16)
     pieces = piece_costs(model, plan, CLUSTER)
-    assert _device(pieces.layer_fwd) > 17 * LAUNCH
+    assert _device(pieces.layer_fwd) > 45 * LAUNCH
     assert pieces.layer_fwd["host_bound"] == pytest.approx(LAUNCH, rel=1e-9)  # only the launch after the sync
 
 

@@ -123,6 +123,7 @@ def test_modelzoo_deepep_rows_run_deepeps_dispatch():
 def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():
     # experts whole (expert_tensor_parallel_size=1), so Qwen3-235B's ep 32 over tp 2 x dp 16 is simulated;
     # Qwen3-30B-A3B's Hybrid-EP over ep 16 (two nodes) dispatches once per destination node, as DeepEP
+    # (`moe_dispatcher = "hybridep"`: sent as DeepEP's, its own kernels permuting the rows)
     cases, skipped = published_cases()
     bridge = {c.label: c.plan for c in cases if c.source.startswith("nvidia2026")}
     qwen = {label: plan for label, plan in bridge.items() if label.startswith("qwen3")}
@@ -133,7 +134,7 @@ def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():
     assert {"qwen3_30b_a3b 25.11 fp8-cs", "qwen3_30b_a3b 26.02.01 fp8"} <= set(qwen)
     assert (qwen["qwen3_30b_a3b 26.06 fp8"].ep, qwen["qwen3_30b_a3b 26.06 fp8"].moe_dispatcher) == (
         16,
-        "deepep",
+        "hybridep",
     )
     assert [s.label for s in skipped if "qwen3_30b" in s.label] == [
         "qwen3_30b_a3b 25.09"

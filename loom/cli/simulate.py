@@ -216,8 +216,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     system.add_argument(
         "--moe-dispatcher",
         choices=MOE_DISPATCHERS,
-        help="how tokens reach their experts' ranks: all_to_all (default, a copy per routed expert) or deepep "
-        "(DeepEP's kernels: a copy per destination rank, across nodes one per node forwarded over NVLink)",
+        help="how tokens reach their experts' ranks: all_to_all (default, a copy per routed expert), deepep "
+        "(DeepEP's kernels: a copy per destination rank, across nodes one per node forwarded over NVLink) or "
+        "hybridep (Hybrid-EP: sent as DeepEP's, its own kernels permuting the rows)",
     )
     system.add_argument(
         "--moe-sync",

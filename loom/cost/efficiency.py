@@ -59,12 +59,14 @@ MEMORY_EFFICIENCY = 0.876
 # fraction of a link's bandwidth that NCCL collectives reach as bus bandwidth
 LINK_EFFICIENCY = 0.948
 # seconds of host work per kernel loom counts in a layer pass (`loom.cost.layer.layer_kernels`: eager PyTorch's
-# dispatch, the framework's Python around each op, the kernels loom does not count, the driver's launch): what a
-# pass costs when the host, not the device, sets its pace after each host-device synchronisation of a dropless MoE
-# dispatch (`loom.cost.host`, `ParallelPlan.moe_sync`). No published measurement gives it per counted kernel;
-# fitted 2026-11-25 on the fit half alone, the other constants held (`--fit`'s golden section on it), where only
-# the Megatron-Bridge Qwen3 rows depend on it (docs/simulator.md)
-HOST_KERNEL_S = 26.018e-6
+# dispatch, the framework's Python around each op, the driver's launch): what a pass costs when the host, not the
+# device, sets its pace after each host-device synchronisation of a dropless MoE dispatch (`loom.cost.host`,
+# `ParallelPlan.moe_sync`). The kernels are Megatron-Core's, router, permutation and dispatcher included
+# (`loom.cost.layer.MOE_KERNELS`). No published measurement gives it per kernel; fitted 2026-11-25 on the fit
+# half alone, the other constants held (`--fit`'s golden section on it, 10 steps), where only the Megatron-Bridge
+# Qwen3 rows depend on it: 26.0 us with loom's GEMMs, norms and collectives alone, 37.3 us with Megatron's
+# MoE kernels counted (docs/simulator.md)
+HOST_KERNEL_S = 37.326e-6
 
 # the range the fit searches for each constant (names as `loom.sim.validation.fit` knows them)
 FIT_BOUNDS = {

@@ -34,8 +34,8 @@ from loom.cost.compute import (
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.host import Segment, host_bound_pass
-from loom.cost.moe import COUNTS, deepep_layer_time, layer_moe_collectives
-from loom.cost.plan import RING_ATTENTIONS, ParallelPlan
+from loom.cost.moe import deepep_layer_time, layer_moe_collectives
+from loom.cost.plan import DEEPEP_DISPATCHERS, RING_ATTENTIONS, ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
     attention_collectives,
@@ -51,7 +51,8 @@ from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
     "Costs", "PieceCosts", "UB_PIPELINE_SPLITS", "check_tp_overlap", "cp_span", "ep_span", "fp8_cast_times", "gemm_shapes",
-    "layer_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time", "ring_exchange_time", "skips_mlp_out",
+    "MOE_KERNELS", "MoeKernels", "layer_kernels", "moe_kernels", "overlapped_tp_time", "piece_costs", "pipelined_scatter_time",
+    "ring_exchange_time", "skips_mlp_out",
 ]  # fmt: skip
 
 Costs = dict[str, float]
@@ -454,9 +455,9 @@ def ep_span(plan: ParallelPlan, cluster: Cluster) -> GroupSpan:
 def _ep_comm(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster, phase: str) -> float:
     """Seconds of one MoE layer's expert-parallel all-to-alls in `phase` (`loom.cost.moe`: the counts and
     two token exchanges forward, their reverses backward), over ep groups of ranks etp apart; under DeepEP
-    (`moe_dispatcher`) its dispatch and combine (`loom.cost.moe.deepep_layer_time`)."""
+    or Hybrid-EP (`moe_dispatcher`) its dispatch and combine (`loom.cost.moe.deepep_layer_time`)."""
     span = ep_span(plan, cluster)
-    if plan.moe_dispatcher == "deepep":
+    if plan.moe_dispatcher in DEEPEP_DISPATCHERS:
         return deepep_layer_time(model, plan, span, cluster, phase)
     return sum(
         c.count * collective_time(c.kind, c.nbytes, span, cluster)
@@ -562,12 +563,123 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     )
 
 
+@dataclass(frozen=True)
+class MoeKernels:
+    """Kernels one piece of Megatron-Core's MoE layer launches in a layer's forward and in its backward, beyond
+    the work loom prices (`MOE_KERNELS`); `piece` says what launches them, and where in the code."""
+
+    piece: str
+    forward: int
+    backward: int
+
+
+# What Megatron-Core's MoE layer launches in a layer pass beyond the work loom prices as such (the linears' GEMMs,
+# the router's among them; one permutation and the activation, of `ELEMENTWISE_KERNELS`; the ep exchanges of
+# `_ep_launches`), read in megatron/core/transformer/moe/ at core_v0.15.0 (to February 2026 for Hybrid-EP) with
+# Transformer Engine 2.8, as the published MoE runs configure it: force-balanced routing
+# (`--moe-router-force-load-balancing`, every Qwen3 row), TE's fused router (`moe_router_fusion`, Megatron-
+# Bridge's perf configs) in fp32 with the aux loss, TE's fused permutation (`moe_permute_fusion`), the grouped
+# GEMM, the fused weighted SwiGLU. One kernel per PyTorch op that writes a tensor; three per boolean-mask
+# selection or tensor-sized repeat_interleave (the count, its copy to the host, the selection). A table of
+# launches, not a fitted factor: what the host enqueues after each sync (`moe_kernels` picks the rows).
+MOE_KERNELS = {
+    # router.py `TopKRouter.forward` / `routing`, moe_utils.py; every dispatcher
+    "router": (
+        MoeKernels("random logits: RandomSTE.forward's clone and normal_", 2, 0),
+        MoeKernels("top-k of the softmax: TE fused_topk_with_score_function (forward, backward)", 1, 1),
+        MoeKernels("aux-loss scores: TE fused_compute_score_for_moe_aux_loss", 1, 1),
+        MoeKernels("tokens per expert for the aux loss: routing_map.sum", 1, 0),
+        MoeKernels("aux loss: TE fused_moe_aux_loss", 1, 1),
+        MoeKernels("aux-loss logging: loss / coefficient, the tracker's +=", 2, 0),
+        MoeKernels("aux-loss gradient: MoEAuxLossAutoScaler.backward's ones_like and scale", 0, 2),
+        MoeKernels("the logits' gradients from top-k and from the aux loss summed", 0, 1),
+        MoeKernels(
+            "fp32 router: RouterGatingLinearFunction.backward's casts (weight, input, two gradients)", 0, 4
+        ),
+    ),
+    # `_apply_aux_loss`: the tokens per expert summed over tp x cp
+    "router_tp": (MoeKernels("all-reduce of the aux loss's tokens per expert over tp x cp", 1, 0),),
+    # experts.py `TEGroupedMLP`: fusions/fused_bias_swiglu.py's weighted SwiGLU
+    "experts": (MoeKernels("weighted SwiGLU's probs gradient: its backward's row sum", 0, 1),),
+    # moe_utils.py `permute` / `unpermute` with fused=True (TE pytorch/triton/permutation.py), where the
+    # dispatcher does not permute the rows itself (all-to-all, DeepEP)
+    "permutation": (
+        MoeKernels("row-id map: make_row_id_map's three Triton passes", 3, 0),
+        MoeKernels(
+            "unpermute (and in backward the permute that reverses it): TE unpermute_with_mask_map", 1, 1
+        ),
+    ),
+    # `TEGroupedMLP.forward` under fp8: TE Fp8Padding / Fp8Unpadding (moe_router_padding_for_fp8 off); Hybrid-EP
+    # pads each expert's rows itself (`pad_multiple`)
+    "fp8_padding": (MoeKernels("rows and probs padded per expert, the output unpadded", 3, 3),),
+    # token_dispatcher.py `MoEAlltoAllTokenDispatcher.preprocess` / `token_dispatch` without a capacity factor
+    "all_to_all": (
+        MoeKernels(
+            "split sizes: routing_map.sum and .long, per-rank, per-tp, per-local-expert sums, a slice", 7, 0
+        ),
+        MoeKernels("the sync's copies to the host: tokens per expert, input, output and tp splits", 4, 0),
+        MoeKernels("probs' all-to-all beside the tokens' (the dispatch, and in backward its reverse)", 1, 1),
+    ),
+    # `dispatch_postprocess` / `combine_preprocess` with expert tp: the probs gathered, fp32 around the combine
+    "all_to_all_etp": (
+        MoeKernels("probs' all-gather over expert tp; casts around the reduce-scatter", 3, 3),
+    ),
+    # `sort_chunks_by_idxs` fused: rows sorted by local expert after the dispatch, back before the combine
+    "all_to_all_sort": (
+        MoeKernels("chunks sorted by local expert: make_chunk_sort_map, sort_chunks_by_map", 4, 2),
+    ),
+    # token_dispatcher.py `_DeepepManager` (the flex dispatcher's DeepEP backend)
+    "deepep": (
+        MoeKernels("top-k indices of the probs: torch.topk's selection and sort", 2, 0),
+        MoeKernels(
+            "multihot map of the received indices: _indices_to_multihot's zeros x2, mask, two boolean "
+            "selections, sum, arange, repeat_interleave, two index_puts, bool (backward: the probs' gather "
+            "and masked scatter)",
+            17,
+            3,
+        ),
+    ),
+    # `MoEFlexTokenDispatcher._initialize_metadata` (DeepEP and Hybrid-EP): map and probs expanded over expert tp
+    "flex_etp": (MoeKernels("routing map and probs expanded over expert tp: two contiguous copies", 2, 0),),
+}
+# the dispatchers' own kernels per layer pass, by phase (`_ep_launches`). DeepEP's normal kernels
+# (csrc/deep_ep.cpp): forward the dispatch layout, a dispatch (notify, dispatch) and a combine (notify, combine);
+# backward the combine and the dispatch reversed, 2 each. Hybrid-EP (DeepEP's hybrid-ep branch, csrc/hybrid_ep/
+# executor/executor.cu, as Megatron-Core's `_HybridEPManager` calls it): forward the routing map's all-gather,
+# the metadata preprocessing, the row-id map (permute_preprocessing), the dispatch and, in the combine, the
+# unpermute and the combine; its permute kernel is the permutation of `ELEMENTWISE_KERNELS`; backward the
+# unpermute, the combine and the dispatch (the handle's maps reused)
+DISPATCH_LAUNCHES = {"deepep": {"forward": 5, "backward": 4}, "hybridep": {"forward": 6, "backward": 3}}
+
+
+def moe_kernels(model: TransformerConfig, plan: ParallelPlan) -> dict[str, tuple[MoeKernels, ...]]:
+    """The pieces of `MOE_KERNELS` one MoE layer launches on one rank under `plan`: the router and the experts'
+    always; the counts' all-reduce with tp x cp > 1; the permutation and, with `fp8_matmuls`, the padding
+    unless Hybrid-EP does both; the dispatcher's own with ep or expert tp above 1 (Megatron-Core's dispatchers
+    skip their exchanges at 1)."""
+    if not model.is_moe:
+        return {}
+    hybrid = plan.moe_dispatcher == "hybridep"
+    names = ["router", "experts"]
+    names += ["router_tp"] if plan.tp * plan.cp > 1 else []
+    names += [] if hybrid else ["permutation", *(["fp8_padding"] if plan.fp8_matmuls else [])]
+    if plan.ep * plan.etp > 1:
+        if plan.moe_dispatcher == "all_to_all":
+            names.append("all_to_all")
+            names += ["all_to_all_etp"] if plan.etp > 1 else []
+            names += ["all_to_all_sort"] if model.experts > plan.ep else []
+        else:
+            names += [] if hybrid else ["deepep"]
+            names += ["flex_etp"] if plan.etp > 1 else []
+    return {name: MOE_KERNELS[name] for name in names}
+
+
 def layer_kernels(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> dict[str, int]:
-    """Kernels the host launches for one layer pass on one rank, by phase ("forward", "backward"), as the
-    cost model prices them: the linear layers' GEMMs (a mixture's experts one per local expert and linear, as
-    Transformer Engine's grouped GEMM launches them from host-side counts; two per GEMM backward, input and
-    weight gradients), the attention core's kernels, `ELEMENTWISE_KERNELS`, fp8 casts (`fp8_cast_times`),
-    and one per collective over tp, ep (the counts' exchange, dispatch, combine) and cp."""
+    """Kernels the host launches for one layer pass on one rank, by phase ("forward", "backward"): the linear
+    layers' GEMMs (a mixture's experts one per local expert and linear, as Transformer Engine's grouped GEMM
+    launches them from host-side counts; two per GEMM backward, input and weight gradients), the attention
+    core's kernels, `ELEMENTWISE_KERNELS`, fp8 casts (`fp8_cast_times`), one per collective over tp, ep and cp
+    (`_ep_launches`), and a mixture's router, permutation and dispatcher kernels (`moe_kernels`)."""
     rows = shards_as_rows(plan)
     gemms = sum(round(batch) for *_, batch in _layer_gemms(model, rows))
     if plan.cp > 1 and plan.attention in RING_ATTENTIONS:
@@ -576,23 +688,24 @@ def layer_kernels(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster
         core = 1 if plan.flash_attention else 4
     casts = _fp8_cast_passes(model, rows, cluster)
     collectives = layer_collectives(model, rows) + attention_collectives(model, plan)
+    moe = [piece for pieces in moe_kernels(model, plan).values() for piece in pieces]
     out = {}
     for phase, per_gemm in (("forward", 1), ("backward", 2)):
         exchanges = sum(c.count for c in collectives if c.phase == phase) + _ep_launches(model, plan, phase)
         launches = per_gemm * gemms + core + ELEMENTWISE_KERNELS + exchanges
+        launches += sum(getattr(piece, phase) for piece in moe)
         out[phase] = launches + sum(kernels for p, _, kernels in casts if p == phase)
     return out
 
 
 def _ep_launches(model: TransformerConfig, plan: ParallelPlan, phase: str) -> int:
-    """Expert-parallel exchanges of one MoE layer in `phase` (`_ep_comm`'s): the all-to-alls, or under DeepEP
-    the counts' all-to-all (forward) and its dispatch and combine."""
+    """Expert-parallel exchanges of one MoE layer in `phase` (`_ep_comm`'s): the all-to-alls, or DeepEP's or
+    Hybrid-EP's kernels (`DISPATCH_LAUNCHES`: they compute their layouts on the device, no counts' all-to-all)."""
     if not model.is_moe or plan.ep == 1:
         return 0
-    moe = [c for c in layer_moe_collectives(model, plan) if c.phase == phase]
-    if plan.moe_dispatcher == "deepep":
-        return sum(c.source == COUNTS for c in moe) + 2
-    return len(moe)
+    if plan.moe_dispatcher in DISPATCH_LAUNCHES:
+        return DISPATCH_LAUNCHES[plan.moe_dispatcher][phase]
+    return sum(c.phase == phase for c in layer_moe_collectives(model, plan))
 
 
 def _host_bound(device_s: float, kernels: int, cluster: Cluster) -> float:

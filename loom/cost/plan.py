@@ -32,6 +32,7 @@ __all__ = [
     "FP8_SCALINGS",
     "LOOM_SYSTEM",
     "MOE_DISPATCHERS",
+    "DEEPEP_DISPATCHERS",
     "MOE_SYNCS",
     "UNIT_COPIES",
     "UNIT_COPY_LEVELS",
@@ -86,8 +87,11 @@ GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "separate", "flat_copy", "copy_i
 UNIT_COPIES: tuple[str, ...] = ("flat_copy", "copy_in_out")
 UNIT_COPY_LEVELS: tuple[int, ...] = (2, 3)
 # how a mixture's tokens reach their experts' ranks: loom's all-to-all (a copy per routed expert), or DeepEP's
-# kernels (a copy per destination rank, across nodes one per node forwarded over NVLink: `loom.cost.moe`)
-MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep")
+# kernels (a copy per destination rank, across nodes one per node forwarded over NVLink: `loom.cost.moe`), or
+# NVIDIA's Hybrid-EP (DeepEP's hybrid-ep branch), which sends as DeepEP does and permutes the rows in its own
+# dispatch and combine kernels (`loom.cost.layer.DISPATCH_LAUNCHES`)
+MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "deepep", "hybridep")
+DEEPEP_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep")  # priced as DeepEP's kernels send
 # how fp8 GEMM operands are scaled (Transformer Engine's recipes): "current" (Float8CurrentScaling, TE 2.x:
 # an amax of each tensor before its cast) or "delayed" (DelayedScaling, TE 1.x's only recipe: the scale from
 # the amax history, the new amax recorded by the cast kernel itself)
@@ -216,7 +220,8 @@ class ParallelPlan:
     `moe_dispatcher` is how a mixture's tokens reach their experts' ranks: "all_to_all" (loom's runtime:
     one copy per routed expert) or "deepep" (DeepEP's kernels, Megatron-Core's flex dispatcher: one copy per
     destination rank, and across nodes one per destination node over RDMA, forwarded inside it over NVLink;
-    `loom.cost.moe.deepep_bytes`). loom's runtime does not run DeepEP. `moe_sync` (one of `MOE_SYNCS`) says
+    `loom.cost.moe.deepep_bytes`) or "hybridep" (NVIDIA's Hybrid-EP, the flex dispatcher's other backend: sent
+    as DeepEP's, its own kernels permuting the rows). loom's runtime runs neither. `moe_sync` (one of `MOE_SYNCS`) says
     whether that dispatch makes the host wait for the device in every MoE layer's forward ("dropless", what
     loom's runtime does), so that a short layer pass runs at the pace the host launches its kernels
     (`loom.cost.host`), or not ("token_drop", "cuda_graph").

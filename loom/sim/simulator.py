@@ -24,7 +24,7 @@ from loom.cost.compute import DTYPE_BYTES, memory_time
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.layer import Costs, PieceCosts, check_tp_overlap, ep_span, piece_costs, skips_mlp_out
 from loom.cost.memory import OPTIMIZER_BYTES
-from loom.cost.plan import LOOM_SYSTEM, RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
+from loom.cost.plan import DEEPEP_DISPATCHERS, LOOM_SYSTEM, RING_ATTENTIONS, UNIT_COPIES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 from loom.cost.zero3 import (
@@ -122,7 +122,7 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
             reasons.append(
                 f"{flag} {getattr(plan, name)} says how MoE layers dispatch: it needs a mixture-of-experts model (--experts)"
             )
-    if plan.moe_dispatcher == "deepep" and model.is_moe:
+    if plan.moe_dispatcher in DEEPEP_DISPATCHERS and model.is_moe:
         reasons += _deepep_reasons(plan, cluster)
     if plan.schedule == "interleaved" and plan.interleave > 1 and plan.micro_batches % plan.pp:
         reasons.append(
@@ -143,14 +143,15 @@ def check_plan(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
 
 
 def _deepep_reasons(plan: ParallelPlan, cluster: Cluster) -> list[str]:
-    """Why DeepEP cannot dispatch over `plan`'s ep groups: across nodes its internode kernels pair each rank
-    with its counterpart in every other node, so the group must fill whole nodes alike."""
+    """Why DeepEP (or Hybrid-EP) cannot dispatch over `plan`'s ep groups: across nodes its internode kernels
+    pair each rank with its counterpart in every other node, so the group must fill whole nodes alike."""
+    flag = f"--moe-dispatcher {plan.moe_dispatcher}"
     if plan.ep == 1:
-        return ["--moe-dispatcher deepep dispatches over the ep group: give --ep above 1"]
+        return [f"{flag} dispatches over the ep group: give --ep above 1"]
     span = ep_span(plan, cluster)
     if span.crosses_nodes and span.size % span.per_node:
         return [
-            f"--moe-dispatcher deepep across nodes needs the ep group in whole nodes alike, but ep={plan.ep} "
+            f"{flag} across nodes needs the ep group in whole nodes alike, but ep={plan.ep} "
             f"({plan.etp} apart) holds {span.per_node} ranks in some of its {span.nodes} nodes and "
             f"{span.size % span.per_node} in the last: use an ep that is a multiple of {span.per_node}, or one "
             "inside a node"

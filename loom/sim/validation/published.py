@@ -71,8 +71,8 @@ ARCHITECTURES: dict[str, dict[str, int]] = {
 # moe_dispatcher`: Megatron-Core's alltoall dispatcher sends a copy per routed expert, as loom's all-to-all;
 # DeepEP (`--moe-token-dispatcher-type flex --moe-enable-deepep`) a copy per destination rank, across nodes one
 # per node (`loom.cost.moe`); NVIDIA's Hybrid-EP, DeepEP's hierarchical backend (RDMA between nodes, NVLink
-# inside them), dispatches to the experts' nodes and ranks alike
-DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep", "HybridEP": "deepep"}
+# inside them), dispatches to the experts' nodes and ranks alike, permuting the rows in its own kernels
+DISPATCHERS = {"A2A": "all_to_all", "DeepEP": "deepep", "HybridEP": "hybridep"}
 
 
 def jean_zay() -> Cluster:
