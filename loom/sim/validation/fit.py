@@ -30,6 +30,7 @@ CURRENT = {
     "memory": efficiency.MEMORY_EFFICIENCY,
     "link": efficiency.LINK_EFFICIENCY,
     "host_kernel_us": efficiency.HOST_KERNEL_S * 1e6,
+    "matmul_knee": efficiency.MATMUL_KNEE,
 }
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -44,6 +45,7 @@ def apply(cluster: Cluster, constants: dict[str, float]) -> Cluster:
         attention_efficiency=constants[f"attention_{generation}"],
         memory_efficiency=constants["memory"],
         host_kernel_s=constants["host_kernel_us"] * 1e-6,
+        matmul_knee=constants["matmul_knee"],
     )
     intra = dataclasses.replace(cluster.intra, efficiency=constants["link"])
     inter = dataclasses.replace(cluster.inter, efficiency=constants["link"])
