@@ -223,3 +223,18 @@ def test_the_search_holds_every_system_field_a_plan_gives_and_refuses_others() -
         to_plan(found.best)
     with pytest.raises(TypeError, match=r"\['fp8_scalin'\] are not fields of how a system runs a plan"):
         search_plans(SMALL, cluster, 8, 64, 2048, fp8_scalin="delayed")
+
+
+def test_whole_layer_recompute_is_foreign_only_to_a_plan_that_recomputes_whole_layers() -> None:
+    # Megatron-LM's whole-layer recomputation: a candidate with full recomputation is another system's run,
+    # one with none or selective recomputation is loom's own
+    cluster = PROFILES["h100-sxm"].with_size(8)
+    for recompute, foreign in (("full", True), ("selective", False), ("none", False)):
+        found = search_plans(
+            SMALL, cluster, 8, 64, 2048, keep=1, recompute=(recompute,), recompute_early_stop=False
+        )
+        if foreign:
+            with pytest.raises(ValueError, match=r"recompute_early_stop = False\), which loom"):
+                to_plan(found.best)
+        else:
+            assert to_plan(found.best).recompute == recompute

@@ -700,7 +700,9 @@ def layer_kernels(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster
 
 def _ep_launches(model: TransformerConfig, plan: ParallelPlan, phase: str) -> int:
     """Expert-parallel exchanges of one MoE layer in `phase` (`_ep_comm`'s): the all-to-alls, or DeepEP's or
-    Hybrid-EP's kernels (`DISPATCH_LAUNCHES`: they compute their layouts on the device, no counts' all-to-all)."""
+    Hybrid-EP's kernels (`DISPATCH_LAUNCHES`: they compute their layouts on the device, and their notify
+    kernels exchange the per-expert counts, whose time `loom.cost.moe.deepep_layer_time` prices as the counts'
+    all-to-all: no NCCL launch of its own)."""
     if not model.is_moe or plan.ep == 1:
         return 0
     if plan.moe_dispatcher in DISPATCH_LAUNCHES:

@@ -230,7 +230,7 @@ class ParallelPlan:
     non-reentrant checkpoint (loom's runtime, PyTorch FSDP's `checkpoint_wrapper`, torchtitan) stops once
     the last tensor the backward needs is rebuilt (`set_checkpoint_early_stop`, on by default), so a layer
     ending in its MLP's output projection and residual add does not re-run them
-    (`TransformerConfig.early_stop_skips_mlp_out`); False: the whole forward again (Megatron-LM's and
+    (`loom.cost.layer.skips_mlp_out`); False: the whole forward again (Megatron-LM's and
     DeepSpeed's checkpoint functions).
     """
 

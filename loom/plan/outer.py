@@ -296,7 +296,10 @@ def to_plan(candidate: Candidate) -> Plan:
     """`candidate` as a `loom.plan.Plan` with its predictions (the inverse of `Plan.parallel_plan`:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
-    if foreign := {key: getattr(p, key) for key, ours in LOOM_SYSTEM.items() if getattr(p, key) != ours}:
+    foreign = {key: getattr(p, key) for key, ours in LOOM_SYSTEM.items() if getattr(p, key) != ours}
+    if p.recompute != "full":  # how far full recomputation runs says nothing of a plan without it
+        foreign.pop("recompute_early_stop", None)
+    if foreign:
         raise ValueError(
             f"to_plan: this candidate prices another system's ways ({', '.join(f'{k} = {v!r}' for k, v in foreign.items())}), "
             "which loom's runtime does not run: search without them for a loom Plan"
