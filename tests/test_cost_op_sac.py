@@ -10,7 +10,7 @@ from loom.cost.compute import matmul_time, memory_time
 from loom.cost.hardware import get_cluster
 from loom.cost.layer import piece_costs
 from loom.cost.memory import layer_activation_bytes
-from loom.cost.plan import PRICED_RECOMPUTE, RECOMPUTE, FieldError, ParallelPlan
+from loom.cost.plan import PRICED_RECOMPUTE, RECOMPUTE, TORCHTITAN_LAYER_EVERY, FieldError, ParallelPlan
 from loom.cost.transformer import TransformerConfig
 from loom.plan import Plan
 from loom.plan.outer import search_plans
@@ -121,3 +121,32 @@ def test_a_model_it_cannot_price_is_an_impossible_plan_naming_the_flag():
 def test_it_is_priced_only_as_torchtitan_ran_it(change):
     with pytest.raises(FieldError, match="flash_attention, cp = 1 and no fp8_matmuls"):
         PLAN.replace(dp=2, global_batch=4, **change)
+
+
+def test_layer_level_checkpointing_is_every_second_layer_recomputed_whole():
+    # torchtitan's selective_ac_option = "2": one layer in two checkpointed (torch's non-reentrant
+    # checkpoint, which stops before w2), the other keeping everything; priced per layer as their mean
+    assert TORCHTITAN_LAYER_EVERY == 2
+    layer, full = (
+        piece_costs(TINY, PLAN.replace(recompute=r), CLUSTER).layer_recompute
+        for r in ("torchtitan_layer", "full")
+    )
+    assert layer == pytest.approx({k: v / 2 for k, v in full.items()}, rel=1e-12)
+    assert TINY.recompute_flops(2, 8, "torchtitan_layer", skip_mlp_out=True) == pytest.approx(
+        TINY.recompute_flops(2, 8, "full", skip_mlp_out=True) / 2, rel=1e-12
+    )
+    kept = {
+        r: layer_activation_bytes(TINY, 8, 2, recompute=r, flash_attention=True)
+        for r in ("torchtitan_layer", "full", "none")
+    }
+    assert kept["torchtitan_layer"] == (kept["full"] + kept["none"]) / 2
+    assert "torchtitan_layer" not in RECOMPUTE
+
+
+def test_torchtitan_s_layer_level_rows_are_priced():
+    from loom.sim.validation.published import published_cases
+
+    cases, skipped = published_cases()
+    layer = [c.label for c in cases if c.plan.recompute == "torchtitan_layer"]
+    assert layer == ["llama3-8b selective layer bf16", "llama2-13b selective layer bf16"]
+    assert not [s for s in skipped if "selective layer" in s.label]

@@ -28,7 +28,7 @@ def test_torchtitan_rows_run_fsdp2_in_bf16_reduced_in_fp32():
     # torchtitan's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and FSDP2's copy-in/copy-out
     cases, _ = published_cases()
     titan = [c for c in cases if c.source.startswith("torchtitan")]
-    assert len(titan) == 6
+    assert len(titan) == 8
     assert {(c.plan.dtype, c.plan.grad_precision, c.plan.grad_accumulation) for c in titan} == {
         ("bf16", "fp32", "copy_in_out")
     }

@@ -166,7 +166,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--recompute", choices=PRICED_RECOMPUTE,
         help="default none; torchtitan_op prices torchtitan's op-level selective activation checkpointing "
-        "(every other matmul's output saved, all else recomputed; needs --flash-attention), which loom does not run",
+        "(every other matmul's output saved, all else recomputed; needs --flash-attention) and torchtitan_layer its "
+        "layer-level one (every second layer recomputed whole), which loom does not run",
     )  # fmt: skip
     plan.add_argument("--sequence-parallel", action="store_true")
     plan.add_argument("--optimizer-level", type=int, choices=OPTIMIZER_LEVELS, help="default 0")

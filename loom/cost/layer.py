@@ -35,7 +35,7 @@ from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE,
 from loom.cost.hardware import Cluster
 from loom.cost.host import Segment, host_bound_pass
 from loom.cost.moe import deepep_layer_time, layer_moe_collectives
-from loom.cost.plan import DEEPEP_DISPATCHERS, RING_ATTENTIONS, ParallelPlan
+from loom.cost.plan import DEEPEP_DISPATCHERS, RING_ATTENTIONS, TORCHTITAN_LAYER_EVERY, ParallelPlan
 from loom.cost.traffic import (
     StepCollective,
     attention_collectives,
@@ -56,6 +56,8 @@ __all__ = [
 ]  # fmt: skip
 
 Costs = dict[str, float]
+# the recompute policies that re-run whole layers (torchtitan's layer-level one, every few layers)
+WHOLE_LAYER_RECOMPUTES = ("full", "torchtitan_layer")
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
 UB_PIPELINE_SPLITS = 4  # Transformer Engine's `initialize_ub` default num_splits for its "pipeline" method
@@ -415,7 +417,7 @@ def skips_mlp_out(model: TransformerConfig, plan: ParallelPlan) -> bool:
     where the projection is an autograd function that saves after computing (fp8 linears, Transformer
     Engine's userbuffers of `overlap_tp_comm`)."""
     dense_plain = not (model.is_moe or model.dropout or plan.fp8_matmuls or plan.overlap_tp_comm)
-    return plan.recompute == "full" and plan.recompute_early_stop and dense_plain
+    return plan.recompute in WHOLE_LAYER_RECOMPUTES and plan.recompute_early_stop and dense_plain
 
 
 def _stopped_early(forward: Costs, model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> Costs:
@@ -517,7 +519,7 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     if plan.cp > 1:
         fwd["cp_comm"] = _cp_comm(layer_cp, plan, cluster, "forward", _total(core))
         layer_bwd["cp_comm"] = _cp_comm(layer_cp, plan, cluster, "backward", _total(core_bwd))
-    if plan.recompute == "full":
+    if plan.recompute in WHOLE_LAYER_RECOMPUTES:
         recompute = dict(fwd)  # the whole forward again, its collectives included
         if skips_mlp_out(model, plan):
             recompute = _stopped_early(recompute, model, plan, cluster)
@@ -545,8 +547,10 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
         kernels = layer_kernels(model, plan, cluster)
         fwd["host_bound"] = _host_bound(_total(fwd), kernels["forward"], cluster)
         layer_bwd["host_bound"] = _host_bound(_total(layer_bwd), kernels["backward"], cluster)
-        if plan.recompute == "full":  # the re-run forward dispatches, and syncs, again
+        if plan.recompute in WHOLE_LAYER_RECOMPUTES:  # the re-run forward dispatches, and syncs, again
             recompute["host_bound"] = fwd["host_bound"]
+    if plan.recompute == "torchtitan_layer":  # one layer in TORCHTITAN_LAYER_EVERY re-runs: priced on average
+        recompute = _scaled(recompute, 1 / TORCHTITAN_LAYER_EVERY)
     return PieceCosts(
         layer_fwd=fwd,
         layer_bwd=layer_bwd,

@@ -17,7 +17,7 @@ sequence, ring attention none: it works block by block, as a fused kernel does).
 
 from __future__ import annotations
 
-from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, check_choice, check_sizes
+from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, TORCHTITAN_LAYER_EVERY, check_choice, check_sizes
 from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
@@ -75,6 +75,11 @@ def layer_activation_bytes(
     replicated = tokens / t if sequence_parallel else tokens  # norms, dropouts: sharded only with SP
     if recompute == "full":
         return e * replicated * h  # only the layer's input
+    if recompute == "torchtitan_layer":  # one layer in TORCHTITAN_LAYER_EVERY keeps its input only: the mean
+        options = {"sequence_parallel": sequence_parallel, "flash_attention": flash_attention, "cp": cp}
+        options |= {"dtype_bytes": dtype_bytes, "attention": attention}
+        kept = layer_activation_bytes(model, s, b, t, recompute="none", **options)
+        return (e * replicated * h + (TORCHTITAN_LAYER_EVERY - 1) * kept) / TORCHTITAN_LAYER_EVERY
     if recompute == "torchtitan_op":
         return e * replicated * h + op_sac_saved_bytes(model, tokens, t, sequence_parallel, dtype_bytes)
     q, kv = model.heads * d, model.kv * d

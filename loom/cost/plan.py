@@ -23,6 +23,7 @@ __all__ = [
     "PRECISIONS",
     "PRICED_ATTENTIONS",
     "PRICED_RECOMPUTE",
+    "TORCHTITAN_LAYER_EVERY",
     "RECOMPUTE",
     "RING_ATTENTIONS",
     "SCHEDULES",
@@ -66,7 +67,10 @@ RECOMPUTE: tuple[str, ...] = (
 # what the simulator prices: loom's policies and other systems' ("torchtitan_op": torchtitan's op-level
 # selective checkpointing, which saves the outputs of every other matmul and of the fused attention kernels and
 # recomputes the rest; `loom.cost.transformer.TransformerConfig.op_sac_matmuls`). Never a planner choice.
-PRICED_RECOMPUTE: tuple[str, ...] = (*RECOMPUTE, "torchtitan_op")
+PRICED_RECOMPUTE: tuple[str, ...] = (*RECOMPUTE, "torchtitan_op", "torchtitan_layer")
+# torchtitan's layer-level selective checkpointing ("torchtitan_layer", `selective_ac_option = "2"`, its
+# default): every second transformer block wrapped in torch's non-reentrant checkpoint, the others keep all
+TORCHTITAN_LAYER_EVERY = 2
 OPTIMIZER_LEVELS: tuple[int, ...] = (0, 1, 2, 3)  # MindSpore's optimizer levels, ZeRO's stages
 LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
@@ -203,7 +207,9 @@ class ParallelPlan:
     loom's planner.
 
     `recompute` is one of `PRICED_RECOMPUTE`: loom's policies (`RECOMPUTE`) or "torchtitan_op", torchtitan's
-    op-level selective checkpointing, priced for its published runs and never chosen by loom's planner.
+    op-level selective checkpointing, or "torchtitan_layer", its layer-level one (every
+    `TORCHTITAN_LAYER_EVERY`-th layer recomputed whole), priced for its published runs and never chosen by
+    loom's planner.
 
     How activations travel between pipeline stages: `overlap_p2p` (loom's runtime, torch's pipelining and
     Megatron-Core's --overlap-p2p-communication) posts each send and goes on computing, so a transfer only

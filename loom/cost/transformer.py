@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from loom.cost.plan import PRICED_RECOMPUTE, check_choice
+from loom.cost.plan import PRICED_RECOMPUTE, TORCHTITAN_LAYER_EVERY, check_choice
 from loom.models.config import NORMS, GPTConfig
 
 __all__ = [
@@ -189,7 +189,8 @@ class TransformerConfig:
         return order[0::2], order[1::2]  # the 1st, 3rd, ... mm saved; the 2nd, 4th, ... recomputed
 
     def recompute_flops(self, batch: int, seq: int, recompute: str, *, skip_mlp_out: bool = False) -> float:
-        """Extra forward FLOPs that recomputation adds: the whole layers ('full'; less the MLP's output
+        """Extra forward FLOPs that recomputation adds: the whole layers ('full', or one in
+        `TORCHTITAN_LAYER_EVERY` for 'torchtitan_layer'; less the MLP's output
         projection with `skip_mlp_out`: `loom.cost.layer.skips_mlp_out`), attention cores ('selective') or the
         matmuls torchtitan's op-level policy does not save ('torchtitan_op': its fused attention kernel is
         saved)."""
@@ -199,10 +200,12 @@ class TransformerConfig:
         layer = self.layer_forward_flops_per_token(seq)
         if recompute == "torchtitan_op":
             per_layer = sum(2.0 * k * n for _, k, n in self.op_sac_matmuls()[1])
-        elif recompute == "full":
+        elif recompute in ("full", "torchtitan_layer"):
             per_layer = layer["dense"] + layer["attention"]
             if skip_mlp_out:
                 per_layer -= 2.0 * self.ffn * self.hidden
+            if recompute == "torchtitan_layer":  # every TORCHTITAN_LAYER_EVERY-th layer
+                per_layer /= TORCHTITAN_LAYER_EVERY
         else:
             per_layer = layer["attention"]
         return per_layer * self.layers * batch * seq

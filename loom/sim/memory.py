@@ -64,7 +64,7 @@ def stage_memory(
     # a chunk in flight keeps its layers' activations: count this rank's largest chunk (uneven stages)
     layers_per_chunk = max(plan.chunk_layers(model.layers)[rank :: plan.pp])
     activations = in_flight * layers_per_chunk * per_layer
-    if plan.recompute in ("full", "torchtitan_op"):  # backward rebuilds one layer's activations at a time
+    if plan.recompute in ("full", "torchtitan_op", "torchtitan_layer"):  # backward rebuilds a layer at a time
         activations += layer_activation_bytes(model, s, b, t, recompute="none", **options)
     local = s * b / plan.cp  # the rank's tokens
     tokens = local / (t if plan.sequence_parallel else 1)

@@ -266,15 +266,20 @@ def _torchtitan_a100() -> tuple[list[Case], list[Skipped]]:
     its reduce-scatter buffer (`grad_accumulation = "copy_in_out"`)."""
     stem, out, skipped = "torchtitan2024_a100_performance", [], []
     # "selective op": torchtitan's op-level selective checkpointing (`--activation_checkpoint.mode selective
-    # --activation_checkpoint.selective_ac_option op`), priced as it ran (`TransformerConfig.op_sac_matmuls`)
-    recompute = {"none": "none", "full": "full", "selective op": "torchtitan_op"}
+    # --activation_checkpoint.selective_ac_option op`), priced as it ran (`TransformerConfig.op_sac_matmuls`);
+    # "selective layer": its layer-level one at the default `selective_ac_option = "2"`, every second block
+    # checkpointed whole (`_apply_ac_to_transformer_block`'s `use_layer_sac`)
+    recompute = {
+        "none": "none",
+        "full": "full",
+        "selective op": "torchtitan_op",
+        "selective layer": "torchtitan_layer",
+    }
     for row in _rows(stem):
         label = f"{row['model']} {row['recompute']} {row['precision']}"
         reason = "no hardware profile for the H100 94GB HBM2e (lower clocks; peak not published)"
         if row["gpu"] == "a100-80gb":
-            reason = "" if row["recompute"] in recompute else (
-                "torchtitan's layer-selective checkpointing (every other layer) is not a loom recompute policy"
-            )  # fmt: skip
+            reason = "" if row["recompute"] in recompute else f"recompute {row['recompute']!r} is not priced"
         if reason:
             skipped.append(Skipped(source=stem, label=label, reason=reason))
             continue
