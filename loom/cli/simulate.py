@@ -24,6 +24,7 @@ from rich.table import Table
 
 from loom.cost.hardware import PROFILES, Cluster, Link, get_cluster
 from loom.cost.plan import (
+    ATTENTION_KERNELS,
     FP8_SCALINGS,
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
@@ -121,7 +122,7 @@ RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a P
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
 SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling", "moe_sync")
-SYSTEM_FLAGS += ("whole_layer_recompute",)
+SYSTEM_FLAGS += ("whole_layer_recompute", "attention_kernel")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -227,6 +228,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="whether each MoE layer's dispatch makes the host wait for the device: dropless (default, as loom "
         "runs: the per-expert counts read on the host, so a short layer pass runs at the host's launch pace), "
         "token_drop (capacity factor, fixed shapes) or cuda_graph (the MoE layer captured in CUDA graphs)",
+    )
+    system.add_argument(
+        "--attention-kernel",
+        choices=ATTENTION_KERNELS,
+        help="with --flash-attention, whose fused attention kernels: flash2 (default, FlashAttention-2's, as "
+        "torch's scaled dot-product attention runs them) or cudnn (Transformer Engine's FusedAttention, faster "
+        "on Hopper)",
     )
     system.add_argument(
         "--whole-layer-recompute",
@@ -472,6 +480,11 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> P
         args.fp8_scaling is not None and not priced.fp8_matmuls
     ):  # "current" is the default: the plan cannot tell
         raise PlanError([f"--fp8-scaling {args.fp8_scaling}: it scales fp8 GEMMs: give --fp8-matmuls too"])
+    if args.attention_kernel is not None and not priced.flash_attention:
+        raise PlanError(
+            [f"--attention-kernel {args.attention_kernel}: it says whose fused attention kernels run: give "
+             "--flash-attention too, or leave it out"]
+        )  # fmt: skip
     if args.whole_layer_recompute and priced.recompute != "full":
         raise PlanError(
             [f"--whole-layer-recompute: it says how full recomputation runs (--recompute is {priced.recompute}): "

@@ -52,17 +52,22 @@ def fused_attention_time(
     dtype: str = "bf16",
     batch: float = 1,
     share: float = 1.0,
+    kernel: str = "flash2",
 ) -> float:
     """Seconds for a fused (flash) attention kernel's forward over `batch` heads: scores (queries x keys)
     and context, `share` of the score blocks computed (a causal kernel skips the blocks above the diagonal).
     Its FLOPs run at the GEMMs' shape-dependent speed times `device.attention_efficiency`; its memory traffic
     is the query, key, value and output tiles only, since the scores stay on chip: unlike `matmul_time`,
-    the queries x keys scores never count as bytes moved."""
+    the queries x keys scores never count as bytes moved. `kernel` "cudnn" runs at
+    `device.cudnn_attention_efficiency` where the device has one (`ParallelPlan.attention_kernel`)."""
     if min(queries, head_dim, keys, batch, share) <= 0:
         return 0.0
     flops = 2 * 2.0 * queries * head_dim * keys * batch * share
     knee = device.matmul_knee
-    fraction = device.matmul_efficiency * device.attention_efficiency
+    attention = device.attention_efficiency
+    if kernel == "cudnn" and device.cudnn_attention_efficiency is not None:
+        attention = device.cudnn_attention_efficiency
+    fraction = device.matmul_efficiency * attention
     fraction *= queries / (queries + knee) * keys / (keys + knee)
     compute = flops / (device.peak(dtype) * fraction)
     memory = (

@@ -24,7 +24,8 @@ the matmul and attention fractions moved (a100 0.682 -> 0.664, h100 0.551 -> 0.5
 all at once (`--fit`), after Megatron-Core's MoE kernels were counted (`loom.cost.layer.MOE_KERNELS`) and with
 `MATMUL_KNEE` free for the first time: fit half 6.45% -> 5.93%, held-out 6.32% -> 5.66%, worst held-out row
 23.9% -> 21.5% (the knee had been held at 32 since earlier fits that freed it raised the held-out mean; it no
-longer does). `MEMORY_EFFICIENCY` is not fitted: left free, the memory fraction falls to 0.63 (fit 6.7%,
+longer does); and again with Transformer Engine's runs priced with cuDNN's attention kernels
+(`CUDNN_ATTENTION_EFFICIENCY`, new): fit half 5.93% -> 5.27%, held-out (32 rows) 5.48% -> 5.23%, worst 21.2%. `MEMORY_EFFICIENCY` is not fitted: left free, the memory fraction falls to 0.63 (fit 6.7%,
 held-out 7.5%, measured before these refits) because it then stands in for the elementwise bytes loom does
 not count in MosaicML's small models, and prices every other memory-bound kernel (optimizer steps,
 Megatron-LM's softmax and dropout) too slow.
@@ -36,6 +37,7 @@ from __future__ import annotations
 __all__ = [
     "FIT_BOUNDS",
     "ATTENTION_EFFICIENCY",
+    "CUDNN_ATTENTION_EFFICIENCY",
     "FP8_MATMUL_EFFICIENCY",
     "HOST_KERNEL_S",
     "LINK_EFFICIENCY",
@@ -47,17 +49,22 @@ __all__ = [
 # fraction of the dense bf16/fp16 peak that large training GEMMs reach, per GPU generation: the H100's
 # 989 TFLOP/s is a boost-clock figure that power and clock throttling keep out of reach far more than the
 # A100's 312 TFLOP/s
-MATMUL_EFFICIENCY = {"a100": 0.677, "h100": 0.548}
+MATMUL_EFFICIENCY = {"a100": 0.695, "h100": 0.548}
 # GEMM efficiency falls as m, k or n approach this size (thin shards, short heads, small models' GEMMs: a
 # dim of the knee's size halves the speed): see `loom.cost.compute`; fitted with the others
-MATMUL_KNEE = 75.386
+MATMUL_KNEE = 100.94
 # fraction of the fp8 peak that fp8 GEMMs reach relative to `MATMUL_EFFICIENCY`; the casts Transformer Engine
 # runs around them are priced apart, as memory passes (`loom.cost.layer.fp8_cast_times`)
-FP8_MATMUL_EFFICIENCY = 0.997
+FP8_MATMUL_EFFICIENCY = 0.967
 # speed of a fused (flash) attention kernel relative to a GEMM of the same FLOPs, per GPU generation: online
 # softmax, masking and the causal diagonal blocks run inside it, and FlashAttention-2's schedule keeps the
 # H100's tensor cores far less busy than its GEMMs do (about 35% of peak, Shah et al. 2024, FlashAttention-3)
-ATTENTION_EFFICIENCY = {"a100": 0.403, "h100": 0.302}
+ATTENTION_EFFICIENCY = {"a100": 0.396, "h100": 0.289}
+# speed of cuDNN's fused attention (Transformer Engine's `FusedAttention`, the backend it picks on Hopper: Megatron's
+# and NeMo's runs, `ParallelPlan.attention_kernel = "cudnn"`) relative to a GEMM of the same FLOPs, on Hopper, where
+# its kernels use the tensor memory accelerator and warp-specialised pipelines as FlashAttention-3 does (about 75%
+# of peak against FlashAttention-2's 35%, Shah et al. 2024); fitted on the fit half's NeMo and Megatron-Bridge rows
+CUDNN_ATTENTION_EFFICIENCY = {"h100": 0.832}
 # fraction of the data-sheet memory bandwidth that memory-bound kernels reach; not fitted on the published
 # runs (see the module's docstring): the value of the previous fit, in the range `loom bench` measures
 MEMORY_EFFICIENCY = 0.876
@@ -80,6 +87,7 @@ FIT_BOUNDS = {
     "fp8_matmul": (0.30, 1.0),
     "attention_a100": (0.2, 1.0),
     "attention_h100": (0.15, 1.0),
+    "cudnn_attention_h100": (0.15, 1.0),
     "link": (0.4, 0.95),  # NCCL's protocols never carry the link's data-sheet rate
     "host_kernel_us": (0.0, 60.0),  # `HOST_KERNEL_S` in microseconds (the fit rounds to 3 decimals)
     "matmul_knee": (8.0, 512.0),  # `MATMUL_KNEE`: the GEMM size at which each dim halves the speed

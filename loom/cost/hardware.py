@@ -50,6 +50,8 @@ class Device:
     attention_efficiency: float = fitted.ATTENTION_EFFICIENCY[
         "a100"
     ]  # fused attention's speed relative to a GEMM's
+    # cuDNN's fused attention's (`ParallelPlan.attention_kernel = "cudnn"`); None: as `attention_efficiency`
+    cudnn_attention_efficiency: float | None = None
     memory_efficiency: float = fitted.MEMORY_EFFICIENCY
     kernel_overhead_s: float = 0.0
     host_kernel_s: float = fitted.HOST_KERNEL_S
@@ -170,6 +172,7 @@ PROFILES: dict[str, Cluster] = {
             memory_bandwidth=3.35e12,
             matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
             attention_efficiency=fitted.ATTENTION_EFFICIENCY["h100"],
+            cudnn_attention_efficiency=fitted.CUDNN_ATTENTION_EFFICIENCY["h100"],
         ),  # fmt: skip
         _NVLINK4,
         _NDR,
@@ -183,6 +186,7 @@ PROFILES: dict[str, Cluster] = {
             memory_bandwidth=4.8e12,
             matmul_efficiency=fitted.MATMUL_EFFICIENCY["h100"],
             attention_efficiency=fitted.ATTENTION_EFFICIENCY["h100"],
+            cudnn_attention_efficiency=fitted.CUDNN_ATTENTION_EFFICIENCY["h100"],
         ),  # fmt: skip
         _NVLINK4,
         _NDR,

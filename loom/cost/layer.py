@@ -124,7 +124,9 @@ def _attention_core(model: TransformerConfig, plan: ParallelPlan, cluster: Clust
     if plan.flash_attention:
         # a fused causal kernel computes only the score blocks on and below the diagonal, at its own
         # fraction of the GEMMs' speed (softmax and masking inside the kernel)
-        fused = fused_attention_time(dev, s, d, s, dtype=dt, batch=heads, share=CAUSAL_SHARE)
+        fused = fused_attention_time(
+            dev, s, d, s, dtype=dt, batch=heads, share=CAUSAL_SHARE, kernel=plan.attention_kernel
+        )
         return {"matmul": fused, "elementwise": 0.0}
     matmul = 2 * matmul_time(dev, s, d, s, dtype=dt, batch=heads)
     scores = heads * s * s
@@ -143,8 +145,9 @@ def _ring_core(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -
     block, heads = plan.seq / cp, plan.micro_batch * model.heads / plan.tp
     if plan.flash_attention:
         fused = fused_attention_time(
-            dev, block, model.head_dim, block, dtype=dt, batch=heads, share=CAUSAL_SHARE
-        )
+            dev, block, model.head_dim, block, dtype=dt, batch=heads, share=CAUSAL_SHARE,
+            kernel=plan.attention_kernel,
+        )  # fmt: skip
         return {"matmul": cp * fused, "elementwise": 0.0}
     matmul = cp * CAUSAL_SHARE * 2 * matmul_time(dev, block, model.head_dim, block, dtype=dt, batch=heads)
     scores = cp * CAUSAL_SHARE * heads * block * block

@@ -32,6 +32,7 @@ __all__ = [
     "GRAD_ACCUMULATIONS",
     "FP8_SCALINGS",
     "LOOM_SYSTEM",
+    "ATTENTION_KERNELS",
     "MOE_DISPATCHERS",
     "DEEPEP_DISPATCHERS",
     "MOE_SYNCS",
@@ -105,6 +106,9 @@ FP8_SCALINGS: tuple[str, ...] = ("current", "delayed")
 # counts, loom's own `.tolist()` of the counts), "token_drop" (capacity factor, inputs padded to capacity: fixed
 # shapes, no read) or "cuda_graph" (the MoE layer captured in CUDA graphs: no host work per kernel)
 MOE_SYNCS: tuple[str, ...] = ("dropless", "token_drop", "cuda_graph")
+# which fused attention kernels run (with flash_attention): "flash2" (FlashAttention-2's, as torch's scaled
+# dot-product attention runs it, loom's runtime) or "cudnn" (cuDNN's, Transformer Engine's FusedAttention)
+ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "cudnn")
 
 
 class FieldError(ValueError):
@@ -168,12 +172,13 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
 SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
-SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync", "recompute_early_stop")
+SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync", "recompute_early_stop", "attention_kernel")
 # the values of those fields loom's own runtime runs, where it runs one only (the other values price other
 # training systems' runs: `loom simulate`'s flags, the validation set)
 LOOM_SYSTEM = {
     "overlap_p2p": True, "scatter_gather_p2p": False, "grad_accumulation": "fused", "fp8_matmuls": False,
     "overlap_tp_comm": False, "moe_dispatcher": "all_to_all", "moe_sync": "dropless", "recompute_early_stop": True,
+    "attention_kernel": "flash2",
 }  # fmt: skip
 
 
@@ -238,6 +243,11 @@ class ParallelPlan:
     ending in its MLP's output projection and residual add does not re-run them
     (`loom.cost.layer.skips_mlp_out`); False: the whole forward again (Megatron-LM's and
     DeepSpeed's checkpoint functions).
+
+    `attention_kernel` (one of `ATTENTION_KERNELS`) says whose fused attention kernels run under
+    `flash_attention`: "flash2" (FlashAttention-2's schedule, torch's scaled dot-product attention: loom's
+    runtime) or "cudnn" (Transformer Engine's FusedAttention on cuDNN, Megatron's and NeMo's runs), priced at
+    the device's `cudnn_attention_efficiency` where it has one (Hopper).
     """
 
     dp: int = 1
@@ -272,6 +282,7 @@ class ParallelPlan:
     moe_dispatcher: str = "all_to_all"  # one of MOE_DISPATCHERS; see the class docstring
     moe_sync: str = "dropless"  # one of MOE_SYNCS; see the class docstring
     recompute_early_stop: bool = True  # see the class docstring
+    attention_kernel: str = "flash2"  # one of ATTENTION_KERNELS; see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -315,6 +326,7 @@ class ParallelPlan:
                 owner, "fp8_scaling", self.fp8_scaling, "it scales fp8 GEMMs: set fp8_matmuls too"
             )
         check_choice(owner, "moe_sync", self.moe_sync, MOE_SYNCS)
+        check_choice(owner, "attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):

@@ -17,6 +17,9 @@ origin. Rules applied to every row of a source, never per row:
   layer's whole forward (their own checkpoint functions: `recompute_early_stop = False`); MosaicML's
   llm-foundry (`activation_checkpointing_reentrant: false` in its benchmark script) and torchtitan checkpoint
   with torch's non-reentrant checkpoint, which stops once the backward's last needed tensor is rebuilt.
+- NeMo, Megatron-Bridge and Megatron-MoE run Transformer Engine's fused attention, which on Hopper is cuDNN's
+  (`attention_kernel = "cudnn"`); MosaicML (FlashAttention-2 / Triton) and torchtitan (torch's SDPA) run
+  FlashAttention-2's kernels.
 - FP8 recipes run the layers' linear GEMMs in fp8, everything else in bf16 (`ParallelPlan.fp8_matmuls`; the
   casts around them are Transformer Engine's current scaling, the recipe of every Megatron-Bridge H100 run).
 - Megatron-Bridge: what the tables do not print, from the perf configs of the release: Qwen3's experts whole
@@ -248,7 +251,7 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
             flash_attention=True, dtype="bf16", fp8_matmuls=fp8, fp8_scaling=scaling,
             overlap_tp_comm=overlap_tp, moe_sync=_bridge_sync(row), moe_dispatcher=DISPATCHERS[_bridge_dispatcher(row)],
-            recompute_early_stop=False,
+            recompute_early_stop=False, attention_kernel="cudnn",
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
@@ -363,7 +366,7 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
             dtype="bf16", grad_dtype="fp32", moe_dispatcher=DISPATCHERS[row["dispatcher"]],
             moe_sync="dropless",  # no capacity factor in the command; its CUDA-graph variant came later
-            recompute_early_stop=False,
+            recompute_early_stop=False, attention_kernel="cudnn",
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
