@@ -111,7 +111,7 @@ def main() -> int:
     kinds = {half: {c.kind for c, _ in results[half]} for half in HALVES}
     both = all({"fsdp", "moe"} <= kinds[half] for half in HALVES)
     console.print(
-        f"acceptance: rows {len(cases)} (>= 40); fit half mean |error| {fit_mean:.1%} (<= 5%); held-out mean "
+        f"acceptance: rows {len(cases)} (>= 40); fit half mean |error| {fit_mean:.2%} (<= 5%); held-out mean "
         f"|error| {statistics.mean(held):.1%} (<= 10%), max {max(held):.1%} (<= 25%); FSDP and MoE rows in both "
         f"halves: {both}"
     )
