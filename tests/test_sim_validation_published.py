@@ -110,10 +110,14 @@ def test_modelzoo_deepep_rows_run_deepeps_dispatch():
     assert {(c.plan.pp, c.plan.ep, c.plan.moe_dispatcher) for c in zoo} == {
         (8, 32, "deepep"), (1, 8, "deepep"), (8, 8, "deepep"), (32, 8, "all_to_all")
     }  # fmt: skip
-    # the same rule where a Megatron-Bridge release's config set it (Qwen3-30B-A3B 25.11: `moe_a2a_overlap`)
-    overlapped = [(s.source[:8], s.label) for s in skipped if s.reason == A2A_OVERLAP]
-    assert overlapped == [("nvidia20", "qwen3_30b_a3b 25.11 fp8-cs"), ("yan2025_", overlapped[1][1])]
-    assert "1F1B" in A2A_OVERLAP
+    # the same rule where a Megatron-Bridge release's config set `moe_a2a_overlap` (every Qwen3-235B H100 run,
+    # Qwen3-30B-A3B's 25.11)
+    overlapped = sorted((s.source[:8], s.label) for s in skipped if s.reason == A2A_OVERLAP)
+    assert overlapped[:3] == [
+        ("nvidia20", "qwen3_235b_a22b 25.11 fp8-cs"), ("nvidia20", "qwen3_235b_a22b 26.04.01 fp8"),
+        ("nvidia20", "qwen3_30b_a3b 25.11 fp8-cs"),
+    ]  # fmt: skip
+    assert [source for source, _ in overlapped[3:]] == ["yan2025_"] and "1F1B" in A2A_OVERLAP
     # elsewhere only Megatron-Bridge's Qwen3-30B-A3B runs DeepEP (26.02) or Hybrid-EP (26.02.01 on)
     flex = {
         c.label for c in cases if not c.source.startswith("yan2025") and c.plan.moe_dispatcher != "all_to_all"
@@ -122,16 +126,14 @@ def test_modelzoo_deepep_rows_run_deepeps_dispatch():
 
 
 def test_megatron_bridge_qwen3_rows_as_their_perf_configs_ran():
-    # experts whole (expert_tensor_parallel_size=1), so Qwen3-235B's ep 32 over tp 2 x dp 16 is simulated;
-    # Qwen3-30B-A3B's Hybrid-EP over ep 16 (two nodes) dispatches once per destination node, as DeepEP
+    # experts whole (expert_tensor_parallel_size=1); Qwen3-235B's runs left out (their configs overlap expert
+    # exchanges across micro-batches); Qwen3-30B-A3B's Hybrid-EP over ep 16 (two nodes) dispatches once per destination node, as DeepEP
     # (`moe_dispatcher = "hybridep"`: sent as DeepEP's, its own kernels permuting the rows)
     cases, skipped = published_cases()
     bridge = {c.label: c.plan for c in cases if c.source.startswith("nvidia2026")}
     qwen = {label: plan for label, plan in bridge.items() if label.startswith("qwen3")}
     assert {plan.expert_tp for plan in qwen.values()} == {1}
-    assert {label for label in qwen if label.startswith("qwen3_235b")} == {
-        "qwen3_235b_a22b 25.11 fp8-cs", "qwen3_235b_a22b 26.04.01 fp8"
-    }  # fmt: skip
+    assert not [label for label in qwen if label.startswith("qwen3_235b")]  # expert exchanges overlapped
     assert "qwen3_30b_a3b 26.02.01 fp8" in qwen
     assert (qwen["qwen3_30b_a3b 26.06 fp8"].ep, qwen["qwen3_30b_a3b 26.06 fp8"].moe_dispatcher) == (
         16,

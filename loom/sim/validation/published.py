@@ -203,8 +203,12 @@ A2A_OVERLAP = "expert-parallel communication overlapped across 1F1B micro-batche
 
 def _bridge_a2a_overlap(row: dict[str, str]) -> bool:
     """Whether a Megatron-Bridge H100 run overlapped its expert exchanges across micro-batches, which its table
-    does not print: Qwen3-30B-A3B's H100 fp8 configs at v0.2.0 and v0.3.0 (25.11, 26.02) set `moe_a2a_overlap`;
-    from 26.02.01 the HybridEP configs do not (docs/simulator.md, "The Qwen3-30B-A3B 25.11 row")."""
+    does not print (scripts/performance/configs/qwen3/workload_base_configs.py at v0.2.0, qwen/qwen3_workload_
+    base_configs.py from v0.3.0): Qwen3-235B-A22B's H100 FP8-CS configs set `moe_a2a_overlap=True` in every
+    release (v0.2.0 to v0.5.0); Qwen3-30B-A3B's at v0.2.0 and v0.3.0 (25.11, 26.02), and no more once it runs
+    HybridEP (v0.4.0 on: 26.02.01 to 26.06)."""
+    if row["model"].startswith("qwen3_235b"):
+        return True
     return row["model"].startswith("qwen3_30b") and row["release"] in ("25.11", "26.02")
 
 
