@@ -476,20 +476,19 @@ def _with_system(plan: ParallelPlan, args: argparse.Namespace, layers: int) -> P
         if key != error.key:  # one entry of a list: "--stage-layers[1] = 0"
             value = f"{error.key[len(key) :]} = {error.value}"
         raise PlanError([f"{_flag(key)}{value}: {_as_flags(error.fix)}"]) from None
-    if (
-        args.fp8_scaling is not None and not priced.fp8_matmuls
-    ):  # "current" is the default: the plan cannot tell
-        raise PlanError([f"--fp8-scaling {args.fp8_scaling}: it scales fp8 GEMMs: give --fp8-matmuls too"])
-    if args.attention_kernel is not None and not priced.flash_attention:
-        raise PlanError(
-            [f"--attention-kernel {args.attention_kernel}: it says whose fused attention kernels run: give "
-             "--flash-attention too, or leave it out"]
-        )  # fmt: skip
-    if args.whole_layer_recompute and priced.recompute != "full":
-        raise PlanError(
-            [f"--whole-layer-recompute: it says how full recomputation runs (--recompute is {priced.recompute}): "
-             "give --recompute full too, or leave it out"]
-        )  # fmt: skip
+    # flags that would change nothing on this plan (their defaults cannot be told from the plan, so asked here)
+    idle = [
+        (args.fp8_scaling is not None and not priced.fp8_matmuls,
+         f"--fp8-scaling {args.fp8_scaling}: it scales fp8 GEMMs: give --fp8-matmuls too"),
+        (args.attention_kernel is not None and not priced.flash_attention,
+         f"--attention-kernel {args.attention_kernel}: it says whose fused attention kernels run: give "
+         "--flash-attention too, or leave it out"),
+        (args.whole_layer_recompute and priced.recompute != "full",
+         f"--whole-layer-recompute: it says how full recomputation runs (--recompute is {priced.recompute}): "
+         "give --recompute full too, or leave it out"),
+    ]  # fmt: skip
+    if reasons := [reason for refused, reason in idle if refused]:
+        raise PlanError(reasons)
     return priced
 
 

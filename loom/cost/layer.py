@@ -35,7 +35,13 @@ from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE,
 from loom.cost.hardware import Cluster
 from loom.cost.host import Segment, host_bound_pass
 from loom.cost.moe import deepep_layer_time, layer_moe_collectives
-from loom.cost.plan import DEEPEP_DISPATCHERS, RING_ATTENTIONS, TORCHTITAN_LAYER_EVERY, ParallelPlan
+from loom.cost.plan import (
+    DEEPEP_DISPATCHERS,
+    RING_ATTENTIONS,
+    TORCHTITAN_LAYER_EVERY,
+    WHOLE_LAYER_RECOMPUTES,
+    ParallelPlan,
+)
 from loom.cost.traffic import (
     StepCollective,
     attention_collectives,
@@ -56,8 +62,6 @@ __all__ = [
 ]  # fmt: skip
 
 Costs = dict[str, float]
-# the recompute policies that re-run whole layers (torchtitan's layer-level one, every few layers)
-WHOLE_LAYER_RECOMPUTES = ("full", "torchtitan_layer")
 CAUSAL_SHARE = 0.5  # share of the s x s score blocks a fused causal attention kernel computes
 BACKWARD_BYTES = 2.0  # an elementwise backward reads the output gradient and saved input, writes a gradient
 UB_PIPELINE_SPLITS = 4  # Transformer Engine's `initialize_ub` default num_splits for its "pipeline" method

@@ -75,11 +75,6 @@ def layer_activation_bytes(
     replicated = tokens / t if sequence_parallel else tokens  # norms, dropouts: sharded only with SP
     if recompute == "full":
         return e * replicated * h  # only the layer's input
-    if recompute == "torchtitan_layer":  # one layer in TORCHTITAN_LAYER_EVERY keeps its input only: the mean
-        options = {"sequence_parallel": sequence_parallel, "flash_attention": flash_attention, "cp": cp}
-        options |= {"dtype_bytes": dtype_bytes, "attention": attention}
-        kept = layer_activation_bytes(model, s, b, t, recompute="none", **options)
-        return (e * replicated * h + (TORCHTITAN_LAYER_EVERY - 1) * kept) / TORCHTITAN_LAYER_EVERY
     if recompute == "torchtitan_op":
         return e * replicated * h + op_sac_saved_bytes(model, tokens, t, sequence_parallel, dtype_bytes)
     q, kv = model.heads * d, model.kv * d
@@ -92,14 +87,17 @@ def layer_activation_bytes(
     qkv = e * local * (q + 2 * kv)  # Q and K for the scores, V for the context
     qkv += e * local * q  # input of the output projection
     scores = 0.0
-    if recompute == "none" and not blockwise:
+    if recompute in ("none", "torchtitan_layer") and not blockwise:
         # softmax output (and with dropout its mask and the dropped-out probabilities), a·s·s per sequence;
         # Ulysses: a/cp heads of whole sequences on each rank
         scores = (e + (mask + e if model.dropout else 0)) * model.heads * s * s * b / (t * cp)
     f = model.ffn
     # GELU keeps its input and the down projection's input; SwiGLU keeps gate and up outputs and their product
     mlp = e * local * f * (3 if model.gated_mlp else 2) * model.top_k
-    return outside + qkv + scores + mlp
+    kept = outside + qkv + scores + mlp
+    if recompute == "torchtitan_layer":  # one layer in TORCHTITAN_LAYER_EVERY keeps its input only: the mean
+        return (e * replicated * h + (TORCHTITAN_LAYER_EVERY - 1) * kept) / TORCHTITAN_LAYER_EVERY
+    return kept
 
 
 def op_sac_saved_bytes(

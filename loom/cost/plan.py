@@ -24,6 +24,7 @@ __all__ = [
     "PRICED_ATTENTIONS",
     "PRICED_RECOMPUTE",
     "TORCHTITAN_LAYER_EVERY",
+    "WHOLE_LAYER_RECOMPUTES",
     "RECOMPUTE",
     "RING_ATTENTIONS",
     "SCHEDULES",
@@ -72,6 +73,8 @@ PRICED_RECOMPUTE: tuple[str, ...] = (*RECOMPUTE, "torchtitan_op", "torchtitan_la
 # torchtitan's layer-level selective checkpointing ("torchtitan_layer", `selective_ac_option = "2"`, its
 # default): every second transformer block wrapped in torch's non-reentrant checkpoint, the others keep all
 TORCHTITAN_LAYER_EVERY = 2
+# the priced policies that re-run whole layers (every layer, or one in TORCHTITAN_LAYER_EVERY)
+WHOLE_LAYER_RECOMPUTES: tuple[str, ...] = ("full", "torchtitan_layer")
 OPTIMIZER_LEVELS: tuple[int, ...] = (0, 1, 2, 3)  # MindSpore's optimizer levels, ZeRO's stages
 LEVEL_MEANING = "0 (none), 1 (states), 2 (+ gradients) or 3 (+ parameters)"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from loom.cost.plan import PRICED_RECOMPUTE, TORCHTITAN_LAYER_EVERY, check_choice
+from loom.cost.plan import PRICED_RECOMPUTE, TORCHTITAN_LAYER_EVERY, WHOLE_LAYER_RECOMPUTES, check_choice
 from loom.models.config import NORMS, GPTConfig
 
 __all__ = [
@@ -200,7 +200,7 @@ class TransformerConfig:
         layer = self.layer_forward_flops_per_token(seq)
         if recompute == "torchtitan_op":
             per_layer = sum(2.0 * k * n for _, k, n in self.op_sac_matmuls()[1])
-        elif recompute in ("full", "torchtitan_layer"):
+        elif recompute in WHOLE_LAYER_RECOMPUTES:
             per_layer = layer["dense"] + layer["attention"]
             if skip_mlp_out:
                 per_layer -= 2.0 * self.ffn * self.hidden
