@@ -157,3 +157,29 @@ def test_the_cli_refuses_it_without_full_recomputation(capsys):
 def test_the_plan_field_is_a_system_field():
     assert "recompute_early_stop" in {f.name for f in dataclasses.fields(ParallelPlan)}
     assert PLAN.system()["recompute_early_stop"] is True
+
+
+def test_a_hugging_face_llama_recomputed_by_loom_skips_its_down_projection():
+    # the same fact on an unedited Hugging Face model: each decoder layer's down_proj and residual add are not
+    # re-run (its linears run aten.mm on 2-D views, each with the view back)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def backward_ops(early_stop: bool) -> dict[str, int]:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            recompute(layer, "full")
+        ids = torch.randint(0, 64, (2, 16))
+        with set_checkpoint_early_stop(early_stop):
+            loss = model(input_ids=ids, labels=ids).loss
+        with _CountOps() as counted:
+            loss.backward()
+        return counted.counts
+
+    early, whole = backward_ops(True), backward_ops(False)
+    skipped = {k: whole[k] - early.get(k, 0) for k in whole if whole[k] != early.get(k, 0)}
+    assert skipped == {"mm": 2, "_unsafe_view": 2, "add": 2}
