@@ -8,13 +8,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loom.cost.memory import korthikanti_activation_bytes, layer_activation_bytes, model_state_bytes
+from loom.cost.hardware import get_cluster
+from loom.cost.memory import (
+    korthikanti_activation_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+    optimizer_bytes,
+)
+from loom.cost.plan import ParallelPlan
 from loom.cost.transformer import (
     TransformerConfig,
     megatron_model_flops,
     megatron_parameter_count,
     megatron_recompute_flops,
 )
+from loom.sim.memory import stage_memory, stage_parameters
+from loom.sim.presets import get_model
 from loom.sim.validation import cases
 
 VALIDATION_MODELS = sorted({(c.model.layers, c.model.hidden, c.model.heads) for c in cases()})
@@ -70,6 +79,27 @@ def test_zero_levels_exact_formulas(psi, nd):
     assert model_state_bytes(psi, 1, nd) == pytest.approx(4 * psi + 12 * psi / nd)
     assert model_state_bytes(psi, 2, nd) == pytest.approx(2 * psi + 14 * psi / nd)
     assert model_state_bytes(psi, 3, nd) == pytest.approx(16 * psi / nd)
+
+
+def test_megatron_bytes_per_parameter_with_its_fp32_gradient_copy():
+    """The simulator's model states per parameter are Megatron-LM's documented ones: fp16 parameters and
+    gradients 20 (4 + 16/d sharded), bf16 parameters with fp32 gradients 18 (6 + 12/d); FSDP at level 3
+    keeps 16/d (its fp32 shards are the master weights and their gradients)."""
+    model = get_model("gpt3-175b")
+    d = 8
+    plan = ParallelPlan(dp=d, tp=8, pp=16, global_batch=64, seq=2048, dtype="fp16")
+    psi = sum(stage_parameters(model, plan, 0))
+
+    def per_parameter(**fields) -> float:
+        states = stage_memory(model, plan.replace(**fields), get_cluster("a100-80gb"), 0, in_flight=1)
+        return states["model_states"] / psi
+
+    assert per_parameter() == pytest.approx(20)
+    assert per_parameter(optimizer_level=1) == pytest.approx(4 + 16 / d)
+    assert per_parameter(dtype="bf16", grad_dtype="fp32") == pytest.approx(18)
+    assert per_parameter(dtype="bf16", grad_dtype="fp32", optimizer_level=1) == pytest.approx(6 + 12 / d)
+    assert per_parameter(optimizer_level=3) == pytest.approx(16 / d)
+    assert optimizer_bytes(2, 0) == 16 and optimizer_bytes(4, 0) == 12 and optimizer_bytes(2, 3) == 12
 
 
 def test_zero_rejects_unknown_levels():

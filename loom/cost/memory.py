@@ -3,7 +3,10 @@
 Model states, mixed-precision Adam (Rajbhandari et al., "ZeRO", 2020, Section 5.1): with Ψ parameters,
 2Ψ bytes of fp16/bf16 parameters, 2Ψ of gradients and KΨ of optimizer states (K = 12: fp32 master copy,
 momentum and variance), sharded over Nd data-parallel replicas from optimizer level 1 (states), 2 (plus
-gradients) and 3 (plus parameters).
+gradients) and 3 (plus parameters). Where gradients are kept in 16 bits below level 3, the step makes an fp32
+copy of them for the fp32 master weights, which the ZeRO paper leaves out (`optimizer_bytes`): Megatron-LM
+documents 20 bytes per parameter for fp16 parameters and gradients without its distributed optimizer, 18
+for bf16 parameters with fp32 gradients.
 
 Activations of one layer, in bytes, for sequence s, micro-batch b, hidden h, heads a, tensor parallel t
 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Section 4):
@@ -27,9 +30,24 @@ __all__ = [
     "layer_activation_bytes",
     "model_state_bytes",
     "op_sac_saved_bytes",
+    "optimizer_bytes",
 ]
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # mixed-precision Adam, the ZeRO paper's K = 12
+FP32_GRAD_BYTES = 4
+
+
+def optimizer_bytes(grad_bytes: int, level: int) -> int:
+    """Bytes per parameter of optimizer states at optimizer `level` with gradients kept in `grad_bytes`.
+
+    The ZeRO paper's K = 12 (fp32 master weights, momentum, variance), plus 4 where gradients are kept in 16
+    bits below level 3: Adam steps the fp32 master weights with fp32 gradients, so Megatron-LM's and
+    DeepSpeed's mixed-precision optimizers make an fp32 copy of the 16-bit gradients (sharded with the other
+    states from level 1). Gradients kept in fp32 are that copy. At level 3 (FSDP) the fp32 shard is itself
+    the master weight and its reduced gradient shard the fp32 gradient: (2 + 2 + 12)/Nd covers them.
+    """
+    copy = FP32_GRAD_BYTES if grad_bytes < FP32_GRAD_BYTES and level < 3 else 0
+    return OPTIMIZER_BYTES + copy
 
 
 def model_state_bytes(
