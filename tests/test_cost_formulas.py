@@ -13,9 +13,9 @@ from loom.cost.memory import (
     korthikanti_activation_bytes,
     layer_activation_bytes,
     model_state_bytes,
-    optimizer_bytes,
+    state_bytes,
 )
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import LOOM_SYSTEM, ParallelPlan
 from loom.cost.transformer import (
     TransformerConfig,
     megatron_model_flops,
@@ -81,13 +81,16 @@ def test_zero_levels_exact_formulas(psi, nd):
     assert model_state_bytes(psi, 3, nd) == pytest.approx(16 * psi / nd)
 
 
-def test_megatron_bytes_per_parameter_with_its_fp32_gradient_copy():
-    """The simulator's model states per parameter are Megatron-LM's documented ones: fp16 parameters and
-    gradients 20 (4 + 16/d sharded), bf16 parameters with fp32 gradients 18 (6 + 12/d); FSDP at level 3
-    keeps 16/d (its fp32 shards are the master weights and their gradients)."""
+def test_model_states_per_parameter_by_where_the_master_weights_live():
+    """The simulator's model states per parameter. Master weights in the optimizer: Megatron-LM's documented
+    bytes, fp16 parameters and gradients 20 (4 + 16/d sharded), bf16 parameters with fp32 gradients 18
+    (6 + 12/d). Master weights as the parameters (loom, torch's autocast, FSDP): 4 + 4 + 8 = 16, sharded
+    level by level."""
     model = get_model("gpt3-175b")
     d = 8
-    plan = ParallelPlan(dp=d, tp=8, pp=16, global_batch=64, seq=2048, dtype="fp16")
+    plan = ParallelPlan(
+        dp=d, tp=8, pp=16, global_batch=64, seq=2048, dtype="fp16", master_weights="optimizer"
+    )
     psi = sum(stage_parameters(model, plan, 0))
 
     def per_parameter(**fields) -> float:
@@ -98,8 +101,14 @@ def test_megatron_bytes_per_parameter_with_its_fp32_gradient_copy():
     assert per_parameter(optimizer_level=1) == pytest.approx(4 + 16 / d)
     assert per_parameter(dtype="bf16", grad_dtype="fp32") == pytest.approx(18)
     assert per_parameter(dtype="bf16", grad_dtype="fp32", optimizer_level=1) == pytest.approx(6 + 12 / d)
-    assert per_parameter(optimizer_level=3) == pytest.approx(16 / d)
-    assert optimizer_bytes(2, 0) == 16 and optimizer_bytes(4, 0) == 12 and optimizer_bytes(2, 3) == 12
+    assert per_parameter(optimizer_level=3) == pytest.approx(20 / d)
+    ours = {"master_weights": "parameters", "dtype": "bf16"}
+    assert ParallelPlan(global_batch=1, seq=1).master_weights == LOOM_SYSTEM["master_weights"] == "parameters"
+    assert [per_parameter(**ours, optimizer_level=level) for level in range(4)] == pytest.approx(
+        [16, 8 + 8 / d, 4 + 12 / d, 16 / d]
+    )
+    with pytest.raises(ValueError, match="master_weights"):
+        state_bytes("gpu", 2)
 
 
 def test_zero_rejects_unknown_levels():

@@ -29,6 +29,7 @@ from loom.cost.plan import (
     GRAD_ACCUMULATIONS,
     GRAD_DTYPES,
     GRAD_REDUCES,
+    MASTER_WEIGHTS,
     MOE_DISPATCHERS,
     MOE_SYNCS,
     PRICED_ATTENTIONS,
@@ -122,7 +123,7 @@ RUN_FLAGS = ("global_batch", "seq", "micro_batch")  # the batch shape, which a P
 # how another system runs a plan (`ParallelPlan` fields with no `loom.plan.Plan` counterpart)
 SYSTEM_FLAGS = ("fp8_matmuls", "expert_tp", "grad_dtype", "grad_reduce", "grad_accumulation", "blocking_p2p")
 SYSTEM_FLAGS += ("scatter_gather_p2p", "tp_comm_overlap", "moe_dispatcher", "fp8_scaling", "moe_sync")
-SYSTEM_FLAGS += ("whole_layer_recompute", "attention_kernel")
+SYSTEM_FLAGS += ("whole_layer_recompute", "attention_kernel", "master_weights")
 FLAG_FIELDS = {"tp_comm_overlap": "overlap_tp_comm"}  # system flags spelled as Megatron spells them
 
 
@@ -235,6 +236,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --flash-attention, whose fused attention kernels: flash2 (default, FlashAttention-2's, as "
         "torch's scaled dot-product attention runs them) or cudnn (Transformer Engine's FusedAttention, faster "
         "on Hopper)",
+    )
+    system.add_argument(
+        "--master-weights",
+        choices=MASTER_WEIGHTS,
+        help="where the fp32 master weights live, which sets the model states' memory: parameters (default, as "
+        "loom and torch's autocast and FSDP run: fp32 parameters and gradients, 16 bytes a parameter with Adam) "
+        "or optimizer (Megatron-LM, DeepSpeed: 16-bit parameters, fp32 copies in the optimizer, 20 bytes with "
+        "16-bit gradients, 18 with --grad-dtype fp32)",
     )
     system.add_argument(
         "--whole-layer-recompute",

@@ -3,24 +3,23 @@
 Model states, mixed-precision Adam (Rajbhandari et al., "ZeRO", 2020, Section 5.1): with Ψ parameters,
 2Ψ bytes of fp16/bf16 parameters, 2Ψ of gradients and KΨ of optimizer states (K = 12: fp32 master copy,
 momentum and variance), sharded over Nd data-parallel replicas from optimizer level 1 (states), 2 (plus
-gradients) and 3 (plus parameters). Where gradients are kept in 16 bits below level 3, the step makes an fp32
-copy of them for the fp32 master weights, which the ZeRO paper leaves out (`optimizer_bytes`): Megatron-LM
-documents 20 bytes per parameter for fp16 parameters and gradients without its distributed optimizer, 18
-for bf16 parameters with fp32 gradients.
-
-Activations of one layer, in bytes, for sequence s, micro-batch b, hidden h, heads a, tensor parallel t
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Section 4):
-no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); plus sequence parallel
-sbh/t·(34 + 5as/h); tensor parallel + selective recomputation sbh(10 + 24/t); plus sequence parallel
-34sbh/t; full recomputation 2sbh (2sbh/t with sequence parallelism). `layer_activation_bytes` derives these
-from the tensors a layer keeps, so it also covers GQA, SwiGLU, MoE, no dropout, fused attention and context
-parallelism (each rank keeps its s/cp tokens' tensors; Ulysses the scores of its a/cp heads over the whole
-sequence, ring attention none: it works block by block, as a fused kernel does).
+gradients) and 3 (plus parameters). That is a run whose optimizer keeps the fp32 master weights beside
+16-bit parameters (Megatron-LM, DeepSpeed); its step also makes an fp32 copy of 16-bit gradients, which
+the ZeRO paper leaves out: Megatron-LM documents 20 bytes per parameter for fp16 parameters and gradients
+without its distributed optimizer, 18 for bf16 parameters with fp32 gradients. A run whose parameters are
+the fp32 master weights (torch's autocast, FSDP, loom's runtime) keeps 4 + 4 + 8 (`state_bytes`).
 """
 
 from __future__ import annotations
 
-from loom.cost.plan import OPTIMIZER_LEVELS, RECOMPUTE, TORCHTITAN_LAYER_EVERY, check_choice, check_sizes
+from loom.cost.plan import (
+    MASTER_WEIGHTS,
+    OPTIMIZER_LEVELS,
+    RECOMPUTE,
+    TORCHTITAN_LAYER_EVERY,
+    check_choice,
+    check_sizes,
+)
 from loom.cost.transformer import TransformerConfig, local_linear
 
 __all__ = [
@@ -30,24 +29,28 @@ __all__ = [
     "layer_activation_bytes",
     "model_state_bytes",
     "op_sac_saved_bytes",
-    "optimizer_bytes",
+    "state_bytes",
 ]
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # mixed-precision Adam, the ZeRO paper's K = 12
-FP32_GRAD_BYTES = 4
+FP32_BYTES, MOMENTS_BYTES = 4, 8  # fp32 master weights or gradients; Adam's fp32 momentum and variance
 
 
-def optimizer_bytes(grad_bytes: int, level: int) -> int:
-    """Bytes per parameter of optimizer states at optimizer `level` with gradients kept in `grad_bytes`.
+def state_bytes(master_weights: str, grad_bytes: int) -> dict[str, int]:
+    """Bytes per parameter of the parameter, its gradients and its optimizer states under mixed-precision
+    Adam, by where the fp32 master weights live (`ParallelPlan.master_weights`), with gradients kept in
+    `grad_bytes` (16- or 32-bit) where the parameters are 16-bit: keyword arguments of `model_state_bytes`.
 
-    The ZeRO paper's K = 12 (fp32 master weights, momentum, variance), plus 4 where gradients are kept in 16
-    bits below level 3: Adam steps the fp32 master weights with fp32 gradients, so Megatron-LM's and
-    DeepSpeed's mixed-precision optimizers make an fp32 copy of the 16-bit gradients (sharded with the other
-    states from level 1). Gradients kept in fp32 are that copy. At level 3 (FSDP) the fp32 shard is itself
-    the master weight and its reduced gradient shard the fp32 gradient: (2 + 2 + 12)/Nd covers them.
+    "parameters": the fp32 parameters are the master weights and their gradients fp32: 4 + 4 + 8.
+    "optimizer": 16-bit parameters, gradients in `grad_bytes`, and K = 12 (fp32 master copy, momentum,
+    variance) plus, for 16-bit gradients, the fp32 copy the step makes of them (Megatron-LM's
+    `main_grad.float()`, DeepSpeed's fp32 gradient partitions): 2 + 2 + 16 = 20, or 2 + 4 + 12 = 18.
     """
-    copy = FP32_GRAD_BYTES if grad_bytes < FP32_GRAD_BYTES and level < 3 else 0
-    return OPTIMIZER_BYTES + copy
+    check_choice("state_bytes", "master_weights", master_weights, MASTER_WEIGHTS)
+    if master_weights == "parameters":
+        return {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "optimizer_bytes": MOMENTS_BYTES}
+    copy = FP32_BYTES if grad_bytes < FP32_BYTES else 0
+    return {"param_bytes": PARAM_BYTES, "grad_bytes": grad_bytes, "optimizer_bytes": OPTIMIZER_BYTES + copy}
 
 
 def model_state_bytes(

@@ -34,6 +34,7 @@ __all__ = [
     "FP8_SCALINGS",
     "LOOM_SYSTEM",
     "ATTENTION_KERNELS",
+    "MASTER_WEIGHTS",
     "MOE_DISPATCHERS",
     "DEEPEP_DISPATCHERS",
     "MOE_SYNCS",
@@ -112,6 +113,10 @@ MOE_SYNCS: tuple[str, ...] = ("dropless", "token_drop", "cuda_graph")
 # which fused attention kernels run (with flash_attention): "flash2" (FlashAttention-2's, as torch's scaled
 # dot-product attention runs it, loom's runtime) or "cudnn" (cuDNN's, Transformer Engine's FusedAttention)
 ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "cudnn")
+# where a mixed-precision run keeps its fp32 master weights (`loom.cost.memory.state_bytes`): "parameters"
+# (the model's parameters are fp32 and compute casts them: torch's autocast, FSDP's mixed precision, loom's
+# runtime) or "optimizer" (16-bit parameters, fp32 copies in the optimizer: Megatron-LM, DeepSpeed)
+MASTER_WEIGHTS: tuple[str, ...] = ("parameters", "optimizer")
 
 
 class FieldError(ValueError):
@@ -175,13 +180,13 @@ def check_schedule(owner: str, schedule: str, virtual: int, key: str = "virtual_
 # the `ParallelPlan` fields that say how a training system runs a plan, not how the plan cuts the work
 SYSTEM_FIELDS = ("dtype", "overlap_grad_sync", "overlap_p2p", "scatter_gather_p2p", "flash_attention")
 SYSTEM_FIELDS += ("grad_dtype", "grad_accumulation", "fp8_matmuls", "fp8_scaling", "overlap_tp_comm")
-SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync", "recompute_early_stop", "attention_kernel")
+SYSTEM_FIELDS += ("moe_dispatcher", "moe_sync", "recompute_early_stop", "attention_kernel", "master_weights")
 # the values of those fields loom's own runtime runs, where it runs one only (the other values price other
 # training systems' runs: `loom simulate`'s flags, the validation set)
 LOOM_SYSTEM = {
     "overlap_p2p": True, "scatter_gather_p2p": False, "grad_accumulation": "fused", "fp8_matmuls": False,
     "overlap_tp_comm": False, "moe_dispatcher": "all_to_all", "moe_sync": "dropless", "recompute_early_stop": True,
-    "attention_kernel": "flash2",
+    "attention_kernel": "flash2", "master_weights": "parameters",
 }  # fmt: skip
 
 
@@ -251,6 +256,12 @@ class ParallelPlan:
     `flash_attention`: "flash2" (FlashAttention-2's schedule, torch's scaled dot-product attention: loom's
     runtime) or "cudnn" (Transformer Engine's FusedAttention on cuDNN, Megatron's and NeMo's runs), priced at
     the device's `cudnn_attention_efficiency` where it has one (Hopper).
+
+    `master_weights` (one of `MASTER_WEIGHTS`) says where the fp32 master weights live, which sets the model
+    states' bytes per parameter (`loom.cost.memory.state_bytes`; memory only): "parameters" (loom's runtime,
+    torch's autocast and FSDP: fp32 parameters and gradients, 16 bytes with Adam) or "optimizer" (Megatron-LM,
+    DeepSpeed: 16-bit parameters, fp32 copies in the optimizer, and an fp32 copy of 16-bit gradients for the
+    step: 20 bytes with fp16 gradients, 18 with fp32 ones, as Megatron-LM documents).
     """
 
     dp: int = 1
@@ -286,6 +297,7 @@ class ParallelPlan:
     moe_sync: str = "dropless"  # one of MOE_SYNCS; see the class docstring
     recompute_early_stop: bool = True  # see the class docstring
     attention_kernel: str = "flash2"  # one of ATTENTION_KERNELS; see the class docstring
+    master_weights: str = "parameters"  # one of MASTER_WEIGHTS; see the class docstring
 
     def __post_init__(self) -> None:
         owner = "ParallelPlan"
@@ -330,6 +342,7 @@ class ParallelPlan:
             )
         check_choice(owner, "moe_sync", self.moe_sync, MOE_SYNCS)
         check_choice(owner, "attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        check_choice(owner, "master_weights", self.master_weights, MASTER_WEIGHTS)
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):

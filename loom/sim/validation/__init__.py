@@ -83,7 +83,7 @@ def _korthikanti() -> list[Case]:
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), interleave=int(row["interleave"]),
             micro_batch=int(row["micro_batch"]), global_batch=int(row["global_batch"]), seq=int(row["seq"]),
             recompute="selective" if selective else "full", sequence_parallel=selective, dtype="fp16",
-            overlap_grad_sync=False, recompute_early_stop=False, **MEGATRON_2021_P2P,
+            overlap_grad_sync=False, recompute_early_stop=False, master_weights="optimizer", **MEGATRON_2021_P2P,
         )  # fmt: skip
         model = gpt(
             row["model"],
@@ -114,7 +114,7 @@ def _narayanan() -> list[Case]:
         plan = ParallelPlan(
             dp=gpus // (tp * pp), tp=tp, pp=pp, interleave=narayanan_interleave(layers // pp) if pp > 1 else 1,
             micro_batch=1, global_batch=int(row["global_batch"]), seq=2048, recompute="full", dtype="fp16",
-            overlap_grad_sync=False, recompute_early_stop=False, **MEGATRON_2021_P2P,
+            overlap_grad_sync=False, recompute_early_stop=False, master_weights="optimizer", **MEGATRON_2021_P2P,
         )  # fmt: skip
         model = gpt(f"{row['params_b']}B", layers, int(row["hidden"]), int(row["heads"]))
         out.append(

@@ -17,6 +17,9 @@ origin. Rules applied to every row of a source, never per row:
   layer's whole forward (their own checkpoint functions: `recompute_early_stop = False`); MosaicML's
   llm-foundry (`activation_checkpointing_reentrant: false` in its benchmark script) and torchtitan checkpoint
   with torch's non-reentrant checkpoint, which stops once the backward's last needed tensor is rebuilt.
+- Megatron-LM / NeMo / Megatron-Bridge / Megatron-MoE and BLOOM's DeepSpeed keep 16-bit parameters with the
+  fp32 master weights in the optimizer (`master_weights = "optimizer"`: memory only); MosaicML's FSDP and
+  torchtitan's FSDP2 keep fp32 parameters as the master weights.
 - NeMo, Megatron-Bridge and Megatron-MoE run Transformer Engine's fused attention, which on Hopper is cuDNN's
   (`attention_kernel = "cudnn"`); MosaicML (FlashAttention-2 / Triton) and torchtitan (torch's SDPA) run
   FlashAttention-2's kernels.
@@ -270,7 +273,7 @@ def _megatron_perf(stem: str) -> tuple[list[Case], list[Skipped]]:
             optimizer_level=3 if row.get("fsdp", "0") not in ("", "0") else 1, sequence_parallel=tp > 1,
             flash_attention=True, dtype="bf16", fp8_matmuls=fp8, fp8_scaling=scaling,
             overlap_tp_comm=overlap_tp, moe_sync=_bridge_sync(row), moe_dispatcher=DISPATCHERS[_bridge_dispatcher(row)],
-            recompute_early_stop=False, attention_kernel="cudnn",
+            recompute_early_stop=False, attention_kernel="cudnn", master_weights="optimizer",
         )  # fmt: skip
         gpus = int(row["gpus"])
         out.append(
@@ -341,7 +344,7 @@ def _bloom() -> tuple[list[Case], list[Skipped]]:
             dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), micro_batch=int(row["micro_batch"]),
             global_batch=int(row["global_batch"]), seq=int(row["seq"]), recompute="full", optimizer_level=1,
             dtype="bf16", overlap_grad_sync=False, grad_dtype="fp32", grad_reduce="all_reduce",
-            grad_accumulation="separate", overlap_p2p=False, recompute_early_stop=False,
+            grad_accumulation="separate", overlap_p2p=False, recompute_early_stop=False, master_weights="optimizer",
         )  # fmt: skip
         label = f"{row['model']} h{row['heads']} tp{row['tp']} pp{row['pp']} mb{row['micro_batch']}"
         case = _case(stem, row, label, model, plan, "a100-80gb", "iteration_s", float(row["iteration_s"]))
@@ -383,7 +386,7 @@ def _moe_modelzoo() -> tuple[list[Case], list[Skipped]]:
             optimizer_level=int(row["zero_stage"]), sequence_parallel=int(row["tp"]) > 1, flash_attention=True,
             dtype="bf16", grad_dtype="fp32", moe_dispatcher=DISPATCHERS[row["dispatcher"]],
             moe_sync="dropless",  # no capacity factor in the command; its CUDA-graph variant came later
-            recompute_early_stop=False, attention_kernel="cudnn",
+            recompute_early_stop=False, attention_kernel="cudnn", master_weights="optimizer",
         )  # fmt: skip
         out.append(_case(stem, row, label, model, plan, "h100-sxm", "iteration_s", float(row["iteration_s"])))
     return out, skipped
