@@ -57,7 +57,8 @@ class BucketShard:
     ) -> torch.Tensor:
         """This rank's chunk of one tensor per parameter of the bucket (`values(param)`, shaped like the
         parameter's local shard; None reads as zeros), in the bucket's order; the padding is zero."""
-        chunk = torch.zeros(self.bucket.chunk, dtype=dtype)
+        # on the bucket's device: the optimizer steps there, and NCCL gathers only device tensors
+        chunk = torch.zeros(self.bucket.chunk, dtype=dtype, device=self.bucket.device)
         for param, lo, hi, at in self.pieces:
             value = values(param)
             if value is not None:
