@@ -102,13 +102,16 @@ def test_model_states_per_parameter_by_where_the_master_weights_live():
     assert per_parameter(dtype="bf16", grad_dtype="fp32") == pytest.approx(18)
     assert per_parameter(dtype="bf16", grad_dtype="fp32", optimizer_level=1) == pytest.approx(6 + 12 / d)
     assert per_parameter(optimizer_level=3) == pytest.approx(20 / d)
+    assert per_parameter(dtype="fp32") == pytest.approx(16)  # fp32 parameters are their own master weights
+    # loom's runtime: fp32 parameters; at levels 1-2 its optimizer steps an fp32 copy of each rank's chunk
     ours = {"master_weights": "parameters", "dtype": "bf16"}
     assert ParallelPlan(global_batch=1, seq=1).master_weights == LOOM_SYSTEM["master_weights"] == "parameters"
     assert [per_parameter(**ours, optimizer_level=level) for level in range(4)] == pytest.approx(
-        [16, 8 + 8 / d, 4 + 12 / d, 16 / d]
+        [16, 8 + 12 / d, 4 + 16 / d, 16 / d]
     )
+    assert state_bytes(plan.replace(**ours)) == {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
     with pytest.raises(ValueError, match="master_weights"):
-        state_bytes("gpu", 2)
+        plan.replace(master_weights="gpu")
 
 
 def test_zero_rejects_unknown_levels():

@@ -221,6 +221,12 @@ def test_the_search_holds_every_system_field_a_plan_gives_and_refuses_others() -
         ValueError, match=r"grad_accumulation = 'copy_in_out', fp8_matmuls = True\), which loom"
     ):
         to_plan(found.best)
+    # master weights in the optimizer (Megatron-LM's) reach every candidate and are not loom's either
+    megatron = search_plans(SMALL, cluster, 8, 64, 2048, keep=3, master_weights="optimizer")
+    assert {c.plan.master_weights for c in megatron.candidates} == {"optimizer"}
+    with pytest.raises(ValueError, match=r"master_weights = 'optimizer'\), which loom"):
+        to_plan(megatron.best)
+    assert to_plan(search_plans(SMALL, cluster, 8, 64, 2048, keep=1).best).dp >= 1  # loom's own: a Plan
     with pytest.raises(TypeError, match=r"\['fp8_scalin'\] are not fields of how a system runs a plan"):
         search_plans(SMALL, cluster, 8, 64, 2048, fp8_scalin="delayed")
 

@@ -89,7 +89,7 @@ def test_chunk_parameters_add_up_to_the_stage():
 def test_separate_fp32_accumulation_is_a_memory_pass_per_micro_batch():
     cluster = get_cluster("a100-80gb", gpus=1)
     cluster = dataclasses.replace(cluster, device=DEVICE)
-    fused = ParallelPlan(micro_batch=1, global_batch=4, seq=64, grad_dtype="fp32")
+    fused = ParallelPlan(micro_batch=1, global_batch=4, seq=64, grad_dtype="fp32", master_weights="optimizer")
     separate = fused.replace(grad_accumulation="separate")
     a, b = simulate(GPT, fused, cluster), simulate(GPT, separate, cluster)
     # 4 layers, the embedding and the final norm; read bf16 gradients, read and write fp32: 10 bytes each
@@ -207,19 +207,20 @@ def test_fsdp_shard_grad_op_runs_unit_by_unit_without_the_backward_gathers():
     full = simulate(GPT, level2.replace(optimizer_level=3, grad_accumulation="flat_copy"), cluster)
     span = group_span(8, 1, cluster.gpus_per_node)
     params = 4 * LAYER + 128 * 64 + 128
-    gather = collective_time("all_gather", 2 * params, span, cluster)
+    gather = collective_time("all_gather", 2 * params, span, cluster)  # FSDP gathers bf16 casts
+    gather_fp32 = collective_time("all_gather", 4 * params, span, cluster)  # loom its fp32 parameters
     scatter = collective_time("reduce_scatter", 4 * params, span, cluster)
     assert gather > 0 and step_end.breakdown["dp_comm"] > 0 and sgo.breakdown["dp_comm"] == 0.0
     # one micro-batch: the same collectives, gathered before each unit's forward and reduce-scattered
     # after each unit's backward instead of at the step's end; FULL_SHARD gathers again for the backward
-    assert step_end.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
+    assert step_end.iteration_s == pytest.approx(gather_fp32 + scatter, rel=1e-9)
     assert sgo.iteration_s == pytest.approx(gather + scatter, rel=1e-9)
     assert full.iteration_s == pytest.approx(2 * gather + scatter, rel=1e-9)
     # four micro-batches: both FSDP strategies gather and reduce-scatter in every one of them
     four = level2.replace(global_batch=32, grad_accumulation="flat_copy")
     assert simulate(GPT, four, cluster).iteration_s == pytest.approx(4 * (gather + scatter), rel=1e-9)
     assert simulate(GPT, level2.replace(global_batch=32), cluster).iteration_s == pytest.approx(
-        gather + scatter, rel=1e-9
+        gather_fp32 + scatter, rel=1e-9
     )
 
 
@@ -237,8 +238,12 @@ def test_fp32_all_reduce_of_the_whole_gradient():
     # ring all-reduce over 8 GPUs of one node: bus factor 2 * 7/8, 6 latency steps (tree-like log2 n, x2)
     all_reduce_fp32 = 6 * link.latency_s + 4 * params * 2 * 7 / 8 / link.bus_bandwidth
     reduce_scatter_bf16 = 3 * link.latency_s + 2 * params * 7 / 8 / link.bus_bandwidth
+    reduce_scatter_fp32 = 3 * link.latency_s + 4 * params * 7 / 8 / link.bus_bandwidth
     assert dp_comm(grad_dtype="fp32", grad_reduce="all_reduce") == pytest.approx(all_reduce_fp32, rel=1e-12)
-    assert dp_comm() == pytest.approx(reduce_scatter_bf16, rel=1e-12)
+    # 16-bit parameters with the master weights in the optimizer reduce their 16-bit gradients; loom's
+    # runtime, whose fp32 parameters are the master weights, reduces fp32 ones
+    assert dp_comm(master_weights="optimizer") == pytest.approx(reduce_scatter_bf16, rel=1e-12)
+    assert dp_comm() == pytest.approx(reduce_scatter_fp32, rel=1e-12)
 
 
 def test_zero3_reduce_scatter_in_the_gradient_precision():
@@ -261,7 +266,7 @@ def test_expert_tensor_parallelism_folds_tp_and_dp():
     with pytest.raises(ValueError, match="ep=8 must divide dp=4"):
         plan.replace(expert_tp=0)
     # the expert unit's gathered bytes: all 8 experts' MLPs (2 * 64 * 256 + 320 each) over etp * ep = 8
-    sharded = plan.replace(dp=8, ep=8, global_batch=8, optimizer_level=3)
+    sharded = plan.replace(dp=8, ep=8, global_batch=8, optimizer_level=3, master_weights="optimizer")
     assert layer_unit_bytes(moe, sharded).expert == 2 * 8 * 33088 / 8
     assert group_span(8, sharded.etp, 8).nodes == 1  # the ep group: 8 consecutive ranks, one node
 

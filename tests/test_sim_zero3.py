@@ -14,9 +14,11 @@ MODEL = TransformerConfig(layers=2, hidden=64, heads=4, vocab=100, biases=False,
 
 
 def test_layer_volumes_per_device():
-    plan = ParallelPlan(dp=4, tp=2, global_batch=8, seq=16, optimizer_level=3)
+    plan = ParallelPlan(dp=4, tp=2, global_batch=8, seq=16, optimizer_level=3, master_weights="optimizer")
     # attention 4*64*64 + MLP 2*64*256 split over tp=2, plus two LayerNorms (2*64 each) replicated, bf16
     assert layer_unit_bytes(MODEL, plan).dense == 2 * ((4 * 64 * 64 + 2 * 64 * 256) / 2 + 2 * 128) == 49664
+    # loom's runtime gathers its fp32 parameters, the master weights, as they are
+    assert layer_unit_bytes(MODEL, plan.replace(master_weights="parameters")).dense == 2 * 49664
     assert layer_unit_bytes(MODEL, plan).expert == 0
     assert embedding_unit_bytes(MODEL, plan).dense == 2 * 100 * 64 / 2 == 6400
     assert head_unit_bytes(MODEL, plan).dense == 2 * 128  # tied head on one stage: only the final norm
@@ -24,7 +26,9 @@ def test_layer_volumes_per_device():
 
 def test_expert_volumes_go_to_the_expert_group():
     moe = MODEL.replace(experts=8, top_k=2)
-    plan = ParallelPlan(dp=4, tp=2, ep=4, global_batch=8, seq=16, optimizer_level=3)
+    plan = ParallelPlan(
+        dp=4, tp=2, ep=4, global_batch=8, seq=16, optimizer_level=3, master_weights="optimizer"
+    )
     unit = layer_unit_bytes(moe, plan)
     assert unit.expert == 2 * 8 * (2 * 64 * 256) / (2 * 4) == 65536
     assert unit.dense == 2 * ((4 * 64 * 64 + 64 * 8) / 2 + 2 * 128) == 17408  # attention and router

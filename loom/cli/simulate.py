@@ -240,10 +240,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     system.add_argument(
         "--master-weights",
         choices=MASTER_WEIGHTS,
-        help="where the fp32 master weights live, which sets the model states' memory: parameters (default, as "
-        "loom and torch's autocast and FSDP run: fp32 parameters and gradients, 16 bytes a parameter with Adam) "
-        "or optimizer (Megatron-LM, DeepSpeed: 16-bit parameters, fp32 copies in the optimizer, 20 bytes with "
-        "16-bit gradients, 18 with --grad-dtype fp32)",
+        help="where the fp32 master weights live: parameters (default, as loom runs: fp32 parameters and "
+        "gradients, 16 bytes a parameter with Adam, gathered and reduced in fp32) or optimizer (Megatron-LM, "
+        "DeepSpeed: 16-bit parameters, fp32 copies in the optimizer, 20 bytes with 16-bit gradients, 18 with "
+        "--grad-dtype fp32)",
     )
     system.add_argument(
         "--whole-layer-recompute",

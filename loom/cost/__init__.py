@@ -6,7 +6,12 @@ The planner ranks plans with it, the simulator (`loom.sim`) reports with it, `lo
 from loom.cost.collectives import GroupSpan, bus_factor, collective_time, group_span
 from loom.cost.compute import matmul_efficiency, matmul_time, memory_time
 from loom.cost.hardware import PROFILES, Cluster, Device, Link, get_cluster, save_cluster
-from loom.cost.memory import korthikanti_activation_bytes, layer_activation_bytes, model_state_bytes
+from loom.cost.memory import (
+    korthikanti_activation_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+    state_bytes,
+)
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import StepCollective, step_collectives
 from loom.cost.transformer import TransformerConfig, hf_transformer_config
@@ -31,6 +36,7 @@ __all__ = [
     "matmul_time",
     "memory_time",
     "model_state_bytes",
+    "state_bytes",
     "save_cluster",
     "step_collectives",
 ]

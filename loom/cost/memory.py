@@ -12,11 +12,12 @@ the fp32 master weights (torch's autocast, FSDP, loom's runtime) keeps 4 + 4 + 8
 
 from __future__ import annotations
 
+from loom.cost.compute import DTYPE_BYTES
 from loom.cost.plan import (
-    MASTER_WEIGHTS,
     OPTIMIZER_LEVELS,
     RECOMPUTE,
     TORCHTITAN_LAYER_EVERY,
+    ParallelPlan,
     check_choice,
     check_sizes,
 )
@@ -36,21 +37,26 @@ PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # mixed-precision Adam, the
 FP32_BYTES, MOMENTS_BYTES = 4, 8  # fp32 master weights or gradients; Adam's fp32 momentum and variance
 
 
-def state_bytes(master_weights: str, grad_bytes: int) -> dict[str, int]:
+def state_bytes(plan: ParallelPlan) -> dict[str, int]:
     """Bytes per parameter of the parameter, its gradients and its optimizer states under mixed-precision
-    Adam, by where the fp32 master weights live (`ParallelPlan.master_weights`), with gradients kept in
-    `grad_bytes` (16- or 32-bit) where the parameters are 16-bit: keyword arguments of `model_state_bytes`.
+    Adam for `plan`, by where its fp32 master weights live (`ParallelPlan.master_weights`): keyword arguments
+    of `model_state_bytes`.
 
-    "parameters": the fp32 parameters are the master weights and their gradients fp32: 4 + 4 + 8.
-    "optimizer": 16-bit parameters, gradients in `grad_bytes`, and K = 12 (fp32 master copy, momentum,
-    variance) plus, for 16-bit gradients, the fp32 copy the step makes of them (Megatron-LM's
-    `main_grad.float()`, DeepSpeed's fp32 gradient partitions): 2 + 2 + 16 = 20, or 2 + 4 + 12 = 18.
+    Parameters that are the fp32 master weights ("parameters", or fp32 training): 4 + 4 + 8, and at levels 1-2
+    of loom's runtime (`moves_master_weights`) the fp32 copy of each rank's chunk its optimizer steps
+    (`loom.parallel.zero.BucketShard`), 4 more sharded: 8 + 12/d at level 1, 4 + 16/d at level 2.
+    "optimizer": 16-bit parameters, gradients in `grad_precision` (and with a separate accumulation pass the
+    backward's own 16-bit ones beside them), and K = 12 (fp32 master copy, momentum, variance) plus, for
+    16-bit gradients, the fp32 copy the step makes of them (Megatron-LM's `main_grad.float()`, DeepSpeed's
+    fp32 gradient partitions): 2 + 2 + 16 = 20, or 2 + 4 + 12 = 18.
     """
-    check_choice("state_bytes", "master_weights", master_weights, MASTER_WEIGHTS)
-    if master_weights == "parameters":
-        return {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "optimizer_bytes": MOMENTS_BYTES}
-    copy = FP32_BYTES if grad_bytes < FP32_BYTES else 0
-    return {"param_bytes": PARAM_BYTES, "grad_bytes": grad_bytes, "optimizer_bytes": OPTIMIZER_BYTES + copy}
+    param, grads = DTYPE_BYTES[plan.dtype], DTYPE_BYTES[plan.grad_precision]
+    if plan.master_weights == "parameters" or param == FP32_BYTES:
+        chunk = FP32_BYTES if plan.moves_master_weights and plan.optimizer_level in (1, 2) else 0
+        return {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "optimizer_bytes": MOMENTS_BYTES + chunk}
+    separate = param if plan.grad_accumulation == "separate" else 0
+    copy = FP32_BYTES if grads < FP32_BYTES else 0
+    return {"param_bytes": param, "grad_bytes": grads + separate, "optimizer_bytes": OPTIMIZER_BYTES + copy}
 
 
 def model_state_bytes(
@@ -59,7 +65,9 @@ def model_state_bytes(
 ) -> float:  # fmt: skip
     """Bytes of parameters, gradients and optimizer states on one device at optimizer `level` over `dp` replicas.
 
-    Level 0: (2 + 2 + K)Ψ; 1: (2 + 2)Ψ + KΨ/Nd; 2: 2Ψ + (2 + K)Ψ/Nd; 3: (2 + 2 + K)Ψ/Nd.
+    With P, G, K bytes per parameter of parameters, gradients and optimizer states (default the ZeRO
+    paper's 2, 2, 12; `state_bytes` gives a plan's): level 0: (P + G + K)Ψ; 1: (P + G)Ψ + KΨ/Nd;
+    2: PΨ + (G + K)Ψ/Nd; 3: (P + G + K)Ψ/Nd.
     """
     check_choice("model_state_bytes", "level", level, OPTIMIZER_LEVELS)
     check_sizes("model_state_bytes", {"dp": dp})

@@ -257,11 +257,13 @@ class ParallelPlan:
     runtime) or "cudnn" (Transformer Engine's FusedAttention on cuDNN, Megatron's and NeMo's runs), priced at
     the device's `cudnn_attention_efficiency` where it has one (Hopper).
 
-    `master_weights` (one of `MASTER_WEIGHTS`) says where the fp32 master weights live, which sets the model
-    states' bytes per parameter (`loom.cost.memory.state_bytes`; memory only): "parameters" (loom's runtime,
-    torch's autocast and FSDP: fp32 parameters and gradients, 16 bytes with Adam) or "optimizer" (Megatron-LM,
-    DeepSpeed: 16-bit parameters, fp32 copies in the optimizer, and an fp32 copy of 16-bit gradients for the
-    step: 20 bytes with fp16 gradients, 18 with fp32 ones, as Megatron-LM documents).
+    `master_weights` (one of `MASTER_WEIGHTS`) says where the fp32 master weights live. "parameters" (loom's
+    runtime, torch's autocast and FSDP): the fp32 parameters are the master weights, 16 bytes a parameter with
+    Adam, plus at loom's levels 1-2 an fp32 copy of each rank's chunk; loom gathers them and reduces their
+    gradients in fp32 (`moves_master_weights`), FSDP casts each unit to `dtype` first. "optimizer"
+    (Megatron-LM, DeepSpeed): 16-bit parameters with fp32 copies in the optimizer, and an fp32 copy of 16-bit
+    gradients for the step: 20 bytes with fp16 gradients, 18 with fp32 ones, as Megatron-LM documents
+    (`loom.cost.memory.state_bytes`).
     """
 
     dp: int = 1
@@ -343,6 +345,12 @@ class ParallelPlan:
         check_choice(owner, "moe_sync", self.moe_sync, MOE_SYNCS)
         check_choice(owner, "attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         check_choice(owner, "master_weights", self.master_weights, MASTER_WEIGHTS)
+        if self.grad_accumulation == "separate" and self.master_weights == "parameters":
+            raise FieldError(
+                owner, "grad_accumulation", self.grad_accumulation,
+                "a separate accumulation pass (DeepSpeed's bf16 optimizer) adds 16-bit gradients into fp32 "
+                "buffers beside 16-bit parameters: set master_weights to 'optimizer'",
+            )  # fmt: skip
         if (self.grad_reduce == "reduce_scatter" and self.optimizer_level == 0) or (
             self.grad_reduce == "all_reduce" and self.optimizer_level >= 2
         ):
@@ -434,9 +442,22 @@ class ParallelPlan:
         )
 
     @property
+    def moves_master_weights(self) -> bool:
+        """Whether the fp32 master weights travel as they are: loom's runtime (`master_weights` "parameters"
+        without PyTorch FSDP's unit copies) gathers its fp32 parameters at optimizer levels 1-3 and reduces
+        their fp32 gradients; FSDP casts each unit to `dtype` before gathering it."""
+        return self.master_weights == "parameters" and self.grad_accumulation not in UNIT_COPIES
+
+    @property
+    def param_precision(self) -> str:
+        """The dtype parameters are gathered in at optimizer levels 1-3 (fp32 when `moves_master_weights`)."""
+        return "fp32" if self.moves_master_weights else self.dtype
+
+    @property
     def grad_precision(self) -> str:
-        """The dtype gradients are accumulated and reduced in (`grad_dtype`, else `dtype`)."""
-        return self.grad_dtype or self.dtype
+        """The dtype gradients are accumulated and reduced in: `grad_dtype`, else fp32 when
+        `moves_master_weights`, else `dtype`."""
+        return self.grad_dtype or ("fp32" if self.moves_master_weights else self.dtype)
 
     def chunk_layers(self, layers: int) -> list[int]:
         """Layers of each virtual stage in model order (`stage_layers`, else `layers` split equally)."""

@@ -3,7 +3,8 @@
 Every unit (one transformer layer; the embedding; the output layer) keeps 1/dp of its parameters on each
 device. Before the unit's forward its parameters are all-gathered over the data-parallel group, again before
 its backward (they were freed after forward), and after its backward its gradients are reduce-scattered.
-Sizes are nccl-tests' (the gathered, full buffer), in the training dtype, of what one device of a
+Sizes are nccl-tests' (the gathered, full buffer), in the dtype parameters travel in (`ParallelPlan.
+param_precision`: the training dtype, fp32 for loom's runtime), of what one device of a
 tensor-parallel group holds: a layer's attention and dense MLP split over tp, its norms replicated; its
 experts split over etp and ep, gathered over the expert-data-parallel group (tp * dp / (etp * ep)) instead.
 """
@@ -44,7 +45,7 @@ class UnitBytes:
 
 def layer_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     """One transformer layer's gathered parameters on one device (see the module's docstring)."""
-    e, t = DTYPE_BYTES[plan.dtype], plan.tp
+    e, t = DTYPE_BYTES[plan.param_precision], plan.tp
     norms = 2 * model.norm_parameters()
     experts = model.experts * model.mlp_parameters() if model.is_moe else 0
     sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
@@ -53,13 +54,13 @@ def layer_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
 
 def embedding_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     """The (vocabulary-parallel) embedding's gathered parameters on one device."""
-    return UnitBytes(dense=DTYPE_BYTES[plan.dtype] * model.embedding_parameters() / plan.tp)
+    return UnitBytes(dense=DTYPE_BYTES[plan.param_precision] * model.embedding_parameters() / plan.tp)
 
 
 def head_unit_bytes(model: TransformerConfig, plan: ParallelPlan) -> UnitBytes:
     """The final norm and, untied, the output projection, gathered on one device (a tied head on one
     pipeline stage shares the embedding's gathered weight and gathers only the norm)."""
-    e, t = DTYPE_BYTES[plan.dtype], plan.tp
+    e, t = DTYPE_BYTES[plan.param_precision], plan.tp
     projection = 0 if model.tied_embeddings else model.vocab * model.hidden / t
     if model.tied_embeddings and plan.pp > 1:
         projection = model.vocab * model.hidden / t  # the last stage's own copy of the tied embedding

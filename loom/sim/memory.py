@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from loom.cost.compute import DTYPE_BYTES
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.memory import GRAD_BYTES, layer_activation_bytes, model_state_bytes, state_bytes
+from loom.cost.memory import layer_activation_bytes, model_state_bytes, state_bytes
 from loom.cost.plan import ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
@@ -46,11 +46,7 @@ def stage_memory(
     """Bytes per device on pipeline rank `rank` by kind; `in_flight` is its peak count of live chunk forwards."""
     dense, expert = stage_parameters(model, plan, rank)
     rows = shards_as_rows(plan)  # the gradients' and optimizer states' group: dp x cp
-    # gradients in their accumulation precision; a separate accumulation pass also keeps the backward's own
-    sizes = state_bytes(
-        plan.master_weights, DTYPE_BYTES[plan.grad_precision] if plan.grad_dtype else GRAD_BYTES
-    )
-    sizes["grad_bytes"] += GRAD_BYTES if plan.grad_accumulation == "separate" else 0
+    sizes = state_bytes(plan)
     level = plan.optimizer_level
     states = model_state_bytes(dense, level, rows.dp, **sizes)
     states += model_state_bytes(expert, level, rows.edp, **sizes)

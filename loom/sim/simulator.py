@@ -255,7 +255,7 @@ def _unit_copy_times(
     units = _stage_units(model, plan, stage)
     if plan.grad_accumulation not in UNIT_COPIES:
         return [0.0] * len(units), [0.0] * len(units), [0.0] * len(units)
-    e, device = DTYPE_BYTES[plan.dtype], cluster.device
+    e, device = DTYPE_BYTES[plan.param_precision], cluster.device  # the units' bytes per element
     gather, compute, reduce = [], [], []
     for unit in units:
         groups = ((unit.dense, plan.dp), (unit.expert, plan.edp))
@@ -304,7 +304,7 @@ def _sharded_durations(model, plan, cluster, pieces: PieceCosts, chunks: list[in
         units = _stage_units(model, plan, stage)
         gather = [_unit_collective("all_gather", b, plan, cluster) for b in units]
         # gradients are reduce-scattered in their own precision (FSDP2's reduce_dtype)
-        scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.dtype]
+        scale = DTYPE_BYTES[plan.grad_precision] / DTYPE_BYTES[plan.param_precision]
         scatter = [_unit_collective("reduce_scatter", b.scaled(scale), plan, cluster) for b in units]
         copy_out, copy, prepare = _unit_copy_times(model, plan, cluster, stage)
         forward.append(sharded_pass([c[0] + out for c, out in zip(costs, copy_out, strict=True)], gather).end)
@@ -339,8 +339,9 @@ def _grad_sync_end(model, plan, cluster, rank: int, playback: Playback) -> tuple
     step_bytes = (dense + expert) * (2 * e + 2 * OPTIMIZER_BYTES / shard)
     done = synced + memory_time(cluster.device, step_bytes, kernels=4)
     if plan.optimizer_level in (1, 2) and plan.dp > 1 and not plan.unit_sharded:
-        done += collective_time("all_gather", e * dense, dp_span, cluster)
-        done += collective_time("all_gather", e * expert, edp_span, cluster)
+        gathered = DTYPE_BYTES[plan.param_precision]  # the updated parameters, as they travel
+        done += collective_time("all_gather", gathered * dense, dp_span, cluster)
+        done += collective_time("all_gather", gathered * expert, edp_span, cluster)
     return synced, done
 
 
