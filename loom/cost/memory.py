@@ -45,8 +45,7 @@ def state_bytes(plan: ParallelPlan) -> dict[str, int]:
     Parameters that are the fp32 master weights ("parameters", or fp32 training): 4 + 4 + 8, and at levels 1-2
     of loom's runtime (`moves_master_weights`) the fp32 copy of each rank's chunk its optimizer steps
     (`loom.parallel.zero.BucketShard`), 4 more sharded: 8 + 12/d at level 1, 4 + 16/d at level 2.
-    "optimizer": 16-bit parameters, gradients in `grad_precision` (and with a separate accumulation pass the
-    backward's own 16-bit ones beside them), and K = 12 (fp32 master copy, momentum, variance) plus, for
+    "optimizer": 16-bit parameters, gradients in `grad_precision`, and K = 12 (fp32 master copy, momentum, variance) plus, for
     16-bit gradients, the fp32 copy the step makes of them (Megatron-LM's `main_grad.float()`, DeepSpeed's
     fp32 gradient partitions): 2 + 2 + 16 = 20, or 2 + 4 + 12 = 18.
     """
@@ -54,9 +53,8 @@ def state_bytes(plan: ParallelPlan) -> dict[str, int]:
     if plan.master_weights == "parameters" or param == FP32_BYTES:
         chunk = FP32_BYTES if plan.moves_master_weights and plan.optimizer_level in (1, 2) else 0
         return {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "optimizer_bytes": MOMENTS_BYTES + chunk}
-    separate = param if plan.grad_accumulation == "separate" else 0
     copy = FP32_BYTES if grads < FP32_BYTES else 0
-    return {"param_bytes": param, "grad_bytes": grads + separate, "optimizer_bytes": OPTIMIZER_BYTES + copy}
+    return {"param_bytes": param, "grad_bytes": grads, "optimizer_bytes": OPTIMIZER_BYTES + copy}
 
 
 def model_state_bytes(

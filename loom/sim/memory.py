@@ -47,6 +47,8 @@ def stage_memory(
     dense, expert = stage_parameters(model, plan, rank)
     rows = shards_as_rows(plan)  # the gradients' and optimizer states' group: dp x cp
     sizes = state_bytes(plan)
+    if plan.grad_accumulation == "separate":  # the backward's own gradients beside the accumulation buffer
+        sizes["grad_bytes"] += DTYPE_BYTES[plan.dtype]
     level = plan.optimizer_level
     states = model_state_bytes(dense, level, rows.dp, **sizes)
     states += model_state_bytes(expert, level, rows.edp, **sizes)
