@@ -90,9 +90,12 @@ MAX_ARRIVALS = 4096
 def _every_mismatch(problem: Any, name: str, alternatives: list[list], arrived: list) -> list[Mismatch]:
     """The mismatches of operator `name` over every combination of its inputs' `alternatives` (each a
     list of (layout, (decision, options))), or only the one that `arrived` when they are too many."""
-    if math.prod(len(a) for a in alternatives) > MAX_ARRIVALS:
-        return [_mismatch(problem, name, arrived)]
-    found = (_mismatch(problem, name, list(combination)) for combination in itertools.product(*alternatives))
+    combinations = (
+        [arrived]
+        if math.prod(len(a) for a in alternatives) > MAX_ARRIVALS
+        else itertools.product(*alternatives)
+    )
+    found = (_mismatch(problem, name, list(combination)) for combination in combinations)
     return [m for m in found if m is not None]
 
 
@@ -132,7 +135,8 @@ def _mismatch(problem: Any, name: str, arrivals: list) -> Mismatch | None:
 def _dispatched(problem: Any, node: Any, arriving: tuple[Placements, ...], sizes: tuple[int, ...]) -> Any:
     """DTensor's choice for `node` given the `arriving` layouts of its inputs (None: refused)."""
     infos = [problem.graph.tensor(ref) for ref in node.inputs]
-    key = (str(node.op), repr(node.skeleton()), repr(infos), repr(arriving), sizes)
+    shapes = tuple((info.shape, info.stride, info.dtype) for info in infos)  # strides too: views read them
+    key = (str(node.op), repr(node.skeleton()), shapes, repr(arriving), sizes)
     if key not in _ANSWERS:
         args, kwargs = node.call_args([meta_tensor(info) for info in infos])
         _ANSWERS[key] = _dtensor_rules.dispatch(node.op, args, kwargs, arriving, sizes)
