@@ -174,7 +174,7 @@ def solve(
     operator, `unchecked` ones aside (a local region's, run on plain tensors), takes the candidate
     DTensor's dispatcher runs for the layouts that reach it (`loom.plan.dispatch`): each round adds the
     operators that ran otherwise as constraints. The solution's `rounds` and `status` say how many solves
-    it took; where the constraints leave no plan, the last one found is kept."""
+    it took; where the constraints leave no plan, the first solve's stands (its status says so)."""
     if method not in ("auto", "milp"):
         raise ValueError(f"solve: method {method!r} is not one of 'auto', 'milp'")
     pinned = pinned or {}
@@ -208,7 +208,7 @@ def solve(
 def _dispatched_rounds(found: Solution, run, offsets: dict[str, int], columns: int, unchecked) -> Solution:
     """`found` solved again by `run` (the integer program with extra constraints) until its operators run
     as DTensor's dispatcher runs them (`solve`'s `dispatched`), at most `MAX_ROUNDS` solves in all."""
-    started, mismatches, seen = time.perf_counter(), [], set()
+    started, mismatches, seen, first = time.perf_counter(), [], set(), found
     for rounds in range(2, MAX_ROUNDS + 1):
         # the first round's single-input operators (views, most pointwise ones) are settled for every layout
         # their producer may give: cheap to ask, and otherwise the solver moves on to them round by round
@@ -218,8 +218,8 @@ def _dispatched_rounds(found: Solution, run, offsets: dict[str, int], columns: i
         mismatches += new
         seen.update(new)
         result = run([_cuts(mismatches, offsets, columns)])
-        if result.x is None:  # the constraints leave no plan (under a memory limit): keep the last one
-            return dataclasses.replace(found, status=f"{found.status}; round {rounds}: {result.message}")
+        if result.x is None:  # the constraints leave no plan (under a memory limit): the first one stands
+            return dataclasses.replace(first, status=f"{first.status}; round {rounds}: {result.message}")
         found = _milp_solution(problem=found.problem, result=result, offsets=offsets, rounds=rounds,
                                seconds=time.perf_counter() - started)  # fmt: skip
     return found
