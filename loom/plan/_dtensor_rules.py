@@ -22,6 +22,7 @@ cut of a dim the mask broadcasts is reported as no cut).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 from torch.utils import _pytree as pytree
 
-__all__ = ["PRIVATE_API", "Proposal", "axis_mesh", "check", "is_cut", "is_strided", "propose"]
+__all__ = [
+    "PRIVATE_API",
+    "Proposal",
+    "axis_mesh",
+    "check",
+    "dispatch",
+    "is_cut",
+    "is_strided",
+    "nd_mesh",
+    "propose",
+]
 
 PRIVATE_API = (
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
@@ -65,8 +76,9 @@ def is_cut(placement: Placement) -> bool:
 
 @dataclass(frozen=True)
 class Proposal:
-    """DTensor's answer for one operator call on a one-axis mesh: the placement each tensor input must have
-    (flattened argument order) and the placement of each output (None for an output that is not a tensor)."""
+    """DTensor's answer for one operator call: the placement each tensor input must have (flattened argument
+    order) and the placement of each output (None for an output that is not a tensor); one placement each
+    from `propose` (a one-axis mesh), a tuple of one per mesh axis from `dispatch`."""
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement | None, ...]
@@ -76,10 +88,16 @@ def _propagator() -> Any:
     return DTensor._op_dispatcher.sharding_propagator
 
 
-@functools.cache
 def axis_mesh(size: int) -> DeviceMesh:
     """A one-dimensional CPU mesh of `size` devices, without process groups (nothing is communicated)."""
-    return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=0)
+    return nd_mesh((size,))
+
+
+@functools.cache
+def nd_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
+    """A CPU mesh of shape `sizes` (outermost axis first), without process groups (nothing is
+    communicated)."""
+    return DeviceMesh("cpu", torch.arange(math.prod(sizes)).reshape(sizes), _init_backend=False, _rank=0)
 
 
 def propose(
@@ -88,10 +106,25 @@ def propose(
     """What DTensor does with `op(*args, **kwargs)` when its tensor arguments (meta tensors, in flattened
     order) have `placements` on a mesh axis of `size` devices; None when DTensor refuses those placements
     or has no rule for the operator."""
+    answer = dispatch(op, args, kwargs, [(p,) for p in placements], (size,))
+    if answer is None:
+        return None
+    inputs = tuple(ps[0] for ps in answer.inputs)
+    return Proposal(inputs=inputs, outputs=tuple(ps[0] if ps is not None else None for ps in answer.outputs))
+
+
+def dispatch(
+    op: Any, args: tuple, kwargs: dict, placements: Sequence[tuple[Placement, ...]], sizes: tuple[int, ...]
+) -> Proposal | None:
+    """What DTensor's dispatcher runs for `op(*args, **kwargs)` when its tensor arguments (meta tensors, in
+    flattened order) arrive with `placements` (one placement per mesh axis) on a mesh of `sizes`: the
+    placements it moves each input to first (its strategy of least redistribution cost, by its own
+    `redistribute_cost`) and those of each output, as tuples per mesh axis; None when DTensor refuses those
+    placements or has no rule for the operator."""
     alias = _alias(op, args, kwargs)
     if alias is not None:
         op, args, kwargs, placements = alias.op, alias.args, alias.kwargs, alias.to_alias(placements)
-    mesh = axis_mesh(size)
+    mesh = nd_mesh(tuple(sizes))
     supply = iter(placements)
     to_spec = lambda t: _spec(t, next(supply), mesh)
     args_schema, kwargs_schema = pytree.tree_map_only(torch.Tensor, to_spec, (tuple(args), dict(kwargs)))
@@ -104,9 +137,9 @@ def propose(
     except Exception:  # a refusal takes many forms (NotImplementedError, AssertionError, ...)
         return None
     required = result.redistribute_schema or schema
-    inputs = tuple(_placement(s) for s in _specs((required.args_schema, required.kwargs_schema)))
+    inputs = tuple(tuple(s.placements) for s in _specs((required.args_schema, required.kwargs_schema)))
     outputs = result.output_spec if isinstance(result.output_spec, tuple | list) else (result.output_spec,)
-    outputs = tuple(_placement(s) if s is not None else None for s in outputs)
+    outputs = tuple(tuple(s.placements) if s is not None else None for s in outputs)
     if alias is not None:
         inputs, outputs = alias.back(inputs), outputs[: alias.outputs]
     if len(inputs) != len(placements) or (outputs and all(p is None for p in outputs)):
@@ -122,22 +155,17 @@ def _schema_info(propagator: Any, op: Any) -> Any:
     return info
 
 
-def _spec(tensor: torch.Tensor, placement: Placement, mesh: DeviceMesh) -> Any:
+def _spec(tensor: torch.Tensor, placements: tuple[Placement, ...], mesh: DeviceMesh) -> Any:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
-    return DTensorSpec(mesh, (placement,), tensor_meta=meta)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 
 def _specs(tree: Any) -> list[Any]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, DTensorSpec)]
-
-
-def _placement(spec: Any) -> Placement:
-    (placement,) = spec.placements
-    return placement
 
 
 @dataclass(frozen=True)
@@ -153,23 +181,27 @@ class _Alias:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
 
-    def to_alias(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
-        """The original inputs' placements, as the other operator's inputs."""
+    def to_alias(self, placements: Sequence[tuple[Placement, ...]]) -> tuple[tuple[Placement, ...], ...]:
+        """The original inputs' placements (one per mesh axis), as the other operator's inputs."""
         return tuple(
-            Shard(p.dim + offset) if isinstance(p, Shard) else p
-            for p, offset in zip(placements, self.offsets, strict=True)
+            tuple(Shard(p.dim + offset) if isinstance(p, Shard) else p for p in ps)
+            for ps, offset in zip(placements, self.offsets, strict=True)
         )
 
-    def back(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    def back(self, placements: Sequence[tuple[Placement, ...]]) -> tuple[tuple[Placement, ...], ...]:
         """The other operator's input placements, as the original inputs': a cut of a dim the original
         broadcasts (absent, or of size 1) is no cut."""
         found = []
-        for p, shape, offset in zip(placements, self.shapes, self.offsets, strict=True):
-            if isinstance(p, Shard):
-                dim = p.dim - offset
-                p = Shard(dim) if dim >= 0 and shape[dim] > 1 else Replicate()
-            found.append(p)
+        for ps, shape, offset in zip(placements, self.shapes, self.offsets, strict=True):
+            found.append(tuple(_unbroadcast(p, shape, offset) for p in ps))
         return tuple(found)
+
+
+def _unbroadcast(p: Placement, shape: tuple[int, ...], offset: int) -> Placement:
+    if isinstance(p, Shard):
+        dim = p.dim - offset
+        return Shard(dim) if dim >= 0 and shape[dim] > 1 else Replicate()
+    return p
 
 
 def _alias(op: Any, args: tuple, kwargs: dict) -> _Alias | None:

@@ -16,7 +16,10 @@ the fixed operators and parameters pinned.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,7 @@ from scipy.sparse import coo_array
 
 from loom.cost.hardware import Cluster
 from loom.files import byte_size
+from loom.plan.dispatch import Mismatch, dispatch_mismatches
 from loom.plan.graph import Graph
 from loom.plan.problem import Problem, build_problem, carries_gradient, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
@@ -40,13 +44,18 @@ __all__ = ["NoLayoutFits", "Solution", "propagate", "search", "solve"]
 # drown in them, so the program counts microseconds and GiB.
 US, GIB = 1e6, 2.0**30
 
+MAX_ROUNDS = 8
+"""The most solves of one integer program with `solve`'s `dispatched`: each round after the first adds
+the operators DTensor would run otherwise than chosen (`loom.plan.dispatch`) as constraints."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Solution:
     """The chosen option of every decision (`choice`: node name -> option index), with the predicted step
     time (`cost_s`: compute plus communication, whole model), its parts, the lower bound (`bound_s`) and
-    the relative optimality `gap`, memory per device, how it was found (`method`: "tree" or "milp") and
-    the solver's status message."""
+    the relative optimality `gap`, memory per device, how it was found (`method`: "tree" or "milp"), the
+    solver's status message, and how many solves it took (`rounds`: more than 1 with `solve`'s
+    `dispatched`)."""
 
     problem: Problem
     choice: dict[str, int]
@@ -58,6 +67,7 @@ class Solution:
     memory_bytes: float
     method: str
     status: str
+    rounds: int = 1
 
     def option(self, name: str) -> Any:
         """The chosen candidate of operator `name`, or the chosen placements of source `name`."""
@@ -151,12 +161,20 @@ def solve(
     time_limit: float = 60.0,
     gap: float = 1e-4,
     method: str = "auto",
+    dispatched: bool = False,
+    unchecked: frozenset[str] = frozenset(),
 ) -> Solution:
     """Solve `problem`: by dynamic programming when its decisions form a forest and no memory limit is
     given or the forest's optimum fits under it (exact, `method="tree"`: the unconstrained optimum, when it
     fits, is the constrained one), else with HiGHS (`method="milp"`; `method="milp"` asks for it always);
     `pinned` restricts some decisions to some options. Raises `NoLayoutFits` when even the most sharded
-    layouts exceed `memory_limit`."""
+    layouts exceed `memory_limit`.
+
+    With `dispatched`, the integer program is solved again (at most `MAX_ROUNDS` times) until every
+    operator, `unchecked` ones aside (a local region's, run on plain tensors), takes the candidate
+    DTensor's dispatcher runs for the layouts that reach it (`loom.plan.dispatch`): each round adds the
+    operators that ran otherwise as constraints. The solution's `rounds` and `status` say how many solves
+    it took; where the constraints leave no plan, the first solve's stands (its status says so)."""
     if method not in ("auto", "milp"):
         raise ValueError(f"solve: method {method!r} is not one of 'auto', 'milp'")
     pinned = pinned or {}
@@ -175,15 +193,43 @@ def solve(
         for name, decision in problem.decisions.items():
             memory[offsets[name] : offsets[name] + len(decision.options)] = decision.memory
         constraints.append(LinearConstraint(memory[None, :] / GIB, -np.inf, memory_limit / GIB))
-    result = milp(
-        cost * US,
-        integrality=integral,
-        bounds=Bounds(lower, upper),
-        constraints=constraints,
-        options={"time_limit": time_limit, "mip_rel_gap": gap},
-    )
+
+    def run(extra: list[LinearConstraint]) -> Any:
+        return milp(cost * US, integrality=integral, bounds=Bounds(lower, upper), constraints=constraints + extra,
+                    options={"time_limit": time_limit, "mip_rel_gap": gap})  # fmt: skip
+
+    result = run([])
     if result.x is None:
         _raise_infeasible(problem, memory_limit, pinned, result.message)
+    found = _milp_solution(problem, result, offsets, 1, 0.0)
+    return _dispatched_rounds(found, run, offsets, len(cost), frozenset(unchecked)) if dispatched else found
+
+
+def _dispatched_rounds(found: Solution, run, offsets: dict[str, int], columns: int, unchecked) -> Solution:
+    """`found` solved again by `run` (the integer program with extra constraints) until its operators run
+    as DTensor's dispatcher runs them (`solve`'s `dispatched`), at most `MAX_ROUNDS` solves in all."""
+    started, mismatches, seen, first = time.perf_counter(), [], set(), found
+    for rounds in range(2, MAX_ROUNDS + 1):
+        # the first round's single-input operators (views, most pointwise ones) are settled for every layout
+        # their producer may give: cheap to ask, and otherwise the solver moves on to them round by round
+        new = [m for m in dispatch_mismatches(found, unchecked, every=rounds == 2) if m not in seen]
+        if not new:
+            break
+        mismatches += new
+        seen.update(new)
+        result = run([_cuts(mismatches, offsets, columns)])
+        if result.x is None:  # the constraints leave no plan (under a memory limit): the first one stands
+            return dataclasses.replace(first, status=f"{first.status}; round {rounds}: {result.message}")
+        found = _milp_solution(problem=found.problem, result=result, offsets=offsets, rounds=rounds,
+                               seconds=time.perf_counter() - started)  # fmt: skip
+    return found
+
+
+def _milp_solution(
+    problem: Problem, result: Any, offsets: dict[str, int], rounds: int, seconds: float
+) -> Solution:
+    """The solution HiGHS found (`result`), in the `rounds`-th solve (`seconds` of rounds after the
+    first)."""
     choice = {
         name: int(np.argmax(result.x[offsets[name] : offsets[name] + len(d.options)]))
         for name, d in problem.decisions.items()
@@ -192,10 +238,35 @@ def solve(
     bound = getattr(result, "mip_dual_bound", None)
     bound = total if bound is None or not math.isfinite(bound) else min(total, bound / US)
     gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
-    return _solution(problem, choice, total, bound, gap, "milp", result.message)
+    status = (
+        result.message
+        if rounds == 1
+        else f"{result.message}; {rounds} rounds, {seconds:.1f} s after the first"
+    )
+    return _solution(problem, choice, total, bound, gap, "milp", status, rounds)
 
 
-def _solution(problem, choice, total, bound, gap, method, status) -> Solution:
+def _cuts(mismatches: list[Mismatch], offsets: dict[str, int], columns: int) -> LinearConstraint:
+    """One row per mismatch: when its deciding decisions take the options that made the arriving layouts,
+    the operator takes one of the options DTensor runs there (sum of the givens - sum of the allowed <=
+    givens - 1). A row forbids only one combination of the givens, but under a memory limit the rows
+    together may forbid every plan that fits (`solve` then keeps the last plan)."""
+    data, row_ids, col_ids = [], [], []
+    for row, mismatch in enumerate(mismatches):
+        weights: dict[int, float] = defaultdict(float)
+        for name, group in mismatch.given:
+            for o in group:
+                weights[offsets[name] + o] += 1.0
+        for o in mismatch.allowed:
+            weights[offsets[mismatch.op] + o] -= 1.0
+        for column, value in weights.items():
+            data.append(value), row_ids.append(row), col_ids.append(column)
+    matrix = coo_array((data, (row_ids, col_ids)), shape=(len(mismatches), columns)).tocsr()
+    upper = np.array([len(m.given) - 1.0 for m in mismatches])
+    return LinearConstraint(matrix, -np.inf, upper)
+
+
+def _solution(problem, choice, total, bound, gap, method, status, rounds=1) -> Solution:
     compute = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
     return Solution(
         problem=problem,
@@ -208,6 +279,7 @@ def _solution(problem, choice, total, bound, gap, method, status) -> Solution:
         memory_bytes=sum(d.memory[choice[name]] for name, d in problem.decisions.items()),
         method=method,
         status=status,
+        rounds=rounds,
     )
 
 

@@ -34,7 +34,8 @@ micro-batches, a parameter read by operators that leave its gradient in differen
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
 operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
+weight; a solution of `solve(..., dispatched=True)` chooses in forward what DTensor runs, not yet in
+backward); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
 exact").
 """
 
