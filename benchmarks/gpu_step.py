@@ -682,7 +682,9 @@ def _eq_train(model, device: torch.device, rows, level: int) -> tuple[list[float
     return [r.loss for r in results], [r.grad_norm for r in results]
 
 
-EQ_LAYOUTS = ((1, 2, 0), (2, 1, 3))  # (dp, tp, optimizer level): tensor parallel, then level 3
+# (dp, tp, optimizer level): tensor parallel, then level 1 (each rank steps an fp32 chunk on the device),
+# then level 3
+EQ_LAYOUTS = ((1, 2, 0), (2, 1, 1), (2, 1, 3))
 
 
 def equivalence_case(device_setting: str) -> dict:

@@ -209,9 +209,9 @@ def sharded_case(dp: int, tp: int, level: int):
     return losses, norms, params
 
 
-@pytest.mark.parametrize(("dp", "tp", "level"), [(1, 2, 0), (2, 1, 3)])
+@pytest.mark.parametrize(("dp", "tp", "level"), [(1, 2, 0), (2, 1, 1), (2, 1, 3)])
 def test_sharded_paths_with_fused_kernels_match_one_device(dist_run, dp, tp, level):
-    """tp = 2 and optimizer level 3, with fused attention and fused AdamW (skipping on the device), equal
+    """tp = 2 and optimizer levels 1 and 3, with fused attention and fused AdamW (skipping on the device), equal
     one device running the matmul attention (what benchmarks/gpu_step.py repeats on CUDA tensors)."""
     torch.manual_seed(0)
     reference = GPT(CONFIG)
@@ -301,7 +301,7 @@ def test_gpu_step_smoke_runs_every_part_and_writes_the_table(tmp_path):
         assert entry["status"] in ("ok", "skipped"), (part, entry.get("error"), entry.get("traceback"))
         if entry["status"] == "skipped":
             assert part.endswith("compiled") and "does not compile" in entry["reason"]
-    assert results["equivalence"]["passed"] and len(results["equivalence"]["cases"]) == 2
+    assert results["equivalence"]["passed"] and len(results["equivalence"]["cases"]) == 3
     assert results["loom_eager"]["skipped_steps"] == 0 and math.isfinite(results["loom_eager"]["last_loss"])
     assert results["simulate"]["measured"]["step_s"] > 0  # the profile measured here, priced
     assert (tmp_path / "profile.json").is_file()
