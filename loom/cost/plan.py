@@ -455,9 +455,9 @@ class ParallelPlan:
 
     @property
     def grad_precision(self) -> str:
-        """The dtype gradients are accumulated and reduced in: `grad_dtype`, else fp32 when
-        `moves_master_weights`, else `dtype`."""
-        return self.grad_dtype or ("fp32" if self.moves_master_weights else self.dtype)
+        """The dtype gradients are accumulated and reduced in: `grad_dtype`, else the parameters'
+        (`param_precision`)."""
+        return self.grad_dtype or self.param_precision
 
     def chunk_layers(self, layers: int) -> list[int]:
         """Layers of each virtual stage in model order (`stage_layers`, else `layers` split equally)."""

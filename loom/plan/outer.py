@@ -134,9 +134,8 @@ def _policies(
         if fitting == 0 and 1 in levels:
             sharded = plan.replace(recompute=recompute, optimizer_level=1)
             gib = _peak_gib(model, sharded, cluster)
-            if (
-                gib <= limit
-            ):  # loom's level 1 keeps an fp32 copy of each rank's chunk: more than level 0 at dp 1
+            # loom's level 1 keeps an fp32 copy of each rank's chunk: more than level 0 at dp 1
+            if gib <= limit:
                 kept.append((sharded, gib))
         if fitting is not None and fitting <= 1:
             break  # more recomputation only adds compute to a plan that already fits cheaply

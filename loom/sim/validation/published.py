@@ -18,8 +18,8 @@ origin. Rules applied to every row of a source, never per row:
   llm-foundry (`activation_checkpointing_reentrant: false` in its benchmark script) and torchtitan checkpoint
   with torch's non-reentrant checkpoint, which stops once the backward's last needed tensor is rebuilt.
 - Megatron-LM / NeMo / Megatron-Bridge / Megatron-MoE and BLOOM's DeepSpeed keep 16-bit parameters with the
-  fp32 master weights in the optimizer (`master_weights = "optimizer"`: memory only); MosaicML's FSDP and
-  torchtitan's FSDP2 keep fp32 parameters as the master weights.
+  fp32 master weights in the optimizer (`master_weights = "optimizer"`: their model states and optimizer
+  step's bytes); MosaicML's FSDP and torchtitan's FSDP2 keep fp32 parameters as the master weights.
 - NeMo, Megatron-Bridge and Megatron-MoE run Transformer Engine's fused attention, which on Hopper is cuDNN's
   (`attention_kernel = "cudnn"`); MosaicML (FlashAttention-2 / Triton) and torchtitan (torch's SDPA) run
   FlashAttention-2's kernels.
