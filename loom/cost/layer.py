@@ -663,6 +663,13 @@ MOE_KERNELS = {
 DISPATCH_LAUNCHES = {"deepep": {"forward": 5, "backward": 4}, "hybridep": {"forward": 6, "backward": 3}}
 
 
+# each piece's launches per phase, summed once (`layer_kernels` reads them on every MoE layer pass it prices)
+_MOE_LAUNCHES = {
+    name: {phase: sum(getattr(kernels, phase) for kernels in pieces) for phase in ("forward", "backward")}
+    for name, pieces in MOE_KERNELS.items()
+}
+
+
 def moe_kernels(model: TransformerConfig, plan: ParallelPlan) -> dict[str, tuple[MoeKernels, ...]]:
     """The pieces of `MOE_KERNELS` one MoE layer launches on one rank under `plan`: the router and the experts'
     always; the counts' all-reduce with tp x cp > 1; the permutation and, with `fp8_matmuls`, the padding
@@ -699,12 +706,12 @@ def layer_kernels(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster
         core = 1 if plan.flash_attention else 4
     casts = _fp8_cast_passes(model, rows, cluster)
     collectives = layer_collectives(model, rows) + attention_collectives(model, plan)
-    moe = [piece for pieces in moe_kernels(model, plan).values() for piece in pieces]
+    moe = moe_kernels(model, plan)
     out = {}
     for phase, per_gemm in (("forward", 1), ("backward", 2)):
         exchanges = sum(c.count for c in collectives if c.phase == phase) + _ep_launches(model, plan, phase)
         launches = per_gemm * gemms + core + ELEMENTWISE_KERNELS + exchanges
-        launches += sum(getattr(piece, phase) for piece in moe)
+        launches += sum(_MOE_LAUNCHES[name][phase] for name in moe)
         out[phase] = launches + sum(kernels for p, _, kernels in casts if p == phase)
     return out
 

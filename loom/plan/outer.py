@@ -29,6 +29,7 @@ from loom.cost.plan import (
     SYSTEM_FIELDS,
     UNIT_COPIES,
     UNIT_COPY_LEVELS,
+    WHOLE_LAYER_RECOMPUTES,
     ParallelPlan,
     check_choice,
 )
@@ -300,7 +301,9 @@ def to_plan(candidate: Candidate) -> Plan:
     the batch shape, which a Plan does not hold, goes back in through `Plan.parallel_plan`)."""
     p, r = candidate.plan, candidate.result
     foreign = {key: getattr(p, key) for key, ours in LOOM_SYSTEM.items() if getattr(p, key) != ours}
-    if p.recompute != "full":  # how far full recomputation runs says nothing of a plan without it
+    if (
+        p.recompute not in WHOLE_LAYER_RECOMPUTES
+    ):  # how far a whole layer's recomputation runs says nothing here
         foreign.pop("recompute_early_stop", None)
     if foreign:
         raise ValueError(

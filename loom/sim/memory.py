@@ -9,7 +9,7 @@ from __future__ import annotations
 from loom.cost.compute import DTYPE_BYTES
 from loom.cost.hardware import GIB, Cluster
 from loom.cost.memory import layer_activation_bytes, model_state_bytes, state_bytes
-from loom.cost.plan import ParallelPlan
+from loom.cost.plan import WHOLE_LAYER_RECOMPUTES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
 
@@ -64,7 +64,7 @@ def stage_memory(
     # a chunk in flight keeps its layers' activations: count this rank's largest chunk (uneven stages)
     layers_per_chunk = max(plan.chunk_layers(model.layers)[rank :: plan.pp])
     activations = in_flight * layers_per_chunk * per_layer
-    if plan.recompute in ("full", "torchtitan_op", "torchtitan_layer"):  # backward rebuilds a layer at a time
+    if plan.recompute in (*WHOLE_LAYER_RECOMPUTES, "torchtitan_op"):  # backward rebuilds a layer at a time
         activations += layer_activation_bytes(model, s, b, t, recompute="none", **options)
     local = s * b / plan.cp  # the rank's tokens
     tokens = local / (t if plan.sequence_parallel else 1)
