@@ -184,13 +184,20 @@ def _cut_over(plan: Plan, axis: str) -> list[str]:
     return [name for name, spec in plan.parameter_layouts.items() if axis in str(spec)]
 
 
+# The limit's fraction of the unsharded states, where the activations kept for backward weigh too much for
+# half: the most sharded layouts of the small CNN need 55% of its states (its weights are small beside its
+# feature maps).
+STATES_FRACTION = {"cnn": 0.8}
+
+
 @pytest.mark.slow  # 4 ranks, an integer program under a memory limit
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "kwargs", "cnn", "gpt2"])
 def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, family):
-    """Half the unsharded states per device: the plan cuts weights over tp (not only over dp), every rank
+    """Half the unsharded states per device (more where activations weigh: `STATES_FRACTION`; the CNN's
+    case is one whose batch DTensor's convolution cannot take cut over both axes): the plan cuts weights over tp (not only over dp), every rank
     holds a strict part of each large parameter, the predicted memory (states at their layouts and the
     activations kept for backward) is under the limit, and training still matches one device."""
-    limit = _states(family) / 2
+    limit = _states(family) * STATES_FRACTION.get(family, 0.5)
     results = dist_run(4, auto_case, family, limit)
     plan = _check(results)
     assert _cut_over(plan, "tp"), plan.parameter_layouts

@@ -112,6 +112,23 @@ def test_candidates_on_a_two_axis_mesh(mlp):
     assert wide.candidates and all(c.inputs[1][0] != S0 or c.inputs[1][1] != S0 for c in wide.candidates)
 
 
+def test_a_convolution_never_cuts_one_dim_over_two_axes():
+    """DTensor runs convolutions by a propagation rule that maps each tensor dim to one mesh axis: a batch cut
+    over dp and tp ([Shard(0), Shard(0)]) is refused at run time, so it is no candidate, while a linear
+    layer, run by a strategy, keeps it."""
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+    graph = capture(conv, (torch.randn(8, 3, 4, 4),))
+    mesh = {"dp": 2, "tp": 2}
+    twice = lambda c: any(ps[0] == ps[1] == S0 for ps in (*c.inputs, *c.outputs) if ps)  # noqa: E731
+    (convolution,) = (n.name for n in graph.ops() if n.target == "aten.convolution.default")
+    (linear,) = (n.name for n in graph.ops() if n.target == "aten.addmm.default")
+    assert _dtensor_rules.cuts_each_dim_once(graph[convolution].op)
+    conv_space = op_space(graph, convolution, mesh)
+    assert conv_space.candidates and not any(twice(c) for c in conv_space.candidates)
+    assert any(c.inputs[0] == (S0, R) for c in conv_space.candidates)  # the batch cut over one axis stays
+    assert any(twice(c) for c in op_space(graph, linear, mesh).candidates)
+
+
 def test_an_operator_without_a_rule_is_replicated():
     graph = capture(Mysterious(), (torch.randn(4, 8),))
     (node,) = (n for n in graph.ops() if n.target == "loom_plan_test.mystery.default")

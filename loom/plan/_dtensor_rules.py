@@ -38,6 +38,7 @@ __all__ = [
     "Proposal",
     "axis_mesh",
     "check",
+    "cuts_each_dim_once",
     "dispatch",
     "is_cut",
     "is_strided",
@@ -49,6 +50,7 @@ PRIVATE_API = (
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
     "ShardingPropagator.propagate_op_sharding_non_cached",
     "ShardingPropagator.op_to_schema_info",
+    "ShardingPropagator.op_to_rules (the operators DTensor runs by a propagation rule)",
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch.distributed.tensor._op_schema.OpSchema",
@@ -72,6 +74,15 @@ def is_cut(placement: Placement) -> bool:
     """Whether `placement` cuts the tensor, each device holding one part along its axis: a `Shard` or a
     strided cut (`is_strided`)."""
     return isinstance(placement, Shard) or is_strided(placement)
+
+
+def cuts_each_dim_once(op: Any) -> bool:
+    """Whether DTensor runs `op` by a propagation rule (`register_prop_rule`: the convolutions in torch
+    2.13), which describes a layout by its `dim_map`, one mesh axis per tensor dim: such an operator refuses
+    a tensor whose dim is cut over two mesh axes ("does not support things like hybrid sharding"). A
+    one-axis question (`propose`) cannot meet that refusal, so the strategy space asks this when it
+    combines the axes."""
+    return op in _propagator().op_to_rules
 
 
 @dataclass(frozen=True)
@@ -233,7 +244,7 @@ def check() -> list[str]:
         propagator = _propagator()
     except AttributeError as error:
         return [f"DTensor._op_dispatcher.sharding_propagator is gone ({error})"]
-    for name in ("propagate_op_sharding_non_cached", "op_to_schema_info"):
+    for name in ("propagate_op_sharding_non_cached", "op_to_schema_info", "op_to_rules"):
         if not hasattr(propagator, name):
             problems.append(f"ShardingPropagator.{name} is gone")
     try:
