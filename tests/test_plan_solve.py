@@ -127,6 +127,35 @@ def test_mindspore_relu_net_from_its_first_strategy():
     assert reduced in (["all_reduce"], ["reduce_scatter"])  # relu needs the sums
 
 
+def test_a_weight_moved_for_its_matmul_is_kept_until_backward():
+    """A linear weight kept cut over dp and read whole (ZeRO-3-like) costs its gathered copy beside its
+    shard: autograd keeps the matmul's weight for the backward of its input. Read as kept, it costs
+    nothing more (its transposed view shares the parameter's storage); the first layer's, whose input
+    takes no gradient, is not kept at all."""
+    with torch.device("meta"):
+        model = Regression(d=256)
+    x = torch.empty(16, 256, device="meta")
+    problem = build_problem(capture(model, (x, torch.empty_like(x))), MESH)
+    weights = {path: p.node for path, p in problem.graph.params.items() if path.endswith("weight")}
+    (first,) = (e for e in problem.edges if e.ref.node == weights["mlp.0.weight"])  # into the weight's `t`
+    assert not first.memory
+    (edge,) = (e for e in problem.edges if e.ref.node == weights["mlp.2.weight"])
+    groups = {out: i for i, (out, _) in enumerate(edge.producer)}
+    needs = {need: j for j, ((need, _), _) in enumerate(edge.consumer)}
+    whole = 4 * 1024 * 256  # fp32
+    assert edge.memory[groups[(S0, R)]][needs[(R, R)]] == pytest.approx(whole)  # gathered over dp
+    assert edge.memory[groups[(S0, R)]][needs[(S0, R)]] == 0.0  # read as kept
+    assert edge.memory[groups[(R, S0)]][needs[(R, R)]] == pytest.approx(whole)  # gathered over tp
+    # the matmul keeps its input (the GELU's output) and the weight's view: the view's copy is an edge's
+    (linear,) = (n for n in problem.graph.ops() if n.target == "aten.addmm.default" and n.module == "mlp.2")
+    kept = problem.decisions[linear.name]
+    assert min(kept.memory) == pytest.approx(4 * 16 * 1024 / 4)  # its input cut over dp and tp
+    with_copies = {
+        problem.graph[e.ref.node].target for e in problem.edges if e.target == linear.name and e.memory
+    }
+    assert with_copies == {"aten.t.default"}  # a move of the view costs its copy too; of the input, not
+
+
 def test_fixed_strategy_errors_name_the_module(regression):
     with pytest.raises(ValueError, match="matches no module"):
         pins(regression, {"mlp.9": {"parameter_plan": {"weight": ["tp", "None"]}}})

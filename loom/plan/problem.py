@@ -69,7 +69,9 @@ class Decision:
 class EdgeCost:
     """Tensor `ref` read as input `index` of operator `target` (`weight` times in the model): `producer`
     groups the producer's options by the layout they give the tensor, `consumer` the consumer's options
-    by what they require of it, and `cost[i][j]` prices group i feeding group j (seconds, weighted)."""
+    by what they require of it, and `cost[i][j]` prices group i feeding group j (seconds, weighted);
+    `memory[i][j]` the bytes per device (weighted) of the copy that move makes and keeps for backward (empty:
+    none, as for every edge but a parameter's into a reader that keeps it)."""
 
     ref: Ref
     target: str
@@ -79,6 +81,7 @@ class EdgeCost:
     producer: list[tuple[Placements, list[int]]]
     consumer: list[tuple[tuple, list[int]]]
     cost: list[list[float]] = field(default_factory=list)
+    memory: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -175,13 +178,14 @@ def compute_time(node: Node, share: float, cluster: Cluster) -> float:
 
 
 def _activation_bytes(graph: Graph, node: Node, candidate: Candidate, mesh: Mapping[str, int]) -> float:
-    """Bytes of the tensors the operator keeps for its backward, at the candidate's layouts (parameters
-    aside: they are counted once, with their layout)."""
+    """Bytes of the tensors the operator keeps for its backward, at the candidate's layouts (parameters and
+    their views aside: a parameter is counted once, with its layout, and a moved copy of it on the edge
+    that moves it, `_kept_copy_bytes`)."""
     total = 0.0
     for ref in node.saved:
         if ref.node == node.name:
             info, ps = node.outputs[ref.index], candidate.outputs[ref.index]
-        elif ref in node.inputs and not _is_parameter(graph, ref):
+        elif ref in node.inputs and not _of_parameter(graph, ref):
             info, ps = graph.tensor(ref), candidate.inputs[node.inputs.index(ref)]
         else:
             continue
@@ -192,6 +196,45 @@ def _activation_bytes(graph: Graph, node: Node, candidate: Candidate, mesh: Mapp
 
 def _is_parameter(graph: Graph, ref: Ref) -> bool:
     return graph[ref.node].kind in ("parameter", "buffer")
+
+
+def _is_view(node: Node) -> bool:
+    return node.is_op and getattr(node.op, "is_view", False) and len(node.inputs) == 1
+
+
+def _of_parameter(graph: Graph, ref: Ref) -> bool:
+    """Whether `ref` is a parameter (or buffer), or a view of one (a linear weight's `t`): it shares the
+    parameter's storage wherever no move made a copy of it."""
+    while _is_view(graph[ref.node]):
+        ref = graph[ref.node].inputs[0]
+    return _is_parameter(graph, ref)
+
+
+def _kept_for_backward(graph: Graph, ref: Ref, target: str) -> bool:
+    """Whether operator `target` keeps its input `ref` for its backward, itself or, for a view, through
+    the readers of its output that keep that (a matmul keeps its weight's transposed view)."""
+    node = graph[target] if target in graph else None
+    if node is None or not node.is_op:
+        return False
+    if ref in node.saved:
+        return True
+    out = Ref(target, 0)
+    return _is_view(node) and any(_kept_for_backward(graph, out, user) for user in graph.users(target))
+
+
+def _kept_copy_bytes(graph, ref, target, mesh, producer, consumer) -> list[list[float]] | None:
+    """Bytes per device of the copy a move of parameter `ref` (or a view of one) into `target` makes and
+    autograd keeps until the backward, for each pair of the edge's producer and consumer groups (0 where
+    nothing moves), or None where no such copy lives (the consumer does not keep the input). Such a copy
+    is what ZeRO-3-like layouts pay beside their shards: every gathered weight of the forward, until its
+    backward."""
+    if not (_of_parameter(graph, ref) and _kept_for_backward(graph, ref, target)):
+        return None
+    info = graph.tensor(ref)
+    return [
+        [0.0 if required == out else local_bytes(info, required, mesh) for (required, _), _ in consumer]
+        for out, _ in producer
+    ]
 
 
 def local_bytes(info: TensorInfo, placements: Placements, mesh: Mapping[str, int]) -> float:
@@ -305,6 +348,7 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
             fixed, per_byte = cache[key]
             row.append(weight * (fixed + per_byte * info.nbytes) if info.nbytes else 0.0)
         cost.append(row)
+    kept = _kept_copy_bytes(graph, ref, target, mesh, list(out_groups.items()), list(in_groups.items()))
     return EdgeCost(
         ref=ref,
         target=target,
@@ -314,6 +358,7 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
         producer=list(out_groups.items()),
         consumer=list(in_groups.items()),
         cost=cost,
+        memory=[[weight * b for b in row] for row in kept] if kept else [],
     )
 
 

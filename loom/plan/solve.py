@@ -186,12 +186,15 @@ def solve(
         )
         if memory_limit is None or tree.memory_bytes <= memory_limit:
             return tree
-    cost, lower, upper, integral, rows, offsets = _program(problem, pinned)
+    cost, lower, upper, integral, rows, offsets, pair_offsets = _program(problem, pinned)
     constraints = [LinearConstraint(*rows)]
     if memory_limit is not None:
         memory = np.zeros(len(cost))
         for name, decision in problem.decisions.items():
             memory[offsets[name] : offsets[name] + len(decision.options)] = decision.memory
+        for edge, first in zip(problem.edges, pair_offsets, strict=True):
+            if edge.memory:
+                memory[first : first + len(edge.producer) * len(edge.consumer)] = np.ravel(edge.memory)
         constraints.append(LinearConstraint(memory[None, :] / GIB, -np.inf, memory_limit / GIB))
 
     def run(extra: list[LinearConstraint]) -> Any:
@@ -276,26 +279,42 @@ def _solution(problem, choice, total, bound, gap, method, status, rounds=1) -> S
         comm_s=total - compute,
         bound_s=bound,
         gap=gap,
-        memory_bytes=sum(d.memory[choice[name]] for name, d in problem.decisions.items()),
+        memory_bytes=_memory(problem, choice),
         method=method,
         status=status,
         rounds=rounds,
     )
 
 
+def _memory(problem: Problem, choice: Mapping[str, int]) -> float:
+    """Bytes per device of the chosen options and of the copies their edges keep for backward."""
+    total = sum(d.memory[choice[name]] for name, d in problem.decisions.items())
+    for edge in problem.edges:
+        if edge.memory:
+            out, need = _groups(edge, choice)
+            total += edge.memory[out][need]
+    return total
+
+
+def _groups(edge: Any, choice: Mapping[str, int]) -> tuple[int, int]:
+    """The producer and consumer groups of `edge` that `choice` takes."""
+    out = next(g for g, (_, options) in enumerate(edge.producer) if choice[edge.ref.node] in options)
+    need = next(g for g, (_, options) in enumerate(edge.consumer) if choice[edge.target] in options)
+    return out, need
+
+
 def _total(problem: Problem, choice: Mapping[str, int]) -> float:
     """Seconds of the chosen options and of the edges between them."""
     total = sum(d.cost[choice[name]] for name, d in problem.decisions.items())
     for edge in problem.edges:
-        out = next(g for g, (_, options) in enumerate(edge.producer) if choice[edge.ref.node] in options)
-        need = next(g for g, (_, options) in enumerate(edge.consumer) if choice[edge.target] in options)
+        out, need = _groups(edge, choice)
         total += edge.cost[out][need]
     return total
 
 
 def _program(problem: Problem, pinned: Mapping[str, set[int]]):
-    """The objective, bounds, integrality and equality rows of the integer program, and each decision's
-    first column."""
+    """The objective, bounds, integrality and equality rows of the integer program, each decision's first
+    column, and each edge's first pair column."""
     cost: list[float] = []
     upper: list[float] = []
     offsets: dict[str, int] = {}
@@ -314,8 +333,10 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
             put(row, offsets[name] + i, 1.0)
         row += 1
     integral = [1] * len(cost)
+    pair_offsets = []
     for edge in problem.edges:
         first = len(cost)
+        pair_offsets.append(first)
         n_in = len(edge.consumer)
         for i in range(len(edge.producer)):
             cost += edge.cost[i]
@@ -344,6 +365,7 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
         np.array(integral),
         (matrix, target, target),
         offsets,
+        pair_offsets,
     )
 
 
