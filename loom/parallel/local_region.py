@@ -60,7 +60,7 @@ def run_locally(module: nn.Module, path: str) -> None:
 
         args, kwargs = tree_map(local, (args, kwargs))
         grads = pending_over_rows(placements)
-        with _local_parameters(module, path, grads):
+        with _local_parameters(module, grads):
             out = original(*args, **kwargs)
         return tree_map(lambda t: _row_output(t, path, mesh, placements, rows, local_rows[0]), out)
 
@@ -95,23 +95,23 @@ def _row_output(t: Any, path: str, mesh: Any, placements: list[Placement], rows:
 
 
 @contextmanager
-def _local_parameters(module: nn.Module, path: str, grad_placements: list[Placement]) -> Iterator[None]:
-    """Inside the block, the module's DTensor parameters are their (replicated) local tensors, whose
-    gradients flow back as pending sums over the row-cutting mesh dims."""
+def _local_parameters(module: nn.Module, grad_placements: list[Placement]) -> Iterator[None]:
+    """Inside the block, the module's DTensor parameters are whole local tensors, whose gradients flow back
+    as pending sums over the row-cutting mesh dims. A parameter kept cut is gathered first (an all-gather
+    per cut axis): its gradient is then reduced back to its cut (a reduce-scatter where pending) by the
+    gather's own backward."""
     saved: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         for name, param in list(module.named_parameters()):
             if not isinstance(param, DTensor):
                 continue
+            whole = param
             if any(not p.is_replicate() for p in param.placements):
-                raise ValueError(
-                    f"{path}: a local region runs with replicated parameters, but {name} is laid out "
-                    f"{param.placements}; leave it replicated (drop it from the plan)"
-                )
+                whole = param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
             saved.append((owner, leaf, param))
-            owner._parameters[leaf] = param.to_local(grad_placements=grad_placements)
+            owner._parameters[leaf] = whole.to_local(grad_placements=grad_placements)
         yield
     finally:
         for owner, leaf, param in saved:

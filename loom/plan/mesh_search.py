@@ -24,6 +24,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from loom.cost.hardware import GIB, Cluster
 from loom.files import byte_size
@@ -45,7 +46,7 @@ __all__ = [
 def local_regions(model: nn.Module) -> dict[str, Any]:
     """The module plan entries of the local regions the model's family recipe names (Mixtral's experts:
     their routing has data-dependent shapes, which DTensor cannot run): they run on each rank's own rows with
-    replicated parameters, whatever the planner chose around them."""
+    their parameters whole, whatever the planner chose around them (`_whole_in_regions`)."""
     from loom.models.recipes import known_recipe
 
     recipe = known_recipe(model)
@@ -53,15 +54,37 @@ def local_regions(model: nn.Module) -> dict[str, Any]:
     return {pattern: dict(entry) for pattern, entry in plan.items() if entry.get("local")}
 
 
-def _replicated(model: nn.Module, regions: Mapping[str, Any]) -> dict[str, Any]:
-    """Fixed strategies keeping every parameter of the local regions whole on every rank."""
-    fixed = {}
-    for path, module in model.named_modules():
-        if any(fnmatchcase(path, pattern) for pattern in regions):
-            whole = {name: ["None"] * p.ndim for name, p in module.named_parameters(recurse=False)}
-            if whole:
-                fixed[path] = {"parameter_plan": whole}
-    return fixed
+def _in_regions(path: str, regions: Mapping[str, Any]) -> bool:
+    """Whether the parameter at `path` belongs to a module of the local regions."""
+    return any(fnmatchcase(path.rpartition(".")[0], pattern) for pattern in regions)
+
+
+def _whole_in_regions(problem: Any, regions: Mapping[str, Any]) -> dict[str, set[int]]:
+    """Pins: every operator reads the local regions' parameters whole, as each rank runs a region on plain
+    tensors. Where they are kept is the solver's choice: kept cut, a region's parameters are gathered when
+    it starts and their gradients reduced back (`loom.parallel.local_region`), which the edges into their
+    readers price, with the gathered copies kept for backward."""
+    graph, decisions = problem.graph, problem.decisions
+    kept = {
+        problem.canon.get(p.node, p.node) for path, p in graph.params.items() if _in_regions(path, regions)
+    }
+    allowed: dict[str, set[int]] = {}
+    for edge in problem.edges:
+        reader = decisions[edge.target]
+        if problem.canon.get(edge.ref.node, edge.ref.node) not in kept or reader.kind != "op":
+            continue
+        whole = {
+            i
+            for i, c in enumerate(reader.options)
+            if all(isinstance(p, Replicate) for p in c.inputs[edge.index])
+        }
+        allowed[edge.target] = allowed.get(edge.target, set(range(len(reader.options)))) & whole
+        if not allowed[edge.target]:
+            raise ValueError(
+                f"{edge.target} ({graph[edge.target].target}) in a local region has no candidate reading "
+                f"{graph[edge.ref.node].target} whole on mesh {problem.mesh}; leave its module out of the local regions"
+            )
+    return allowed
 
 
 def solve_model(
@@ -79,15 +102,17 @@ def solve_model(
     on `mesh`, when already made (`loom.plan.space.strategy_space`)."""
     from loom.plan.problem import build_problem
     from loom.plan.solve import solve
-    from loom.plan.to_plan import pins
 
     problem = build_problem(graph, dict(mesh), cluster, space)
     regions = local_regions(model)
-    pinned = pins(problem, _replicated(model, regions)) if regions else None
+    pinned = _whole_in_regions(problem, regions) if regions else None
     solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
     plan = solution.plan()
-    if regions:
-        plan = plan.replace(strategies={**plan.strategies, **regions})
+    if regions:  # a region gathers its parameters itself: no compute layout moves them before it starts
+        computed = {
+            path: spec for path, spec in plan.compute_layouts.items() if not _in_regions(path, regions)
+        }
+        plan = plan.replace(strategies={**plan.strategies, **regions}, compute_layouts=computed)
     return solution, plan
 
 

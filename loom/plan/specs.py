@@ -85,7 +85,8 @@ def _specs(key: str, value: Any, allow_none: bool) -> None:
 def check_strategies(strategies: Any) -> None:
     """Module pattern -> {"in_strategy": [...], "out_strategy": [...], "parameter_plan": {parameter name:
     tensor spec}} (each optional, as `loom.shard` takes them), or {"local": true}: the module runs on each
-    rank's own rows with replicated parameters (see `loom.parallel.module_plan`)."""
+    rank's own rows with its parameters whole, gathered first where a Plan's `parameter_layouts` keep them
+    cut (see `loom.parallel.local_region`)."""
     for pattern, entry in _mapping("strategies", strategies).items():
         check_strategy(f"strategies[{pattern!r}]", entry)
 
@@ -104,8 +105,9 @@ def check_strategy(key: str, entry: Any) -> None:
             raise FieldError(OWNER, f"{key}.local", entry["local"], "use true or false")
         if len(entry) > 1:
             raise FieldError(
-                OWNER, key, entry, "a local module runs with replicated parameters on its own rows: give "
-                "local alone, without in_strategy, out_strategy or parameter_plan",
+                OWNER, key, entry, "a local module runs on its own rows with its parameters whole: give "
+                "local alone, without in_strategy, out_strategy or parameter_plan (a Plan's parameter_layouts may "
+                "keep its parameters cut: it gathers them)",
             )  # fmt: skip
         return
     if entry.get("in_strategy") is not None:
