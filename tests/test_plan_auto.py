@@ -275,6 +275,16 @@ def test_auto_plans_on_8_ranks_train_as_one_device(dist_run, family, mesh):
     assert plan.compute_layouts, plan.to_json()
 
 
+@SLOW
+@pytest.mark.parametrize("family", ["kwargs", "cnn", "gpt2", "mixtral"])
+def test_the_other_models_auto_plans_on_8_ranks_train_as_one_device(dist_run, family):
+    """An MLP, the small CNN, GPT-2 and Mixtral on dp 2 x tp 4 under a memory limit below their states
+    (`STATES_FRACTION`): one device's losses, first-step gradients and parameters, weights cut over tp."""
+    limit = _states(family) * STATES_FRACTION.get(family, 0.5)
+    plan = _check_run(dist_run(8, level_case, family, {"dp": 2, "tp": 4}, 0, limit))
+    assert _cut_over(plan, "tp"), plan.parameter_layouts
+
+
 def reapply_case(family: str, memory_limit: float | None):
     """An automatic plan applied again, as is and read back from its JSON, to fresh copies of the model:
     per model, the parameters' placements, the losses and first-step gradients of 3 SGD steps, and the
