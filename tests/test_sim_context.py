@@ -170,7 +170,7 @@ def test_memory_per_rank_falls_with_cp():
         simulate(MODEL, _plan(cp, seq=s, optimizer_level=1), H100).memory_per_device_gib
         for cp in (1, 2, 4, 8)
     ]
-    assert gib == sorted(gib, reverse=True) and gib[-1] < gib[0] / 4
+    assert gib == sorted(gib, reverse=True) and gib[-1] < gib[0] / 3  # autocast's weight copies stay whole
 
 
 def test_plans_loom_cannot_run_give_reasons():
@@ -285,10 +285,10 @@ def test_the_search_tries_cp_inside_pipeline_stages():
 
 def test_memory_forces_cp_on_a_shorter_sequence():
     """Below 8192 tokens cp is tried only when nothing fits without it, and the search says so."""
-    limit = 5 * GIB
+    limit = 5.6 * GIB  # the most sharded plan without cp needs 5.86 GiB (tp 4), one with cp 2 5.46
     assert search_plans(MODEL, H100, 8, 8, 4096, memory_limit=limit, context=(1,)).best is None
     found = search_plans(MODEL, H100, 8, 8, 4096, memory_limit=limit)
-    assert found.best.plan.cp > 1 and found.best.result.memory_per_device_gib <= 5 and found.notes
+    assert found.best.plan.cp > 1 and found.best.result.memory_per_device_gib <= 5.6 and found.notes
     roomy = search_plans(MODEL, H100, 8, 8, 4096)  # fits without cp: cp is not searched
     assert roomy.best.plan.cp == 1 and all(c.plan.cp == 1 for c in roomy.candidates) and not roomy.notes
 

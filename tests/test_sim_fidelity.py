@@ -137,7 +137,11 @@ def test_fsdp1_flat_copy_is_a_memory_pass_on_the_compute_stream():
     # the cast and pre-divide run beside the compute; what they do not hide delays the reduce-scatters
     assert a.breakdown["fsdp_exposed_comm"] == pytest.approx(0.0, abs=1e-15)
     exposed = b.breakdown["fsdp_exposed_comm"]
-    assert b.iteration_s - a.iteration_s == pytest.approx(copy + exposed, rel=1e-9)
+    # the fused plan is loom's runtime, which gathers fp32 units and casts them under autocast; FSDP casts
+    # each shard before gathering it
+    casts = a.breakdown["weight_cast"]
+    assert casts > 0 and "weight_cast" not in b.breakdown
+    assert b.iteration_s - a.iteration_s == pytest.approx(copy + exposed - casts, rel=1e-9)
     # at most every unit's preparation, 14 B per parameter and the shard's 8 + 9 B per 8 parameters
     assert 0 < exposed <= 4 * (params * 14 + params / 8 * (8 + 9)) / 1e12 * (1 + 1e-9)
     assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
@@ -189,7 +193,8 @@ def test_fsdp2_copies_are_memory_passes_on_the_compute_stream():
     assert a.breakdown["grad_accumulation"] == a.breakdown["param_copy_out"] == 0.0
     # one micro-batch reduced in fp32 into fp32 parameters: nothing runs beside the reduce-scatters
     assert b.breakdown["fsdp_exposed_comm"] == pytest.approx(0.0, abs=1e-15)
-    assert b.iteration_s - a.iteration_s == pytest.approx(14 * params / 1e12, rel=1e-9)
+    casts = a.breakdown["weight_cast"]  # loom's runtime casts its fp32 units under autocast (above)
+    assert b.iteration_s - a.iteration_s == pytest.approx(14 * params / 1e12 - casts, rel=1e-9)
     assert sum(b.breakdown.values()) == pytest.approx(b.iteration_s, rel=1e-9)
 
 
@@ -304,3 +309,46 @@ def test_fsdp_copies_under_context_parallelism_are_sized_over_dp_times_cp():
     assert copy_in_out_bytes(params, 1, plan).compute == 4 * params
     priced = simulate(GPT, plan, cluster).breakdown["grad_accumulation"]
     assert priced == pytest.approx(8 * params / 1e12, rel=1e-12)
+
+
+def test_autocast_casts_the_weights_as_loom_runs_it():
+    """loom's runtime keeps fp32 parameters and computes under autocast: every forward of a micro-batch casts
+    the matmul weights (biases too; norms and the embedding lookup are not cast; the tied table is, for the
+    output projection) and keeps the 16-bit copies for the backward, which casts each weight gradient back
+    and, from the second micro-batch on, adds it into the fp32 gradient."""
+    from loom.cost.hardware import GIB
+    from loom.cost.layer import piece_costs
+
+    cluster, launch = _free_links(), DEVICE.kernel_overhead_s
+    plan = ParallelPlan(dp=8, global_batch=32, seq=64)  # 4 micro-batches of one sequence
+    weights, head = LAYER - 256, 128 * 64  # a layer's matmul weights and biases; the tied table
+    pieces = piece_costs(GPT, plan, cluster)
+    assert pieces.layer_fwd["weight_cast"] == pytest.approx(weights * (4 + 2) / 1e12 + 6 * launch, rel=1e-12)
+    backward = weights * (2 + 4 + 12 * 3 / 4) / 1e12 + 12 * launch
+    assert pieces.layer_bwd["weight_cast"] == pytest.approx(backward, rel=1e-12)
+    assert pieces.head_fwd["weight_cast"] == pytest.approx(head * 6 / 1e12 + launch, rel=1e-12)
+    result = simulate(GPT, plan, cluster)
+    assert result.memory_breakdown_gib["weight_casts"] * GIB == pytest.approx(2 * (4 * weights + head))
+    per_micro_batch = 4 * (pieces.layer_fwd["weight_cast"] + backward)
+    per_micro_batch += pieces.head_fwd["weight_cast"] + pieces.head_bwd["weight_cast"]
+    assert result.breakdown["weight_cast"] == pytest.approx(4 * per_micro_batch, rel=1e-12)
+    # a whole-layer recomputation runs in an autocast region of its own: it casts again
+    full = piece_costs(GPT, plan.replace(recompute="full"), cluster)
+    assert full.layer_recompute["weight_cast"] == pieces.layer_fwd["weight_cast"]
+    # a pipeline's schedule is one autocast region: one cast a step (an eighth per micro-batch of 8), and
+    # the cache serves the recomputation; each rank holds one copy of its own weights
+    piped = plan.replace(dp=4, pp=2, recompute="full")
+    staged = piece_costs(GPT, piped, cluster)
+    assert staged.layer_fwd["weight_cast"] == pytest.approx((weights * 6 / 1e12 + 6 * launch) / 8, rel=1e-12)
+    assert "weight_cast" not in staged.layer_recompute
+    fullest = simulate(GPT, piped, cluster).memory_breakdown_gib  # the last rank: its layers and the table
+    assert fullest["weight_casts"] * GIB == pytest.approx(2 * (2 * weights + head))
+    # Megatron-LM's 16-bit parameters, FSDP's casts of its shards and fp32 training cast nothing here
+    fp32 = dataclasses.replace(cluster, device=dataclasses.replace(DEVICE, peak_flops={"fp32": 50e12}))
+    for other, on in (
+        (plan.replace(master_weights="optimizer"), cluster),
+        (plan.replace(optimizer_level=3, grad_accumulation="copy_in_out"), cluster),
+        (plan.replace(dtype="fp32"), fp32),
+    ):
+        assert "weight_cast" not in piece_costs(GPT, other, on).layer_fwd
+        assert simulate(GPT, other, on).memory_breakdown_gib["weight_casts"] == 0.0

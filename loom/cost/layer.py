@@ -34,6 +34,7 @@ from loom.cost.compute import (
 from loom.cost.context import BACKWARD_FLOPS_PER_SCORE, FORWARD_FLOPS_PER_SCORE, exposed_time
 from loom.cost.hardware import Cluster
 from loom.cost.host import Segment, host_bound_pass
+from loom.cost.memory import FP32_BYTES, cast_weight_bytes
 from loom.cost.moe import deepep_layer_time, layer_moe_collectives
 from loom.cost.plan import (
     DEEPEP_DISPATCHERS,
@@ -503,6 +504,24 @@ def _head(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) -> tup
     return fwd, bwd
 
 
+def _weight_cast_times(
+    copy_bytes: float, kernels: int, plan: ParallelPlan, cluster: Cluster
+) -> tuple[float, float]:
+    """Seconds per micro-batch of autocast's casts around a piece whose 16-bit weight copies weigh
+    `copy_bytes` per device (`cast_weight_bytes`), in `kernels` weight tensors, as loom's runtime runs
+    autocast: the forward reads the fp32 weights and writes the copies, in every micro-batch's forward
+    without a pipeline (each forward is an autocast region of its own), once a step with one (the whole
+    schedule is one region, whose cache serves every micro-batch and recomputation: priced as 1/m of a cast
+    per micro-batch); the backward casts each 16-bit weight gradient to fp32 and, from a step's second
+    micro-batch on, adds it into the fp32 gradient (reads both, writes one)."""
+    e = DTYPE_BYTES[plan.dtype]
+    weights, later = copy_bytes / e, (plan.micro_batches - 1) / plan.micro_batches
+    casts = 1.0 if plan.pp == 1 else 1 / plan.micro_batches
+    forward = casts * memory_time(cluster.device, weights * (FP32_BYTES + e), kernels)
+    backward = memory_time(cluster.device, weights * (e + FP32_BYTES + 3 * FP32_BYTES * later), 2 * kernels)
+    return forward, backward
+
+
 def _backward(forward: Costs) -> Costs:
     """Compute of a backward pass from its forward's; its collectives are predicted, not scaled."""
     factors = {"matmul": 2.0, "elementwise": BACKWARD_BYTES}
@@ -547,6 +566,15 @@ def piece_costs(model: TransformerConfig, plan: ParallelPlan, cluster: Cluster) 
     )
     layer_bwd["tp_comm"] = _layer_tp_comm(model, rows, cluster, "backward")
     layer_bwd["ep_comm"] = _ep_comm(model, rows, cluster, "backward")
+    layer_casts, head_casts = cast_weight_bytes(model, plan)
+    if layer_casts:  # autocast's weight casts (`_weight_cast_times`)
+        kernels = 4 + (3 if model.gated_mlp else 2) + int(model.is_moe)  # weight tensors of a layer
+        fwd["weight_cast"], layer_bwd["weight_cast"] = _weight_cast_times(layer_casts, kernels, plan, cluster)
+        # a whole-layer recomputation without a pipeline re-runs in an autocast region of its own: cast again
+        if plan.pp == 1 and plan.recompute in WHOLE_LAYER_RECOMPUTES:
+            recompute["weight_cast"] = fwd["weight_cast"]
+    if head_casts:
+        head_fwd["weight_cast"], head_bwd["weight_cast"] = _weight_cast_times(head_casts, 1, plan, cluster)
     if model.is_moe and plan.moe_sync == "dropless":
         # each MoE layer's forward waits on the host for its per-expert counts, so each layer pass runs at
         # the pace the host launches its kernels when that is slower than the device (`loom.cost.host`); the

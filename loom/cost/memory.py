@@ -26,7 +26,9 @@ from loom.cost.transformer import TransformerConfig, local_linear
 __all__ = [
     "GRAD_BYTES",
     "OPTIMIZER_BYTES",
+    "cast_weight_bytes",
     "korthikanti_activation_bytes",
+    "layer_weights",
     "layer_activation_bytes",
     "model_state_bytes",
     "op_sac_saved_bytes",
@@ -55,6 +57,27 @@ def state_bytes(plan: ParallelPlan) -> dict[str, int]:
         return {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "optimizer_bytes": MOMENTS_BYTES + chunk}
     copy = FP32_BYTES if grads < FP32_BYTES else 0
     return {"param_bytes": param, "grad_bytes": grads, "optimizer_bytes": OPTIMIZER_BYTES + copy}
+
+
+def layer_weights(model: TransformerConfig, plan: ParallelPlan) -> tuple[float, float, float]:
+    """Parameters of one layer one device holds, as (the weights split over tp: attention, the dense MLP, the
+    router; the two norms, whole on every rank; the experts, split over etp x ep)."""
+    norms = 2 * model.norm_parameters()
+    experts = model.experts * model.mlp_parameters() if model.is_moe else 0
+    split = model.layer_parameters() - norms - experts
+    return split / plan.tp, norms, experts / (plan.etp * plan.ep)
+
+
+def cast_weight_bytes(model: TransformerConfig, plan: ParallelPlan) -> tuple[float, float]:
+    """Bytes per device of the 16-bit copies autocast makes of the fp32 matmul weights in one forward
+    (`ParallelPlan.casts_weights`), as (one layer's, the output projection's); 0 where nothing is cast.
+    The norms compute in fp32 and the embedding is a lookup: neither is cast; a tied table is cast for the
+    output projection."""
+    if not plan.casts_weights:
+        return 0.0, 0.0
+    split, _, experts = layer_weights(model, plan)
+    e = DTYPE_BYTES[plan.dtype]
+    return e * (split + experts), e * model.vocab * model.hidden / plan.tp
 
 
 def model_state_bytes(

@@ -449,6 +449,14 @@ class ParallelPlan:
         return self.master_weights == "parameters" and self.grad_accumulation not in UNIT_COPIES
 
     @property
+    def casts_weights(self) -> bool:
+        """Whether compute casts the fp32 parameters to a 16-bit `dtype` in every forward, as torch's autocast
+        in loom's runtime does (`moves_master_weights`: FSDP casts each unit's shard before gathering it):
+        a copy of every matmul weight per forward, kept for its backward, and each 16-bit weight gradient
+        cast back and added into the fp32 gradient (`loom.cost.memory.cast_weight_bytes`)."""
+        return self.moves_master_weights and self.dtype != "fp32"
+
+    @property
     def param_precision(self) -> str:
         """The dtype parameters are gathered in at optimizer levels 1-3 (fp32 when `moves_master_weights`)."""
         return "fp32" if self.moves_master_weights else self.dtype

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from loom.cost.compute import DTYPE_BYTES
 from loom.cost.hardware import GIB, Cluster
-from loom.cost.memory import layer_activation_bytes, model_state_bytes, state_bytes
+from loom.cost.memory import (
+    cast_weight_bytes,
+    layer_activation_bytes,
+    layer_weights,
+    model_state_bytes,
+    state_bytes,
+)
 from loom.cost.plan import WHOLE_LAYER_RECOMPUTES, ParallelPlan
 from loom.cost.traffic import shards_as_rows
 from loom.cost.transformer import TransformerConfig
@@ -19,11 +25,9 @@ __all__ = ["chunk_parameters", "stage_memory", "stage_parameters"]
 def chunk_parameters(model: TransformerConfig, plan: ParallelPlan, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters one device holds of virtual stage `stage` (model order)."""
     t, layers = plan.tp, plan.chunk_layers(model.layers)[stage]
-    norms = 2 * model.norm_parameters()
-    experts = model.experts * model.mlp_parameters() if model.is_moe else 0
-    sharded = model.layer_parameters() - norms - experts  # attention, dense MLP, router: split over tp
-    dense = layers * (sharded / t + norms)
-    expert = layers * experts / (plan.etp * plan.ep)
+    split, norms, experts = layer_weights(model, plan)
+    dense = layers * (split + norms)
+    expert = layers * experts
     if stage == 0:
         dense += model.embedding_parameters() / t
     if stage == plan.virtual_stages - 1:
@@ -76,5 +80,16 @@ def stage_memory(
     return {
         "model_states": states,
         "activations": activations,
+        "weight_casts": _weight_casts(model, plan, rank),
         "reserved": cluster.device.reserved_gib * GIB,
     }
+
+
+def _weight_casts(model: TransformerConfig, plan: ParallelPlan, rank: int) -> float:
+    """Bytes of the 16-bit weight copies autocast makes (`cast_weight_bytes`) that pipeline rank `rank` holds
+    at its peak: one copy of every weight it holds. Without a pipeline a micro-batch's forward is an autocast
+    region whose cache holds them to its end, and its layers keep them for their backward (a recomputation
+    casts again, one layer at a time); with one, the whole schedule is one region, whose cache holds them
+    for the step and serves every micro-batch."""
+    layer, head = cast_weight_bytes(model, plan)
+    return layer * plan.rank_layers(model.layers, rank) + head * (rank == plan.pp - 1)
