@@ -194,10 +194,11 @@ STATES_FRACTION = {"cnn": 0.8, "mixtral": 0.62}
 @pytest.mark.slow  # 4 ranks, an integer program under a memory limit
 @pytest.mark.parametrize("family", ["gpt", "llama", "kwargs", "cnn", "gpt2", "mixtral"])
 def test_a_memory_limit_below_the_states_cuts_every_large_parameter(dist_run, family):
-    """Half the unsharded states per device (more where activations weigh: `STATES_FRACTION`; the CNN's
-    case is one whose batch DTensor's convolution cannot take cut over both axes): the plan cuts weights over tp (not only over dp), every rank
-    holds a strict part of each large parameter, the predicted memory (states at their layouts and the
-    activations kept for backward) is under the limit, and training still matches one device."""
+    """Half the unsharded states per device (more where activations weigh: `STATES_FRACTION`): the plan cuts
+    weights over tp (not only over dp), every rank holds a strict part of each large parameter, the
+    predicted memory (states at their layouts and the activations kept for backward) is under the limit,
+    and training still matches one device. The CNN's case once failed at run time: DTensor's convolution
+    refuses a batch cut over both axes, which the solver had chosen."""
     limit = _states(family) * STATES_FRACTION.get(family, 0.5)
     results = dist_run(4, auto_case, family, limit)
     plan = _check(results)

@@ -119,10 +119,10 @@ def test_a_convolution_never_cuts_one_dim_over_two_axes():
     conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
     graph = capture(conv, (torch.randn(8, 3, 4, 4),))
     mesh = {"dp": 2, "tp": 2}
-    twice = lambda c: any(ps[0] == ps[1] == S0 for ps in (*c.inputs, *c.outputs) if ps)  # noqa: E731
+    twice = lambda c: any(_dtensor_rules.cuts_a_dim_twice(ps) for ps in (*c.inputs, *c.outputs) if ps)  # noqa: E731
     (convolution,) = (n.name for n in graph.ops() if n.target == "aten.convolution.default")
     (linear,) = (n.name for n in graph.ops() if n.target == "aten.addmm.default")
-    assert _dtensor_rules.cuts_each_dim_once(graph[convolution].op)
+    assert _dtensor_rules.refuses_dims_cut_twice(graph[convolution].op)
     conv_space = op_space(graph, convolution, mesh)
     assert conv_space.candidates and not any(twice(c) for c in conv_space.candidates)
     assert any(c.inputs[0] == (S0, R) for c in conv_space.candidates)  # the batch cut over one axis stays

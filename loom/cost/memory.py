@@ -28,7 +28,7 @@ __all__ = [
     "OPTIMIZER_BYTES",
     "cast_weight_bytes",
     "korthikanti_activation_bytes",
-    "layer_weights",
+    "layer_parameters_per_device",
     "layer_activation_bytes",
     "model_state_bytes",
     "op_sac_saved_bytes",
@@ -59,7 +59,7 @@ def state_bytes(plan: ParallelPlan) -> dict[str, int]:
     return {"param_bytes": param, "grad_bytes": grads, "optimizer_bytes": OPTIMIZER_BYTES + copy}
 
 
-def layer_weights(model: TransformerConfig, plan: ParallelPlan) -> tuple[float, float, float]:
+def layer_parameters_per_device(model: TransformerConfig, plan: ParallelPlan) -> tuple[float, float, float]:
     """Parameters of one layer one device holds, as (the weights split over tp: attention, the dense MLP, the
     router; the two norms, whole on every rank; the experts, split over etp x ep)."""
     norms = 2 * model.norm_parameters()
@@ -75,7 +75,7 @@ def cast_weight_bytes(model: TransformerConfig, plan: ParallelPlan) -> tuple[flo
     output projection."""
     if not plan.casts_weights:
         return 0.0, 0.0
-    split, _, experts = layer_weights(model, plan)
+    split, _, experts = layer_parameters_per_device(model, plan)
     e = DTYPE_BYTES[plan.dtype]
     return e * (split + experts), e * model.vocab * model.hidden / plan.tp
 

@@ -454,7 +454,7 @@ class ParallelPlan:
         in loom's runtime does (`moves_master_weights`: FSDP casts each unit's shard before gathering it):
         a copy of every matmul weight per forward, kept for its backward, and each 16-bit weight gradient
         cast back and added into the fp32 gradient (`loom.cost.memory.cast_weight_bytes`)."""
-        return self.moves_master_weights and self.dtype != "fp32"
+        return self.moves_master_weights and self.dtype in ("bf16", "fp16")
 
     @property
     def param_precision(self) -> str:

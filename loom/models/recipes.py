@@ -265,7 +265,8 @@ GPT2_TENSOR_PLAN = {
 }
 
 # Mixtral: attention as Llama's; the router and the experts stay replicated and run on each rank's own
-# tokens (a local region: their routing has data-dependent shapes). With `Plan(ep=...)` `loom.parallelize`
+# tokens (a local region: their routing has data-dependent shapes; an automatic plan may keep the experts'
+# weights cut, which the region gathers). With `Plan(ep=...)` `loom.parallelize`
 # replaces the experts' entry by the recipe's expert-parallel one (`ExpertsRecipe.module_plan`).
 MIXTRAL_TENSOR_PLAN = {
     "*.embed_tokens": VOCAB_ROWS,

@@ -4,7 +4,7 @@ Rank 0 captures the model on the example batch (at its global size: every data-p
 own rows), builds the priced problem on the current mesh and solves it (`loom.plan.mesh_search.solve_model`,
 as `loom plan --model MODULE:FUNCTION` does per mesh, under `memory_limit` when given: the model's own bytes
 per device, where `loom plan`'s `--memory-limit` also holds the device's reserved memory; the local regions of
-the model's recipe, Mixtral's experts, keep their parameters whole and run on each rank's rows); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
+the model's recipe, Mixtral's experts, read their parameters whole and run on each rank's rows); the chosen Plan travels to every rank as JSON, so all ranks apply the same one
 even where the solver could break a tie differently. The capture traces with fake tensors: no parameter
 memory is allocated.
 """

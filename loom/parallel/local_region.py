@@ -7,9 +7,11 @@ Some modules cannot run on DTensors: a mixture of experts routes tokens with dat
 batch axes, everything else gathered), the module runs on the local pieces with its parameters as local
 tensors, and the outputs become DTensors with the inputs' placements again.
 
-A parameter is replicated, so each rank's gradient covers only its own rows: the local parameters are
-taken with `to_local(grad_placements=...)` as pending sums over the mesh dims that cut the rows, which the
-semi_auto model's gradient synchronisation reduces like any other.
+A parameter is computed with whole, so each rank's gradient covers only its own rows: the local parameters
+are taken with `to_local(grad_placements=...)` as pending sums over the mesh dims that cut the rows, which
+the semi_auto model's gradient synchronisation reduces like any other. A parameter kept cut (a Plan's
+`parameter_layouts`) is gathered whole first; its gather's backward reduces that pending sum back to the
+cut (a reduce-scatter), so nothing is left for the synchronisation.
 """
 
 from __future__ import annotations

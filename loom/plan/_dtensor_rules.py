@@ -38,19 +38,20 @@ __all__ = [
     "Proposal",
     "axis_mesh",
     "check",
-    "cuts_each_dim_once",
+    "cuts_a_dim_twice",
     "dispatch",
     "is_cut",
     "is_strided",
     "nd_mesh",
     "propose",
+    "refuses_dims_cut_twice",
 ]
 
 PRIVATE_API = (
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
     "ShardingPropagator.propagate_op_sharding_non_cached",
     "ShardingPropagator.op_to_schema_info",
-    "ShardingPropagator.op_to_rules (the operators DTensor runs by a propagation rule)",
+    "ShardingPropagator.op_to_rules",
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch.distributed.tensor._op_schema.OpSchema",
@@ -76,13 +77,19 @@ def is_cut(placement: Placement) -> bool:
     return isinstance(placement, Shard) or is_strided(placement)
 
 
-def cuts_each_dim_once(op: Any) -> bool:
+def refuses_dims_cut_twice(op: Any) -> bool:
     """Whether DTensor runs `op` by a propagation rule (`register_prop_rule`: the convolutions in torch
     2.13), which describes a layout by its `dim_map`, one mesh axis per tensor dim: such an operator refuses
-    a tensor whose dim is cut over two mesh axes ("does not support things like hybrid sharding"). A
-    one-axis question (`propose`) cannot meet that refusal, so the strategy space asks this when it
-    combines the axes."""
+    a tensor whose dim is cut over two mesh axes (`cuts_a_dim_twice`; "does not support things like hybrid
+    sharding"), even as it arrives, before it could move it. A one-axis question (`propose`) cannot meet that
+    refusal, so the strategy space and the edges into such an operator ask this."""
     return op in _propagator().op_to_rules
+
+
+def cuts_a_dim_twice(placements: Sequence[Placement]) -> bool:
+    """Whether `placements` (one per mesh axis) cut one tensor dim over two mesh axes."""
+    dims = [p.dim for p in placements if is_cut(p)]
+    return len(dims) != len(set(dims))
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,10 @@ def local_regions(model: nn.Module) -> dict[str, Any]:
 
 
 def _in_regions(path: str, regions: Mapping[str, Any]) -> bool:
-    """Whether the parameter at `path` belongs to a module of the local regions."""
-    return any(fnmatchcase(path.rpartition(".")[0], pattern) for pattern in regions)
+    """Whether `path` (a parameter's, or a module's with a trailing dot) lies inside a module of the local
+    regions: the region module itself or any module within it, as a region runs them all on plain tensors."""
+    parts = path.split(".")
+    return any(fnmatchcase(".".join(parts[:n]), pattern) for pattern in regions for n in range(1, len(parts)))
 
 
 def _whole_in_regions(problem: Any, regions: Mapping[str, Any]) -> dict[str, set[int]]:
@@ -97,7 +99,7 @@ def solve_model(
 ) -> tuple[Any, Plan]:
     """The operator-level solution of `model` (captured as `graph`) on `mesh`, priced on `cluster`, each
     device keeping at most `memory_limit` bytes when given, and its Plan: the local regions of the model's
-    recipe keep their parameters whole (pinned) and join the Plan's strategies. Raises ValueError when no
+    recipe read their parameters whole (`_whole_in_regions`) and join the Plan's strategies. Raises ValueError when no
     layout fits (the message says how much the most sharded layouts need). `space`: the graph's strategy space
     on `mesh`, when already made (`loom.plan.space.strategy_space`)."""
     from loom.plan.problem import build_problem
@@ -108,11 +110,14 @@ def solve_model(
     pinned = _whole_in_regions(problem, regions) if regions else None
     solution = solve(problem, pinned=pinned, memory_limit=memory_limit)
     plan = solution.plan()
-    if regions:  # a region gathers its parameters itself: no compute layout moves them before it starts
+    if regions:  # a region gathers its parameters and lays its outputs out itself: no other entry moves them
         computed = {
             path: spec for path, spec in plan.compute_layouts.items() if not _in_regions(path, regions)
         }
-        plan = plan.replace(strategies={**plan.strategies, **regions}, compute_layouts=computed)
+        strategies = {
+            key: entry for key, entry in plan.strategies.items() if not _in_regions(key + ".", regions)
+        }
+        plan = plan.replace(strategies={**strategies, **regions}, compute_layouts=computed)
     return solution, plan
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from loom.cost.hardware import Cluster, get_cluster
-from loom.plan._dtensor_rules import is_cut, is_strided
+from loom.plan._dtensor_rules import cuts_a_dim_twice, is_cut, is_strided, refuses_dims_cut_twice
 from loom.plan.graph import Graph, Node, Ref, TensorInfo
 from loom.plan.redistribute import axis_spans, gradient_layouts, redistribution
 from loom.plan.space import Candidate, Placements, StrategySpace, layouts, strategy_space
@@ -69,7 +69,8 @@ class Decision:
 class EdgeCost:
     """Tensor `ref` read as input `index` of operator `target` (`weight` times in the model): `producer`
     groups the producer's options by the layout they give the tensor, `consumer` the consumer's options
-    by what they require of it, and `cost[i][j]` prices group i feeding group j (seconds, weighted);
+    by what they require of it, and `cost[i][j]` prices group i feeding group j (seconds, weighted; infinite
+    where the consumer cannot receive group i's layout at all, `refuses_dims_cut_twice`);
     `memory[i][j]` the bytes per device (weighted) of the copy that move makes and keeps for backward (empty:
     none, as for every edge but a parameter's into a reader that keeps it)."""
 
@@ -185,7 +186,7 @@ def _activation_bytes(graph: Graph, node: Node, candidate: Candidate, mesh: Mapp
     for ref in node.saved:
         if ref.node == node.name:
             info, ps = node.outputs[ref.index], candidate.outputs[ref.index]
-        elif ref in node.inputs and not _of_parameter(graph, ref):
+        elif ref in node.inputs and not _aliases_parameter(graph, ref):
             info, ps = graph.tensor(ref), candidate.inputs[node.inputs.index(ref)]
         else:
             continue
@@ -202,7 +203,7 @@ def _is_view(node: Node) -> bool:
     return node.is_op and getattr(node.op, "is_view", False) and len(node.inputs) == 1
 
 
-def _of_parameter(graph: Graph, ref: Ref) -> bool:
+def _aliases_parameter(graph: Graph, ref: Ref) -> bool:
     """Whether `ref` is a parameter (or buffer), or a view of one (a linear weight's `t`): it shares the
     parameter's storage wherever no move made a copy of it."""
     while _is_view(graph[ref.node]):
@@ -218,8 +219,10 @@ def _kept_for_backward(graph: Graph, ref: Ref, target: str) -> bool:
         return False
     if ref in node.saved:
         return True
-    out = Ref(target, 0)
-    return _is_view(node) and any(_kept_for_backward(graph, out, user) for user in graph.users(target))
+    outs = [Ref(target, k) for k in range(len(node.outputs))]  # a split's pieces too
+    return _is_view(node) and any(
+        _kept_for_backward(graph, out, user) for user in graph.users(target) for out in outs
+    )
 
 
 def _kept_copy_bytes(graph, ref, target, mesh, producer, consumer) -> list[list[float]] | None:
@@ -228,7 +231,7 @@ def _kept_copy_bytes(graph, ref, target, mesh, producer, consumer) -> list[list[
     nothing moves), or None where no such copy lives (the consumer does not keep the input). Such a copy
     is what ZeRO-3-like layouts pay beside their shards: every gathered weight of the forward, until its
     backward."""
-    if not (_of_parameter(graph, ref) and _kept_for_backward(graph, ref, target)):
+    if not (_aliases_parameter(graph, ref) and _kept_for_backward(graph, ref, target)):
         return None
     info = graph.tensor(ref)
     return [
@@ -348,6 +351,12 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
             fixed, per_byte = cache[key]
             row.append(weight * (fixed + per_byte * info.nbytes) if info.nbytes else 0.0)
         cost.append(row)
+    if target in graph and graph[target].is_op and refuses_dims_cut_twice(graph[target].op):
+        # DTensor reads the arriving layout by its rule before it could move it: such an arrival cannot run
+        cost = [
+            [math.inf] * len(row) if cuts_a_dim_twice(out) else row
+            for out, row in zip(out_groups, cost, strict=True)
+        ]
     kept = _kept_copy_bytes(graph, ref, target, mesh, list(out_groups.items()), list(in_groups.items()))
     return EdgeCost(
         ref=ref,

@@ -203,7 +203,12 @@ def solve(
 
     result = run([])
     if result.x is None:
-        _raise_infeasible(problem, memory_limit, pinned, result.message)
+        least = None
+        if memory_limit is not None:  # the least memory any plan needs, its kept copies included
+            fewest = milp(memory / GIB, integrality=integral, bounds=Bounds(lower, upper), constraints=constraints[:1],
+                          options={"time_limit": time_limit})  # fmt: skip
+            least = fewest.fun * GIB if fewest.x is not None else None
+        _raise_infeasible(memory_limit, pinned, result.message, least)
     found = _milp_solution(problem, result, offsets, 1, 0.0)
     return _dispatched_rounds(found, run, offsets, len(cost), frozenset(unchecked)) if dispatched else found
 
@@ -339,8 +344,8 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
         pair_offsets.append(first)
         n_in = len(edge.consumer)
         for i in range(len(edge.producer)):
-            cost += edge.cost[i]
-        upper += [1.0] * (len(cost) - first)
+            cost += [c if math.isfinite(c) else 0.0 for c in edge.cost[i]]
+            upper += [1.0 if math.isfinite(c) else 0.0 for c in edge.cost[i]]  # an infinite price: never
         integral += [0] * (len(cost) - first)
         # each producer group's pairs sum to that group's choice, each consumer group's likewise
         for i, (_, options) in enumerate(edge.producer):
@@ -382,11 +387,11 @@ class NoLayoutFits(ValueError):
         )
 
 
-def _raise_infeasible(problem: Problem, memory_limit, pinned, message: str) -> None:
-    if memory_limit is not None:
-        least = sum(min(d.memory) for d in problem.decisions.values())
-        if least > memory_limit:
-            raise NoLayoutFits(memory_limit, least)
+def _raise_infeasible(memory_limit, pinned, message: str, least: float | None) -> None:
+    """`NoLayoutFits` when the least memory any plan needs (`least`, bytes) exceeds `memory_limit`; else
+    the integer program's own reason, with the pinned decisions that may explain it."""
+    if memory_limit is not None and least is not None and least > memory_limit * (1 + 1e-9):
+        raise NoLayoutFits(memory_limit, least)
     raise ValueError(
         f"the planner's integer program has no solution ({message}); pinned decisions: {sorted(pinned)}"
     )

@@ -147,8 +147,9 @@ def op_space(
         per_axis[axis] = tuple(_named(c, axis) for c in cache[key])
     fallback = any(c.source == "replicate" for options in per_axis.values() for c in options)
     combined = tuple(c for c in _combine(per_axis, infos, node.outputs, mesh) if c is not None)
-    if _dtensor_rules.cuts_each_dim_once(node.op):
-        combined = tuple(c for c in combined if not _cuts_a_dim_twice(c))
+    if _dtensor_rules.refuses_dims_cut_twice(node.op):
+        tensors = lambda c: (*c.inputs, *(o for o in c.outputs if o is not None))  # noqa: E731
+        combined = tuple(c for c in combined if not any(map(_dtensor_rules.cuts_a_dim_twice, tensors(c))))
     return OpSpace(node=name, target=node.target, candidates=combined, per_axis=per_axis, fallback=fallback)
 
 
@@ -318,15 +319,6 @@ def _fits(info: TensorInfo, placements: Placements, sizes: Sequence[int]) -> boo
                 return False
             cuts[placement.dim] *= size
     return all(n % cut == 0 and n >= cut for n, cut in zip(info.shape, cuts, strict=True) if cut > 1)
-
-
-def _cuts_a_dim_twice(candidate: Candidate) -> bool:
-    """Whether some tensor of `candidate` has one dim cut over two mesh axes (`cuts_each_dim_once`)."""
-    for placements in (*candidate.inputs, *(o for o in candidate.outputs if o is not None)):
-        dims = [p.dim for p in placements if _dtensor_rules.is_cut(p)]
-        if len(dims) != len(set(dims)):
-            return True
-    return False
 
 
 def _fits_all(infos, outputs, ins, outs, size) -> bool:

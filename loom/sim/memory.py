@@ -11,7 +11,7 @@ from loom.cost.hardware import GIB, Cluster
 from loom.cost.memory import (
     cast_weight_bytes,
     layer_activation_bytes,
-    layer_weights,
+    layer_parameters_per_device,
     model_state_bytes,
     state_bytes,
 )
@@ -25,7 +25,7 @@ __all__ = ["chunk_parameters", "stage_memory", "stage_parameters"]
 def chunk_parameters(model: TransformerConfig, plan: ParallelPlan, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters one device holds of virtual stage `stage` (model order)."""
     t, layers = plan.tp, plan.chunk_layers(model.layers)[stage]
-    split, norms, experts = layer_weights(model, plan)
+    split, norms, experts = layer_parameters_per_device(model, plan)
     dense = layers * (split + norms)
     expert = layers * experts
     if stage == 0:
