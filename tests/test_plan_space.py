@@ -129,6 +129,28 @@ def test_a_convolution_never_cuts_one_dim_over_two_axes():
     assert any(twice(c) for c in op_space(graph, linear, mesh).candidates)
 
 
+def test_a_convolution_cannot_receive_one_dim_cut_over_two_axes():
+    """DTensor's convolution rule reads the layout that arrives before it could move it: an edge into a
+    convolution from a producer whose output cuts one dim over two axes is priced infinite (never chosen),
+    and the solved plan's second convolution reads an input it can take."""
+    from loom.plan.problem import build_problem
+    from loom.plan.solve import solve
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    graph = capture(model, (torch.randn(8, 3, 4, 4),))
+    problem = build_problem(graph, {"dp": 2, "tp": 2})
+    (second,) = [n.name for n in graph.ops() if n.target == "aten.convolution.default"][1:]
+    (edge,) = [e for e in problem.edges if e.target == second and e.index == 0]
+    refused = [i for i, (out, _) in enumerate(edge.producer) if _dtensor_rules.cuts_a_dim_twice(out)]
+    assert refused and len(refused) < len(edge.producer)  # the ReLU may cut the batch over both axes
+    assert all(c == float("inf") for i in refused for c in edge.cost[i])
+    assert all(c < float("inf") for i, row in enumerate(edge.cost) if i not in refused for c in row)
+    for method in ("auto", "milp"):  # dynamic programming over the chain, and the integer program
+        solution = solve(problem, method=method)
+        made = solution.option(edge.ref.node).outputs[0]
+        assert not _dtensor_rules.cuts_a_dim_twice(made) and solution.cost_s < float("inf"), method
+
+
 def test_an_operator_without_a_rule_is_replicated():
     graph = capture(Mysterious(), (torch.randn(4, 8),))
     (node,) = (n for n in graph.ops() if n.target == "loom_plan_test.mystery.default")
