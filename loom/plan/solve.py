@@ -319,7 +319,9 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
         n_in = len(edge.consumer)
         for i in range(len(edge.producer)):
             cost += edge.cost[i]
-        upper += [1.0] * (len(cost) - first)
+        # a pair priced infinite is one that never runs (`problem.settled_by_dispatcher`): bound to 0
+        upper += [1.0 if math.isfinite(c) else 0.0 for c in cost[first:]]
+        cost[first:] = [c if math.isfinite(c) else 0.0 for c in cost[first:]]
         integral += [0] * (len(cost) - first)
         # each producer group's pairs sum to that group's choice, each consumer group's likewise
         for i, (_, options) in enumerate(edge.producer):

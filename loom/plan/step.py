@@ -52,7 +52,7 @@ from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
 from loom.layout.placements import cuts_classes, pending_over_rows, row_placements
 from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
-from loom.plan.problem import carries_gradient, local_bytes, requirement
+from loom.plan.problem import carries_gradient, local_bytes, moved_again, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
 from loom.plan.to_plan import compute_layout, input_layouts, read_through_views, view_chain
@@ -132,9 +132,10 @@ def _edge_collectives(
     nbytes, mesh, cluster = edge.tensor.nbytes, problem.mesh, problem.cluster
     out = []
     if forward:
-        out += _collectives(
-            redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
-        )
+        moved = redistribution(nbytes, made, required, mesh, cluster)
+        out += _collectives(moved, edge.weight, "forward", where)
+        if moved_again(problem.graph, edge.ref, edge.target):  # DTensor's move, outside autograd: again
+            out += _collectives(moved, edge.weight, "backward", f"{where} (the saved input moved again)")
     if flow is not None and backward and id(edge) in flow.moves:
         move = flow.moves[id(edge)]
         if move is not None:
