@@ -336,7 +336,11 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
     for out in out_groups:
         row = []
         for required, split in in_groups:
-            if out in as_made and out != required and redistribution(1.0, out, required, mesh, cluster, spans):
+            if (
+                out in as_made
+                and out != required
+                and redistribution(1.0, out, required, mesh, cluster, spans)
+            ):
                 row.append(math.inf)  # DTensor would read it as made: never what runs
                 continue
             key = (codes[out], codes[required], split if grads else None, again)

@@ -212,7 +212,38 @@ def _moved_before(solution: Any) -> set[int]:
     for source in sources:
         readers = [edge for edge in problem.edges if edge.ref.node == source]
         again |= {id(link) for edge in readers[1:] for link in view_chain(problem, edge)}
+    return again | _moved_by_out_strategy(solution)
+
+
+def _moved_by_out_strategy(solution: Any) -> set[int]:
+    """The ids of the edges from a module's output (its last operator) to the second and later readers
+    outside it that read it in the layout its `out_strategy` moves it to: the hook moves it once, for
+    every reader (the token embedding's output, read by the first norm and the first residual `Add`)."""
+    problem, graph = solution.problem, solution.problem.graph
+    blocks = graph.blocks
+    again = set()
+    for pattern, entry in solution.plan().strategies.items():
+        if not entry.get("out_strategy"):
+            continue
+        module = pattern.replace(f"{blocks.path}.*", f"{blocks.path}.0") if blocks is not None else pattern
+        inside = [
+            n for n, d in problem.decisions.items() if d.kind == "op" and _within(graph[n].module, module)
+        ]
+        if not inside:
+            continue
+        readers = [
+            edge for edge in problem.edges
+            if edge.ref.node == inside[-1] and edge.target in graph and not _within(graph[edge.target].module, module)
+        ]  # fmt: skip
+        wanted = [requirement(problem.decisions[e.target], solution.choice[e.target], e.index, problem.mesh)[0]
+                  for e in readers]  # fmt: skip
+        again |= {id(edge) for edge, read in zip(readers[1:], wanted[1:], strict=True) if read == wanted[0]}
     return again
+
+
+def _within(path: str, module: str) -> bool:
+    """Whether module `path` is `module` or inside it."""
+    return path == module or path.startswith(module + ".")
 
 
 def _parameter_gradient(
