@@ -5,18 +5,27 @@ while cutting its work along a mesh axis leaves a pending (`Partial`) gradient t
 (`redistribute.gradient_layouts`); that gradient is not moved at its edge:
 
 - the gradients of a tensor's readers are summed first (autograd accumulates them), so readers that leave
-  the same layout cost one move, not one per reader;
+  the same layout cost one move, not one per reader; readers that leave different layouts are summed into
+  the finest of them where each other one reaches it by cutting alone (a pending one reduce-scattered, a
+  whole one sliced: DTensor's cheapest `add`), and the sum moves on once;
 - an operator whose backward is linear in the gradient, with every other factor whole along the axis
   (a view, a sum, a product with a whole factor, `rsqrt`'s and `mean`'s backward: `LINEAR_IN_GRADIENT`),
   computes on the pending sum and passes it on to its own inputs' gradients (and to a parameter it reads:
-  that gradient arrives pending, for `GradSync`'s buckets);
+  that gradient arrives pending, for `GradSync`'s buckets); one whose backward reads no saved tensor (a
+  view, `mean`'s expand) passes it on whatever its forward cut, and one whose factor is cut along some
+  pending axes moves it there only, passing the others on;
 - the first operator that cannot take it pending moves it, straight from the pending layout to the layout
-  of its output (`Partial -> Shard` a reduce-scatter where the output is cut, an all-reduce where whole).
+  of its output (`Partial -> Shard` a reduce-scatter where the output is cut, an all-reduce where whole);
+- a gradient left cut finer than its producer's output (its one reader moved the tensor inside its
+  dispatch, a free slice outside autograd) passes through a `POINTWISE` producer with whole factors as it
+  is, DTensor slicing the saved factors: cut on where an input has the dim, pending where it is broadcast.
 
 `gradient_flow` follows that over a solution's chosen layouts. It follows one instance of every repeated
-block: a sum or a pass is modelled only between edges of the same instances (block 0's inner edges, or
-edges outside the blocks), where every edge and both its ends weigh alike; a tensor read across a block
-boundary is moved at each reading edge, as before.
+block: a sum is modelled only between edges of the same instances (block 0's inner edges, or edges outside
+the blocks, each instance's readers apart), where every edge and both its ends weigh alike; a pass reaches
+the input edges of every instance, across a block boundary too (a second walk settles the edge of the
+residual stream into block 0, which runs against the graph's order). The rules after the first were each
+read off a `CommDebugMode` trace of a Llama step under a memory limit (docs/planner.md, "Not yet exact").
 """
 
 from __future__ import annotations
@@ -101,6 +110,8 @@ def _walk(solution: Any, readers: dict, position: dict, arriving: dict, skip: fr
             _sum_and_move(moves, edges, arrive, wanted)
             continue
         moves.update(moved)
+        # traced: a sum over several readers is moved to the output's layout before the producer's
+        # backward (the residual stream's is gathered over tp before the residual `Add` passes it on)
         cut = _cut_passes(solution, ref, summed, wanted) if len(edges) == 1 else frozenset()
         if cut:
             for edge in _inputs(problem, ref.node, skip):

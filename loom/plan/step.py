@@ -8,14 +8,16 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   every edge's redistribution the solver priced, each edge as often as the model runs it (block 0 stands
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
   (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
-  `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
+  `compute_layouts`, a module's `out_strategy` for the readers outside it that read its layout) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
   it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made; for
   `F.cross_entropy`'s mean, run as `loom.parallel.lift.local_cross_entropy`, the count of kept targets
   summed over the mesh axes that cut the logits' rows (`_loss_counts`; not priced by the solver);
-- backward: each edge's gradient moved as DTensor moves it (`loom.plan.gradients`: the gradients of a
-  tensor's readers summed before they move, a pending sum carried on through operators linear in it with
-  whole factors and moved by the first operator that cannot take it pending; the solver prices each
-  edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
+- backward: a move DTensor's dispatcher made between two operators of one module once more, where the
+  consumer saved that input (`problem.moved_again`: autograd kept it as it arrived); each edge's gradient
+  moved as DTensor moves it (`loom.plan.gradients`: the gradients of a tensor's readers summed before they
+  move, a pending sum carried on through operators linear in it with whole factors and moved by the first
+  operator that cannot take it pending, a gradient cut finer than a pointwise producer's output passed on
+  cut; the solver prices each edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
   them: a parameter read as it is kept gets its gradient in the layout its consumer's backward leaves
   (`gradient_layouts`; pending too along the axes that consumer carries a pending gradient on); DTensor brings the axes where the parameter is cut to
   its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
@@ -33,9 +35,10 @@ all-to-all), which is what is predicted there. Not predicted: optimizer levels a
 micro-batches, a parameter read by operators that leave its gradient in different layouts, a parameter
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
-operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight; a solution of `solve(..., dispatched=True)` chooses in forward what DTensor runs, not yet in
-backward); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
+operator's strategy given inputs that do not fit, where the solver could not tell it from one edge
+(`problem.settled_by_dispatcher` settles an operator whose other inputs are parameters, as an RMSNorm's
+`weight * hidden_states`; a solution of `solve(..., dispatched=True)` chooses in forward what DTensor
+runs); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
 exact").
 """
 
