@@ -5,7 +5,9 @@ block, the parameters' gradients as `GradSync` reduces them, the even-batch chec
 for an MLP, a small CNN, loom's GPT and Hugging Face GPT-2, Llama and Mixtral without a memory limit (their
 labels, shifted and flattened on the way to the loss, priced as DTensor moves strided cuts), and for the
 MLP under half its states (weights cut over dp and tp). Hugging Face Llama and loom's GPT under half their
-states are not exact yet (strict xfail: docs/planner.md, "Not yet exact")."""
+states are not exact yet (strict xfails: docs/planner.md, "Not yet exact"): Llama's RMSNorm products are
+read as DTensor's dispatcher runs them and its backward's pending and cut gradients followed as DTensor
+carries them, but one gradient move across a block boundary is still predicted where none runs."""
 
 from __future__ import annotations
 
@@ -128,8 +130,19 @@ NOT_EXACT = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,  # the prediction differs; a crash or a failed plan is still a failure
     reason="under a memory limit DTensor picks strategies inside modules otherwise than the solver priced "
-    "(an RMSNorm's weight gathered, a tied token table's lookup) and loom's vocabulary-parallel cross "
-    "entropy makes its per-row sums whole unpriced (docs/planner.md, 'Not yet exact')",
+    "(a tied token table's lookup) and loom's vocabulary-parallel cross entropy makes its per-row sums "
+    "whole unpriced (docs/planner.md, 'Not yet exact')",
+)
+
+
+# strict: the plan the kept-copy memory model picks for Llama (weights gathered by compute layouts) predicts
+# one backward all-gather of the residual stream's gradient more than runs: DTensor sums two readers'
+# gradients across a block boundary first (docs/planner.md, 'Not yet exact')
+LLAMA_NOT_EXACT = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="one backward all-gather of the residual stream's gradient (dp+tp, 16 KiB) predicted where DTensor "
+    "sums two readers' gradients across a block boundary first (docs/planner.md, 'Not yet exact')",
 )
 
 
@@ -145,7 +158,7 @@ NOT_EXACT = pytest.mark.xfail(
         pytest.param("llama", False, marks=pytest.mark.slow),
         pytest.param("mixtral", False, marks=pytest.mark.slow),
         pytest.param("twice", False, marks=pytest.mark.slow),
-        pytest.param("llama", True, marks=[pytest.mark.slow, NOT_EXACT]),
+        pytest.param("llama", True, marks=[pytest.mark.slow, LLAMA_NOT_EXACT]),
         pytest.param("gpt", True, marks=[pytest.mark.slow, NOT_EXACT]),
     ],
 )

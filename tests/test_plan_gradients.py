@@ -2,7 +2,9 @@
 gradients a tensor's readers leave are summed before they move, carried on through an operator linear in
 its gradient whose factors are whole (a product with a whole scale), moved once by the first operator that
 cannot take them pending, and a parameter that linear operator reads gets its gradient pending; and the
-count of kept targets `F.cross_entropy`'s mean sums over the mesh axes cutting the rows (`step._loss_counts`).
+count of kept targets `F.cross_entropy`'s mean sums over the mesh axes cutting the rows (`step._loss_counts`);
+readers' gradients summed into the finest layout; and the pairs of an RMSNorm's product DTensor's dispatcher
+never runs (`problem.settled_by_dispatcher`).
 Single process; the multi-rank measurement is Llama's case in tests/test_plan_auto_collectives.py."""
 
 from __future__ import annotations
@@ -108,3 +110,59 @@ def test_a_mean_cross_entropy_on_cut_rows_sums_its_count_of_targets():
     assert _classifier_counts((Shard(0), R)) == [("all_reduce", "dp", 4, 1)]
     assert _classifier_counts((Shard(0), Shard(0))) == [("all_reduce", "dp+tp", 4, 1)]
     assert _classifier_counts((R, Shard(1))) == []
+
+
+class Norm(nn.Module):
+    """An RMSNorm (Llama's: `weight * (x * rsqrt(mean(x^2) + eps))`) and a squared error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scaled = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return F.mse_loss(self.norm.weight * scaled, y)
+
+
+def test_the_dispatcher_never_moves_hidden_states_a_norm_weight_can_meet_as_they_are():
+    """Between two operators of one module DTensor's dispatcher makes the move: outside autograd, so the
+    product's backward moves the saved hidden states again (priced twice), and where a candidate reads
+    them as made (the weight moved instead, by its compute layout) a move with a collective never runs."""
+    from loom.plan.problem import moved_again, settled_by_dispatcher
+
+    graph = capture(Norm(), (torch.randn(ROWS, 4, WIDTH), torch.randn(ROWS, 4, WIDTH)))
+    problem = build_problem(graph, MESH)
+    (edge,) = [e for e in problem.edges if e.target in graph and graph[e.target].target == "aten.mul.Tensor"
+               and graph[e.ref.node].target == "aten.mul.Tensor"]  # fmt: skip
+    assert moved_again(graph, edge.ref, edge.target) and settled_by_dispatcher(graph, edge.ref, edge.target)
+    rows = (Shard(0), R)  # the hidden states as made, rows cut over dp
+    made = next(i for i, (layout, _) in enumerate(edge.producer) if layout == rows)
+    cost = {required: edge.cost[made][j] for j, ((required, _), _) in enumerate(edge.consumer)}
+    assert cost[rows] == 0.0
+    assert cost[(Shard(2), R)] == float("inf")  # an all-to-all over dp: never what DTensor runs here
+    assert 0.0 <= cost[(Shard(0), Shard(2))] < float("inf")  # a slice, no collective: DTensor may run it
+    # the weight's edge is not settled so: a hook (its compute layout) moves it
+    (weight,) = [e for e in problem.edges if graph[e.ref.node].kind == "parameter"]
+    assert not settled_by_dispatcher(graph, weight.ref, weight.target)
+    solution = solve(problem)
+    assert solution.cost_s < float("inf")
+
+
+def test_readers_gradients_are_summed_into_the_finest_layout_each_reaches_by_cutting():
+    from loom.plan.gradients import _summed, pending_along
+
+    edges = [object(), object(), object()]
+    cut = (Shard(2), Shard(2))
+    moves, summed, first = _summed(edges, [(Shard(2), P), cut, (Shard(2), R)])
+    assert summed == cut and first is edges[1]
+    assert moves == {
+        id(edges[0]): ((Shard(2), P), cut),
+        id(edges[1]): None,
+        id(edges[2]): ((Shard(2), R), cut),
+    }
+    # a pending and a whole gradient: no layout both reach by cutting (DTensor keeps the sum pending)
+    assert _summed(edges[:2], [(P, R), WHOLE])[1] is None
+    # a backward reading only the gradient (mean's expand) keeps it pending over a forward cut too
+    assert pending_along((Shard(2), R), frozenset({0, 1})) == (Shard(2), P)
+    assert pending_along((Shard(2), R), frozenset({0, 1}), over_cuts=True) == (P, P)

@@ -10,7 +10,10 @@ options, and priced edges between them. Built from a captured `Graph` and its st
   its rows cut along `BATCH_AXIS`, as `loom.parallelize` hands a batch over.
 - An edge (an output read as an operator's input) costs, for each pair of producer output layout and
   consumer requirement, the forward redistribution plus, when gradients flow over it, the gradient's way
-  back (`loom.plan.redistribute`): a data-parallel weight's gradient all-reduce is such an edge cost.
+  back (`loom.plan.redistribute`): a data-parallel weight's gradient all-reduce is such an edge cost. Where
+  DTensor's dispatcher makes the move (between two operators of one module), it makes it outside
+  autograd: the consumer's backward moves a saved input again (`moved_again`), priced twice; and a pair
+  DTensor would never run (`settled_by_dispatcher`) costs infinity (the solver never picks it).
 
 With repeated blocks, block 0 stands for every block: its operators, parameters and inner edges weigh
 `Blocks.count`; edges from one traced block to the next, and from operators outside into later blocks,
@@ -294,10 +297,12 @@ def requirement(
     return chosen.inputs[index], tuple(chosen.share[axis] < 1 for axis in mesh)
 
 
-def _price(nbytes, out, required, split, grads, mesh, cluster, spans) -> float:
-    """Seconds of the forward redistribution of a tensor of `nbytes`, and of the gradient's way back when
-    `grads`."""
-    seconds = sum(s.seconds for s in redistribution(nbytes, out, required, mesh, cluster, spans))
+def _price(nbytes, out, required, split, grads, again, mesh, cluster, spans) -> float:
+    """Seconds of the forward redistribution of a tensor of `nbytes` (twice when `again`: its consumer's
+    backward reads the tensor as it arrived and DTensor moves it again), and of the gradient's way back
+    when `grads`."""
+    moves = 2 if again else 1
+    seconds = moves * sum(s.seconds for s in redistribution(nbytes, out, required, mesh, cluster, spans))
     if grads:
         left, wanted = gradient_layouts(out, required, split)
         seconds += sum(s.seconds for s in redistribution(nbytes, left, wanted, mesh, cluster, spans))
@@ -315,6 +320,40 @@ def _code(placements: Placements) -> tuple[int | tuple[int, int], ...]:
         else -1
         for p in placements
     )  # fmt: skip
+
+
+def dispatcher_moves(graph: Graph, ref: Ref, target: str) -> bool:
+    """Whether only DTensor's dispatcher may move `ref` into operator `target`: both are operators of one
+    module, and a plan's hooks move tensors only where they enter or leave a module. A view of a parameter
+    (a linear weight's `t`) is not such a tensor: the plan's `compute_layouts` hook moves the parameter
+    itself, before its views, to the layout its reader requires through them."""
+    source, reader = graph[ref.node], graph[target] if target in graph else None
+    if reader is None or not (source.is_op and reader.is_op) or _aliases_parameter(graph, ref):
+        return False
+    return source.module == reader.module
+
+
+def moved_again(graph: Graph, ref: Ref, target: str) -> bool:
+    """Whether a move of `ref` into operator `target` runs again in backward: DTensor's dispatcher moves it
+    (`dispatcher_moves`) inside `target`'s dispatch, outside autograd, so autograd keeps the tensor as it
+    arrived (`target` saves it for its backward), and the backward operator reading it is dispatched on
+    it as kept and moves it again."""
+    reader = graph[target] if target in graph else None
+    return dispatcher_moves(graph, ref, target) and reader.requires_grad and ref in reader.saved
+
+
+def settled_by_dispatcher(graph: Graph, ref: Ref, target: str) -> bool:
+    """Whether DTensor's dispatcher picks `target`'s strategy from the layout `ref` arrives in, every other
+    tensor `target` reads arriving as the chosen candidate requires: only the dispatcher moves `ref` there
+    (`dispatcher_moves`), and `target`'s other tensor inputs are parameters or buffers, each read in the
+    layout the solver chose for it (kept so, or moved there by its `compute_layouts` hook). For such an
+    operator, a candidate reading `ref` as it arrives costs DTensor no move of it, where any other costs
+    one: DTensor never runs a candidate that moves `ref` with a collective when one reads it as made (an
+    RMSNorm's `weight * hidden_states` gathers the weight rather than move the hidden states)."""
+    if not dispatcher_moves(graph, ref, target):
+        return False
+    others = [other for other in graph[target].inputs if other != ref]
+    return all(graph[other.node].kind in ("parameter", "buffer") for other in others)
 
 
 def carries_gradient(graph: Graph, ref: Ref, target: str) -> bool:
@@ -339,14 +378,26 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
     for i in range(len(consumer.options)):
         in_groups[requirement(consumer, i, index, mesh)].append(i)
     grads = carries_gradient(graph, ref, target)
+    again = moved_again(graph, ref, target)
     codes = {ps: _code(ps) for ps in [*out_groups, *(required for required, _ in in_groups)]}
+    # layouts the consumer has a candidate reading as they are, where the dispatcher settles it
+    as_made = {required for required, _ in in_groups} if settled_by_dispatcher(graph, ref, target) else set()
     cost = []
     for out in out_groups:
         row = []
         for required, split in in_groups:
-            key = (codes[out], codes[required], split if grads else None)
+            if (
+                out in as_made
+                and out != required
+                and redistribution(1.0, out, required, mesh, cluster, spans)
+            ):
+                row.append(math.inf)  # DTensor would read it as made: never what runs
+                continue
+            key = (codes[out], codes[required], split if grads else None, again)
             if key not in cache:  # seconds = fixed + per byte * size: price two sizes once
-                one, two = (_price(n, out, required, split, grads, mesh, cluster, spans) for n in (1.0, 2.0))
+                one, two = (
+                    _price(n, out, required, split, grads, again, mesh, cluster, spans) for n in (1.0, 2.0)
+                )
                 cache[key] = (2 * one - two, two - one)
             fixed, per_byte = cache[key]
             row.append(weight * (fixed + per_byte * info.nbytes) if info.nbytes else 0.0)

@@ -344,8 +344,10 @@ def _program(problem: Problem, pinned: Mapping[str, set[int]]):
         pair_offsets.append(first)
         n_in = len(edge.consumer)
         for i in range(len(edge.producer)):
+            # a pair priced infinite never runs (a convolution's refused arrival, a pair DTensor's dispatcher
+            # would not run: `problem.settled_by_dispatcher`): its column is bounded at 0
             cost += [c if math.isfinite(c) else 0.0 for c in edge.cost[i]]
-            upper += [1.0 if math.isfinite(c) else 0.0 for c in edge.cost[i]]  # an infinite price: never
+            upper += [1.0 if math.isfinite(c) else 0.0 for c in edge.cost[i]]
         integral += [0] * (len(cost) - first)
         # each producer group's pairs sum to that group's choice, each consumer group's likewise
         for i, (_, options) in enumerate(edge.producer):

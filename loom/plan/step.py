@@ -8,14 +8,16 @@ What runs, per step (one forward, one backward, optimizer level 0), in `loom.cos
   every edge's redistribution the solver priced, each edge as often as the model runs it (block 0 stands
   for every block: `EdgeCost.weight`), consecutive axes of one change merged over their flattened group
   (`loom.plan.redistribute`), a tensor a hook moves for all its readers (`input_layouts`,
-  `compute_layouts`) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
+  `compute_layouts`, a module's `out_strategy` for the readers outside it that read its layout) once; a graph output with no dims (the loss) read whole, as a `Trainer` step reads
   it for its metrics (`global_mean`: `full_tensor`), other graph outputs as they are made; for
   `F.cross_entropy`'s mean, run as `loom.parallel.lift.local_cross_entropy`, the count of kept targets
   summed over the mesh axes that cut the logits' rows (`_loss_counts`; not priced by the solver);
-- backward: each edge's gradient moved as DTensor moves it (`loom.plan.gradients`: the gradients of a
-  tensor's readers summed before they move, a pending sum carried on through operators linear in it with
-  whole factors and moved by the first operator that cannot take it pending; the solver prices each
-  edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
+- backward: a move DTensor's dispatcher made between two operators of one module once more, where the
+  consumer saved that input (`problem.moved_again`: autograd kept it as it arrived); each edge's gradient
+  moved as DTensor moves it (`loom.plan.gradients`: the gradients of a tensor's readers summed before they
+  move, a pending sum carried on through operators linear in it with whole factors and moved by the first
+  operator that cannot take it pending, a gradient cut finer than a pointwise producer's output passed on
+  cut; the solver prices each edge's move on that edge), but for the parameters' own gradients, which are what `GradSync` makes of
   them: a parameter read as it is kept gets its gradient in the layout its consumer's backward leaves
   (`gradient_layouts`; pending too along the axes that consumer carries a pending gradient on); DTensor brings the axes where the parameter is cut to
   its cut (`loom.parallel.routes`), then the pending sums over axes where it is whole are summed in the
@@ -33,9 +35,10 @@ all-to-all), which is what is predicted there. Not predicted: optimizer levels a
 micro-batches, a parameter read by operators that leave its gradient in different layouts, a parameter
 read again after later ones (its gradient arrives, and is bucketed, earlier than predicted), and what
 DTensor, free inside a module (no hook of loom's moves a tensor there), does otherwise than priced: an
-operator's strategy given inputs that do not fit (an RMSNorm's `weight * hidden_states` gathers the
-weight; a solution of `solve(..., dispatched=True)` chooses in forward what DTensor runs, not yet in
-backward); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
+operator's strategy given inputs that do not fit, where the solver could not tell it from one edge
+(`problem.settled_by_dispatcher` settles an operator whose other inputs are parameters, as an RMSNorm's
+`weight * hidden_states`; a solution of `solve(..., dispatched=True)` chooses in forward what DTensor
+runs); and the per-row sums of loom's vocabulary-parallel cross entropy (docs/planner.md, "Not yet
 exact").
 """
 
@@ -52,7 +55,7 @@ from loom.cost.buckets import assign_buckets, bucket_bytes
 from loom.cost.traffic import AGREE_BYTES_PER_PARAMETER, CHECK_BYTES_PER_INPUT, StepCollective
 from loom.layout.placements import cuts_classes, pending_over_rows, row_placements
 from loom.plan.gradients import GradientFlow, gradient_flow, pending_along
-from loom.plan.problem import carries_gradient, local_bytes, requirement
+from loom.plan.problem import carries_gradient, local_bytes, moved_again, requirement
 from loom.plan.redistribute import Step, gradient_layouts, redistribution
 from loom.plan.space import Placements
 from loom.plan.to_plan import compute_layout, input_layouts, read_through_views, view_chain
@@ -132,9 +135,10 @@ def _edge_collectives(
     nbytes, mesh, cluster = edge.tensor.nbytes, problem.mesh, problem.cluster
     out = []
     if forward:
-        out += _collectives(
-            redistribution(nbytes, made, required, mesh, cluster), edge.weight, "forward", where
-        )
+        moved = redistribution(nbytes, made, required, mesh, cluster)
+        out += _collectives(moved, edge.weight, "forward", where)
+        if moved_again(problem.graph, edge.ref, edge.target):  # DTensor's move, outside autograd: again
+            out += _collectives(moved, edge.weight, "backward", f"{where} (the saved input moved again)")
     if flow is not None and backward and id(edge) in flow.moves:
         move = flow.moves[id(edge)]
         if move is not None:
@@ -211,7 +215,38 @@ def _moved_before(solution: Any) -> set[int]:
     for source in sources:
         readers = [edge for edge in problem.edges if edge.ref.node == source]
         again |= {id(link) for edge in readers[1:] for link in view_chain(problem, edge)}
+    return again | _moved_by_out_strategy(solution)
+
+
+def _moved_by_out_strategy(solution: Any) -> set[int]:
+    """The ids of the edges from a module's output (its last operator) to the second and later readers
+    outside it that read it in the layout its `out_strategy` moves it to: the hook moves it once, for
+    every reader (the token embedding's output, read by the first norm and the first residual `Add`)."""
+    problem, graph = solution.problem, solution.problem.graph
+    blocks = graph.blocks
+    again = set()
+    for pattern, entry in solution.plan().strategies.items():
+        if not entry.get("out_strategy"):
+            continue
+        module = pattern.replace(f"{blocks.path}.*", f"{blocks.path}.0") if blocks is not None else pattern
+        inside = [
+            n for n, d in problem.decisions.items() if d.kind == "op" and _within(graph[n].module, module)
+        ]
+        if not inside:
+            continue
+        readers = [
+            edge for edge in problem.edges
+            if edge.ref.node == inside[-1] and edge.target in graph and not _within(graph[edge.target].module, module)
+        ]  # fmt: skip
+        wanted = [requirement(problem.decisions[e.target], solution.choice[e.target], e.index, problem.mesh)[0]
+                  for e in readers]  # fmt: skip
+        again |= {id(edge) for edge, read in zip(readers[1:], wanted[1:], strict=True) if read == wanted[0]}
     return again
+
+
+def _within(path: str, module: str) -> bool:
+    """Whether module `path` is `module` or inside it."""
+    return path == module or path.startswith(module + ".")
 
 
 def _parameter_gradient(
