@@ -383,9 +383,24 @@ class Reshape(_Unary):
     leading part); any other cut is gathered first, since no strategy could name the result."""
 
     def compute(self, x, shape):
-        if isinstance(x, DTensor):
-            x = _keep_reshapeable_cuts(x, tuple(torch.empty(0).new_empty(x.shape).reshape(shape).shape))
-        return x.reshape(shape)
+        if not isinstance(x, DTensor):
+            return x.reshape(shape)
+        x = _keep_reshapeable_cuts(x, tuple(torch.empty(0).new_empty(x.shape).reshape(shape).shape))
+        return _ContiguousGradient.apply(x.reshape(shape))
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes its gradient contiguous: a DTensor reshaped in forward is viewed
+    back in backward, and DTensor runs that as `view` on the local gradient, which fails when an operator
+    after the reshape (a permute of heads) left it non-contiguous ("view size is not compatible")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad.contiguous()
 
 
 def _reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
