@@ -270,10 +270,13 @@ MESHES_8 = [pytest.param({"dp": 2, "tp": 4}, id="dp2xtp4"), pytest.param({"dp": 
 def test_auto_plans_on_8_ranks_train_as_one_device(dist_run, family, mesh):
     """loom's GPT and Llama under a memory limit of a quarter of their states, on dp 2 x tp 4 and dp 4 x tp 2:
     3 SGD steps give one device's losses, first-step gradients and parameters, and the plan cuts weights over
-    both axes, some read in another layout than they are kept (`compute_layouts`)."""
+    both axes; GPT's reads some in another layout than they are kept (`compute_layouts`). Llama's plans read
+    every weight as kept on both meshes (seen since the solver no longer offers the pairs DTensor's dispatcher
+    never runs, `problem.settled_by_dispatcher`)."""
     plan = _check_run(dist_run(8, level_case, family, mesh, 0, _states(family) / 4))
     assert _cut_over(plan, "tp") and _cut_over(plan, "dp"), plan.parameter_layouts
-    assert plan.compute_layouts, plan.to_json()
+    if family == "gpt":
+        assert plan.compute_layouts, plan.to_json()
 
 
 @SLOW

@@ -389,7 +389,7 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
             if (
                 out in as_made
                 and out != required
-                and redistribution(1.0, out, required, mesh, cluster, spans)
+                and _collective(codes[out], codes[required], out, required, mesh, cluster, spans, cache)
             ):
                 row.append(math.inf)  # DTensor would read it as made: never what runs
                 continue
@@ -420,6 +420,15 @@ def _edge(graph, ref, target, index, weight, decisions, mesh, cluster, spans, ca
         cost=cost,
         memory=[[weight * b for b in row] for row in kept] if kept else [],
     )
+
+
+def _collective(code_out, code_in, out, required, mesh, cluster, spans, cache) -> bool:
+    """Whether moving `out` to `required` runs a collective (not a slice alone), asked once per pair of
+    layout codes (`_code`) in the edges' price `cache`."""
+    key = ("collective", code_out, code_in)
+    if key not in cache:
+        cache[key] = bool(redistribution(1.0, out, required, mesh, cluster, spans))
+    return cache[key]
 
 
 # ---- blocks ----
