@@ -514,7 +514,9 @@ def vocab_parallel_cross_entropy(
 
     Written with reductions over the vocab dim only, so that with that dim cut over tp each rank works on
     its slice: the max and the sum of exponentials are reduced across tp, and the target's logit is picked
-    with a one-hot mask that each rank builds for its own slice.
+    with a one-hot mask that each rank builds for its own slice. With `whole_rows` (Megatron's layouts) each
+    per-row sum is made whole at once (`_whole_rows`); without it (an automatic plan, whose planner priced
+    the captured operators) the sums are left as DTensor's rules make them.
     """
     whole = _whole_rows if whole_rows else lambda per_row, _: per_row
     shift = whole(logits.detach().amax(dim=-1, keepdim=True), logits)
