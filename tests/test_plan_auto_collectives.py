@@ -129,9 +129,9 @@ def _check_predicted(results) -> None:
 NOT_EXACT = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,  # the prediction differs; a crash or a failed plan is still a failure
-    reason="under a memory limit DTensor picks strategies inside modules otherwise than the solver priced "
-    "(a tied token table's lookup) and loom's vocabulary-parallel cross entropy makes its per-row sums "
-    "whole unpriced (docs/planner.md, 'Not yet exact')",
+    reason="under a memory limit DTensor's dispatcher picks strategies inside modules otherwise than the solver "
+    "priced (the tied token table's lookup, the residual adds, the norms, the loss's operators) and sums "
+    "gradients its own way (docs/planner.md, 'Not yet exact')",
 )
 
 

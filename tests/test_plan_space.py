@@ -12,6 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from loom.models.mlp import MLP
 from loom.plan import _dtensor_rules
 from loom.plan.capture import capture
+from loom.plan.opcost import meta_tensor
 from loom.plan.space import edges, layouts, op_space, strategy_space
 
 R, P, S0, S1, S2 = Replicate(), Partial(), Shard(0), Shard(1), Shard(2)
@@ -149,6 +150,46 @@ def test_a_convolution_cannot_receive_one_dim_cut_over_two_axes():
         solution = solve(problem, method=method)
         made = solution.option(edge.ref.node).outputs[0]
         assert not _dtensor_rules.cuts_a_dim_twice(made) and solution.cost_s < float("inf"), method
+
+
+class Flatten(nn.Module):
+    """(batch, seq, hidden) rows flattened for a linear layer, as a transformer's projections read them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(-1, 8))
+
+
+def test_a_flattened_dim_cut_on_two_axes_is_strided_as_dtensor_counts_it():
+    """Mesh axes cut a tensor one after the other: rows (4, 16) cut S(0)|S(1) and flattened are, on the tp
+    axis, a strided cut of each dp rank's 2 rows (split factor 2), not of all 4 (the tp axis alone answers 4).
+    Every candidate making a strided cut makes the one DTensor's dispatcher makes on the whole mesh."""
+    graph = capture(Flatten(), (torch.randn(4, 16, 8),))
+    (view,) = (n for n in graph.ops() if n.target == "aten.view.default")
+    space = op_space(graph, view.name, {"dp": 2, "tp": 2})
+    strided = [c for c in space.candidates if any(_dtensor_rules.is_strided(p) for p in c.outputs[0])]
+    assert strided
+    infos = [graph.tensor(ref) for ref in view.inputs]
+    args, kwargs = view.call_args([meta_tensor(info) for info in infos])
+    for candidate in strided:
+        runs = _dtensor_rules.dispatch(view.op, args, kwargs, candidate.inputs, (2, 2))
+        assert (runs.inputs, runs.outputs) == (candidate.inputs, candidate.outputs)
+    rows = next(c for c in strided if c.inputs == ((S0, S1),))
+    assert rows.outputs == ((S0, _dtensor_rules.strided(0, 2)),)
+
+
+def test_masked_partial_sums_made_apart_are_equal_layouts():
+    """DTensor's masked partial sum (an embedding's output over a table cut along its rows) compares its mask
+    buffer by identity; `placement_key` compares what the placement says."""
+    from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
+
+    first, second = (_MaskPartial(offset_shape=torch.Size([64, 32]), offset_dim=0) for _ in range(2))
+    assert first != second  # torch's own equality: never, for two made apart
+    assert _dtensor_rules.layouts_key([(S0, first)]) == _dtensor_rules.layouts_key([(S0, second)])
+    assert _dtensor_rules.placement_key(first) != _dtensor_rules.placement_key(Partial())
 
 
 def test_an_operator_without_a_rule_is_replicated():

@@ -393,7 +393,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, mask, rope)
         logits = self.logits(self.norm(x), self.embedding if self.config.tie_embeddings else self.head)
-        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets)
+        if targets is None:
+            return logits
+        # an automatic plan chose the logits' layout and priced the loss's operators as DTensor runs them:
+        # the per-row sums are left to DTensor, as priced, rather than made whole by an unpriced move
+        return vocab_parallel_cross_entropy(logits, targets, whole_rows=not self.logits.follow_inputs)
 
     def _token_positions(self, ids: torch.Tensor) -> torch.Tensor:
         """The global position of every token this rank holds (see `token_positions`)."""
@@ -503,16 +507,21 @@ def _shard_tokens(t: torch.Tensor, group: object, s: Strategies) -> torch.Tensor
     return shard_sequence(t, 1, group, layout=s.sequence_layout)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, whole_rows: bool = True
+) -> torch.Tensor:
     """Mean cross-entropy of `logits` (batch, seq, vocab) against integer `targets` (batch, seq).
 
     Written with reductions over the vocab dim only, so that with that dim cut over tp each rank works on
     its slice: the max and the sum of exponentials are reduced across tp, and the target's logit is picked
-    with a one-hot mask that each rank builds for its own slice.
+    with a one-hot mask that each rank builds for its own slice. With `whole_rows` (Megatron's layouts) each
+    per-row sum is made whole at once (`_whole_rows`); without it (an automatic plan, whose planner priced
+    the captured operators) the sums are left as DTensor's rules make them.
     """
-    shift = _whole_rows(logits.detach().amax(dim=-1, keepdim=True), logits)
-    log_sum_exp = torch.log(_whole_rows(torch.exp(logits - shift).sum(dim=-1), logits)) + shift.squeeze(-1)
-    picked = _whole_rows((logits * F.one_hot(targets, logits.shape[-1]).to(logits.dtype)).sum(dim=-1), logits)
+    whole = _whole_rows if whole_rows else lambda per_row, _: per_row
+    shift = whole(logits.detach().amax(dim=-1, keepdim=True), logits)
+    log_sum_exp = torch.log(whole(torch.exp(logits - shift).sum(dim=-1), logits)) + shift.squeeze(-1)
+    picked = whole((logits * F.one_hot(targets, logits.shape[-1]).to(logits.dtype)).sum(dim=-1), logits)
     return (log_sum_exp - picked).mean()
 
 

@@ -71,6 +71,26 @@ def is_strided(placement: Placement) -> bool:
     return isinstance(placement, _StridedShard)
 
 
+def strided(dim: int, split_factor: int) -> Placement:
+    """DTensor's strided cut of `dim` with `split_factor` (see `is_strided`)."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def placement_key(placement: Placement | None) -> Any:
+    """`placement` as a value equal for equal placements: DTensor's masked partial sum (`_MaskPartial`, an
+    embedding's output over a table cut along its rows) compares its mask buffer by identity, so two made
+    apart (a candidate, and DTensor's answer for the same layouts) are never equal as objects."""
+    if placement is not None and hasattr(placement, "mask_buffer") and hasattr(placement, "offset_shape"):
+        return ("masked", placement.reduce_op, tuple(placement.offset_shape), placement.offset_dim)
+    return placement
+
+
+def layouts_key(layouts: Sequence[Sequence[Placement] | None]) -> tuple:
+    """Layouts (one tuple of placements per tensor, None for an output that is not one) as a value equal for
+    equal layouts (`placement_key`)."""
+    return tuple(None if ps is None else tuple(placement_key(p) for p in ps) for ps in layouts)
+
+
 def is_cut(placement: Placement) -> bool:
     """Whether `placement` cuts the tensor, each device holding one part along its axis: a `Shard` or a
     strided cut (`is_strided`)."""

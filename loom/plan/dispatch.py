@@ -102,12 +102,11 @@ def _every_mismatch(problem: Any, name: str, alternatives: list[list], arrived: 
 def _runs_otherwise(problem: Any, name: str, option: int, arrivals: list) -> bool:
     """Whether DTensor runs operator `name` otherwise than its `option` for `arrivals`."""
     chosen = problem.decisions[name].options[option]
-    if all(layout == required for (layout, _), required in zip(arrivals, chosen.inputs, strict=True)):
+    arrived = tuple(layout for layout, _ in arrivals)
+    if _dtensor_rules.layouts_key(arrived) == _dtensor_rules.layouts_key(chosen.inputs):
         return False  # nothing moves: DTensor runs the strategy whose inputs arrive as they are
-    choice = _dispatched(
-        problem, problem.graph[name], tuple(layout for layout, _ in arrivals), tuple(problem.mesh.values())
-    )
-    return choice is not None and (choice.inputs, choice.outputs) != (chosen.inputs, chosen.outputs)
+    choice = _dispatched(problem, problem.graph[name], arrived, tuple(problem.mesh.values()))
+    return choice is not None and _key(choice) != _key(chosen)
 
 
 def _mismatch(problem: Any, name: str, arrivals: list) -> Mismatch | None:
@@ -123,13 +122,16 @@ def _mismatch(problem: Any, name: str, arrivals: list) -> Mismatch | None:
     choice = _dispatched(problem, node, tuple(layout for layout, _ in arrivals), tuple(problem.mesh.values()))
     if choice is None:
         return None
-    allowed = frozenset(
-        i for i, c in enumerate(decision.options) if (c.inputs, c.outputs) == (choice.inputs, choice.outputs)
-    )
+    allowed = frozenset(i for i, c in enumerate(decision.options) if _key(c) == _key(choice))
     left = given.get(name, frozenset(range(len(decision.options))))
     if left <= allowed:
         return None
     return Mismatch(op=name, given=tuple(sorted(given.items())), allowed=allowed)
+
+
+def _key(candidate: Any) -> tuple:
+    """A candidate's (or DTensor's answer's) input and output layouts, comparable (`layouts_key`)."""
+    return _dtensor_rules.layouts_key(candidate.inputs), _dtensor_rules.layouts_key(candidate.outputs)
 
 
 def _dispatched(problem: Any, node: Any, arriving: tuple[Placements, ...], sizes: tuple[int, ...]) -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -299,7 +300,7 @@ def _combine(
     for choice in itertools.product(*per_axis.values()):
         inputs = tuple(tuple(c.inputs[i][0] for c in choice) for i in range(len(infos)))
         outs = tuple(
-            tuple(c.outputs[j][0] for c in choice) if outputs[j] is not None else None
+            _sequential(tuple(c.outputs[j][0] for c in choice), sizes) if outputs[j] is not None else None
             for j in range(len(outputs))
         )
         valid = all(_fits(info, ps, sizes) for info, ps in zip(infos, inputs, strict=True))
@@ -308,6 +309,27 @@ def _combine(
         source = sources.pop() if len(sources) == 1 else "replicate" if "replicate" in sources else "dtensor"
         share = {axis: c.share[axis] for axis, c in zip(per_axis, choice, strict=True)}
         yield Candidate(inputs=inputs, outputs=outs, share=share, source=source) if valid else None
+
+
+def _sequential(placements: Placements, sizes: Sequence[int]) -> Placements:
+    """`placements` combined from one-axis answers, with each strided cut's split factor as DTensor counts
+    it on the whole mesh: mesh axes cut a tensor one after the other, so a strided cut of a dim that earlier
+    axes already cut splits the outer extent each device holds, not the whole one (a view flattening
+    (batch, seq) cut S(0)|S(1) gives S(0)|_StridedShard(0, split_factor=batch / dp), where the tp axis alone
+    answers split_factor=batch)."""
+    out: list[Placement] = []
+    before: dict[int, int] = defaultdict(
+        lambda: 1
+    )  # dim -> devices that plain cuts of earlier axes split it over
+    for placement, size in zip(placements, sizes, strict=True):
+        if _dtensor_rules.is_strided(placement):
+            factor, cut = placement.split_factor, before[placement.dim]
+            if cut > 1 and factor % cut == 0:
+                placement = _dtensor_rules.strided(placement.dim, factor // cut)
+        elif isinstance(placement, Shard):  # a strided cut after a strided cut keeps its factor
+            before[placement.dim] *= size
+        out.append(placement)
+    return tuple(out)
 
 
 def _fits(info: TensorInfo, placements: Placements, sizes: Sequence[int]) -> bool:
