@@ -310,7 +310,9 @@ class _ContiguousGrad(torch.autograd.Function):
     transposed views (the gradient of `w.mT`); loom's GPT on 8 ranks (keys cut over sequence and batch)
     then met, in backward, a key gradient whose DTensor strides and local strides ordered its dims
     differently, and a `view` that DTensor allowed by the former failed on the latter. A contiguous local
-    gradient gives the DTensor that `to_local`'s backward builds contiguous strides on both sides."""
+    gradient gives the DTensor that `to_local`'s backward builds contiguous strides on both sides. After a
+    DTensor `Reshape` likewise: its backward views the gradient back, which fails on a local gradient a
+    later permute of heads left non-contiguous."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
@@ -386,21 +388,7 @@ class Reshape(_Unary):
         if not isinstance(x, DTensor):
             return x.reshape(shape)
         x = _keep_reshapeable_cuts(x, tuple(torch.empty(0).new_empty(x.shape).reshape(shape).shape))
-        return _ContiguousGradient.apply(x.reshape(shape))
-
-
-class _ContiguousGradient(torch.autograd.Function):
-    """The identity, whose backward makes its gradient contiguous: a DTensor reshaped in forward is viewed
-    back in backward, and DTensor runs that as `view` on the local gradient, which fails when an operator
-    after the reshape (a permute of heads) left it non-contiguous ("view size is not compatible")."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad.contiguous()
+        return _ContiguousGrad.apply(x.reshape(shape))  # its backward views the gradient back
 
 
 def _reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
