@@ -42,11 +42,15 @@ from loom.plan.space import Placements
 
 __all__ = ["LINEAR_IN_GRADIENT", "GradientFlow", "gradient_flow", "pending_along"]
 
-LINEAR_IN_GRADIENT = frozenset({
+POINTWISE = frozenset({
     "aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.clone.default", "aten._to_copy.default",
-    "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
-    "aten.rsqrt.default", "aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.sum.dim_IntList",
+    "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.rsqrt.default",
+    "aten.pow.Tensor_Scalar",
 })  # fmt: skip
+"""Forward operators computed element by element (inputs broadcast to the output): DTensor runs their
+backward on a gradient cut finer than their output by slicing the factors it saved, which costs nothing."""
+
+LINEAR_IN_GRADIENT = POINTWISE | {"aten.mean.dim", "aten.sum.dim_IntList"}
 """Forward operators (besides views) whose backward multiplies the output gradient by factors made from the
 forward's inputs and outputs, pointwise or by broadcasting and summing: DTensor's rules keep a pending
 gradient pending through them when those factors are whole along its axis."""
@@ -131,15 +135,6 @@ def _walk(solution: Any, readers: dict, position: dict, arriving: dict, skip: fr
     return moves, carried
 
 
-POINTWISE = frozenset({
-    "aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.clone.default", "aten._to_copy.default",
-    "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.rsqrt.default",
-    "aten.pow.Tensor_Scalar",
-})  # fmt: skip
-"""Forward operators computed element by element (inputs broadcast to the output): DTensor runs their
-backward on a gradient cut finer than their output by slicing the factors it saved, which costs nothing."""
-
-
 def _cut_passes(solution: Any, ref: Any, arrived: Placements, wanted: Placements) -> frozenset[int]:
     """The mesh axes along which the gradient of `ref` arrived cut where its producer's output is whole
     (a reader of one module moved the tensor inside its dispatch, outside autograd, and left its gradient
@@ -158,12 +153,7 @@ def _cut_passes(solution: Any, ref: Any, arrived: Placements, wanted: Placements
     if any(arrived[a] != wanted[a] for a in range(len(wanted)) if a not in cut):
         return frozenset()
     candidate = solution.option(ref.node)
-    axes = list(problem.mesh)
-    whole = all(
-        candidate.share[axes[a]] == 1 and all(ps is None or isinstance(ps[a], Replicate) for ps in candidate.inputs)
-        for a in cut
-    )  # fmt: skip
-    return cut if whole else frozenset()
+    return cut if all(_whole_along(candidate, problem.mesh, a) for a in cut) else frozenset()
 
 
 def _cut_input(solution: Any, edge: Any, arrived: Placements, cut: frozenset[int]) -> Placements:
@@ -289,9 +279,13 @@ def _passes(solution: Any, ref: Any, arrived: Placements, wanted: Placements) ->
     if not node.saved:
         return pending
     candidate = solution.option(ref.node)
-    axes = list(problem.mesh)
     return frozenset(
-        a for a in pending
-        if isinstance(wanted[a], Replicate) and candidate.share[axes[a]] == 1
-        and all(ps is None or isinstance(ps[a], Replicate) for ps in candidate.inputs)
-    )  # fmt: skip
+        a for a in pending if isinstance(wanted[a], Replicate) and _whole_along(candidate, problem.mesh, a)
+    )
+
+
+def _whole_along(candidate: Any, mesh: Any, axis: int) -> bool:
+    """Whether `candidate` does all its work and reads every input whole along mesh axis index `axis`."""
+    return candidate.share[list(mesh)[axis]] == 1 and all(
+        ps is None or isinstance(ps[axis], Replicate) for ps in candidate.inputs
+    )

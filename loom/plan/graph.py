@@ -115,6 +115,11 @@ class Node:
         return self.kind == "op"
 
     @property
+    def is_view(self) -> bool:
+        """Whether the node is an operator returning a view of its one input (a linear weight's `t`)."""
+        return self.is_op and getattr(self.op, "is_view", False) and len(self.inputs) == 1
+
+    @property
     def backward_flops(self) -> int:
         return sum(op.flops for op in self.backward)
 

@@ -202,14 +202,10 @@ def _is_parameter(graph: Graph, ref: Ref) -> bool:
     return graph[ref.node].kind in ("parameter", "buffer")
 
 
-def _is_view(node: Node) -> bool:
-    return node.is_op and getattr(node.op, "is_view", False) and len(node.inputs) == 1
-
-
 def _aliases_parameter(graph: Graph, ref: Ref) -> bool:
     """Whether `ref` is a parameter (or buffer), or a view of one (a linear weight's `t`): it shares the
     parameter's storage wherever no move made a copy of it."""
-    while _is_view(graph[ref.node]):
+    while graph[ref.node].is_view:
         ref = graph[ref.node].inputs[0]
     return _is_parameter(graph, ref)
 
@@ -223,7 +219,7 @@ def _kept_for_backward(graph: Graph, ref: Ref, target: str) -> bool:
     if ref in node.saved:
         return True
     outs = [Ref(target, k) for k in range(len(node.outputs))]  # a split's pieces too
-    return _is_view(node) and any(
+    return node.is_view and any(
         _kept_for_backward(graph, out, user) for user in graph.users(target) for out in outs
     )
 

@@ -273,7 +273,7 @@ def view_chain(problem: Any, edge: Any) -> list:
     weight's `t`), up to the edge into the first operator that is not such a view."""
     graph = problem.graph
     chain = [edge]
-    while getattr(graph[chain[-1].target].op, "is_view", False) and len(graph[chain[-1].target].inputs) == 1:
+    while graph[chain[-1].target].is_view:
         out = [e for e in problem.edges if e.ref.node == chain[-1].target]
         if len(out) != 1:
             break
